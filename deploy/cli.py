@@ -1,0 +1,178 @@
+"""`pdserve` command line: generate, bench (and, with the cluster, up / status / chaos)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+
+class Spinner:
+    """A one-line progress indicator on stderr for long, silent operations (model load)."""
+
+    FRAMES = "|/-\\"
+
+    def __init__(self, stream=sys.stderr) -> None:
+        self.stream = stream
+        self.msg = "starting"
+        self._t0 = time.perf_counter()
+        self._stop = threading.Event()
+        self._tty = stream.isatty()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "Spinner":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self._tty:
+            self.stream.write("\r\033[K")
+        self.stream.flush()
+
+    def update(self, msg: str) -> None:
+        self.msg = msg
+        if not self._tty:  # a log, not a terminal: one line per stage
+            self.stream.write(f"[{time.perf_counter() - self._t0:6.1f}s] {msg}\n")
+            self.stream.flush()
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.wait(0.1):
+            if self._tty:
+                frame = self.FRAMES[i % len(self.FRAMES)]
+                self.stream.write(f"\r\033[K{frame} {self.msg} ({time.perf_counter() - self._t0:.1f}s)")
+                self.stream.flush()
+            i += 1
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="builtin name or local HF directory / .gguf file")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-mib", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_config_from_args(a: argparse.Namespace):
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=a.model,
+        dtype=a.dtype,
+        device=a.device,
+        num_threads=a.threads,
+        cache=CacheConfig(block_size=a.block_size, kv_cache_bytes=a.kv_cache_mib * 2**20,
+                          enable_prefix_caching=not a.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
+                                  max_num_seqs=a.max_num_seqs),
+    )
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_params_from_args(a: argparse.Namespace):
+    from engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                          top_k=a.top_k, min_p=a.min_p, repetition_penalty=a.repetition_penalty,
+                          seed=a.seed, stop=tuple(a.stop))
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from engine.engine import LLMEngine
+    from engine.errors import InvalidRequestError
+    from engine.models.loader import ModelLoadError
+
+    try:
+        with Spinner() as sp:
+            sp.update(f"loading {a.model}")
+            eng = LLMEngine(engine_config_from_args(a), progress=sp.update)
+            sp.update("tokenizing")
+            ids = eng.encode(a.prompt, chat=not a.no_chat, system=a.system)
+        params = sampling_params_from_args(a)
+        t0 = time.perf_counter()
+        n_tokens = 0
+        t_first = None
+        out = None
+        for out in eng.stream(ids, params):
+            for c in out.outputs:
+                n_tokens += len(c.new_token_ids)
+                sys.stdout.write(c.text_delta)
+                sys.stdout.flush()
+            if t_first is None and n_tokens:
+                t_first = time.perf_counter()
+    except (InvalidRequestError, ModelLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    dt = time.perf_counter() - t0
+    reason = out.outputs[0].finish_reason if out and out.outputs else None
+    print()
+    decode_rate = (n_tokens - 1) / (time.perf_counter() - t_first) if t_first and n_tokens > 1 else 0.0
+    print(
+        f"[{n_tokens} tokens in {dt:.2f}s: {n_tokens / dt:.1f} tok/s overall, "
+        f"{decode_rate:.1f} tok/s decode, first token {((t_first or t0) - t0) * 1000:.0f} ms, "
+        f"prompt {len(ids)} tokens, finish={reason}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace, rest: list[str]) -> int:
+    from deploy.bench import Reporter, load
+
+    mod = load(a.name)
+    p = argparse.ArgumentParser(prog=f"pdserve bench {a.name}")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON line at the end")
+    mod.add_arguments(p)
+    args = p.parse_args(rest)
+    result = mod.run(args, Reporter(sys.stderr if args.json else sys.stdout))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    parser = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="stream an answer to a prompt")
+    g.add_argument("prompt")
+    g.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
+    g.add_argument("--system", default=None, help="system message for the chat template")
+    _add_engine_args(g)
+    _add_sampling_args(g)
+
+    b = sub.add_parser("bench", help="benchmarks (pdserve bench NAME --help)", add_help=False)
+    b.add_argument("name")
+
+    args, rest = parser.parse_known_args(argv)
+    if args.cmd == "bench":
+        return cmd_bench(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return cmd_generate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""Attention backends over the paged KV cache; ``get_attention_backend`` picks one per device."""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.torch_ref import TorchRefBackend
+
+
+def get_attention_backend(
+    device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> AttentionBackend:
+    """flashinfer on CUDA when it is installed, else the torch reference backend."""
+    device = torch.device(device)
+    if device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
+        from engine.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(num_heads, num_kv_heads, head_dim, dtype, device)
+    return TorchRefBackend(num_heads, num_kv_heads, head_dim)

@@ -1,0 +1,181 @@
+"""CPU reference attention over the paged KV cache, built on ``F.scaled_dot_product_attention``.
+
+A step's sequences split into two groups by query length:
+
+* short queries (decode, speculative verification; q_len <= ``short_q_max``) run together as one
+  padded batch: one gather of their KV rows into ``[B, max_kv, H_kv, D]`` and one SDPA call with a
+  boolean mask (causal offset + padding);
+* long queries (prefill chunks) run one sequence at a time, so no token pays for another
+  sequence's padding; a chunk with no cached context uses SDPA's own causal path.
+
+Gather indices and masks depend only on the metadata, so ``begin_step`` builds them once and all
+layers reuse them. GQA is handled by folding the query heads that share a KV head into the query
+length axis (``[B, H_kv, Q * G, D]``), which reads each KV head once instead of repeating it G times.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backend import flat_layer, slot_rows, write_kv
+from engine.attention.metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class _ShortBatch:
+    tokens: torch.Tensor  # [B, Q] int64, flat token index of each (seq, query) cell; pad -> 0
+    valid: torch.Tensor  # [B, Q] bool, cell holds a real token
+    valid_tokens: torch.Tensor  # [n_valid] int64, tokens[valid]
+    kv_rows: torch.Tensor  # [B * max_kv] int64, K rows of each sequence's positions; pad -> 0
+    mask: torch.Tensor  # [B, 1, Q * G, max_kv] bool, True = attend
+    max_kv: int
+
+
+@dataclass(slots=True)
+class _LongSeq:
+    start: int  # first token in the flat token axis
+    q_len: int
+    kv_rows: torch.Tensor  # [seq_len] int64, K rows of positions 0 .. seq_len - 1
+    mask: torch.Tensor | None  # [q_len, seq_len] bool; None = plain causal (no context)
+
+
+class TorchRefBackend:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, short_q_max: int = 16):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim**-0.5
+        self.short_q_max = short_q_max
+        self._meta: AttentionMetadata | None = None
+        self._k_rows: torch.Tensor | None = None
+        self._short: _ShortBatch | None = None
+        self._long: list[_LongSeq] = []
+
+    # ------------------------------------------------------------------ per step
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        bs = meta.block_size
+        device = meta.slot_mapping.device
+        self._meta = meta
+        self._k_rows = slot_rows(meta.slot_mapping, bs)
+        starts = [0]
+        for q in meta.q_lens:
+            starts.append(starts[-1] + q)
+        short = [s for s, q in enumerate(meta.q_lens) if q <= self.short_q_max]
+        self._short = self._build_short(meta, short, starts, device) if short else None
+        self._long = []
+        for s, q in enumerate(meta.q_lens):
+            if q <= self.short_q_max:
+                continue
+            seq_len = meta.seq_lens[s]
+            ctx = seq_len - q
+            pos = torch.arange(seq_len, device=device)
+            rows = self._rows(meta.block_tables[s].long()[pos // bs], pos, bs)
+            mask = None
+            if ctx > 0:
+                # query i (absolute position ctx + i) sees kv positions <= ctx + i
+                mask = pos[None, :] <= (ctx + torch.arange(q, device=device))[:, None]
+            self._long.append(_LongSeq(start=starts[s], q_len=q, kv_rows=rows, mask=mask))
+
+    @staticmethod
+    def _rows(block_ids: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
+        return block_ids * (2 * bs) + pos % bs
+
+    def _build_short(
+        self, meta: AttentionMetadata, seqs: list[int], starts: list[int], device: torch.device
+    ) -> _ShortBatch:
+        bs = meta.block_size
+        q_lens = torch.tensor([meta.q_lens[s] for s in seqs], device=device)  # [B]
+        seq_lens = torch.tensor([meta.seq_lens[s] for s in seqs], device=device)  # [B]
+        first = torch.tensor([starts[s] for s in seqs], device=device)  # [B]
+        q_max = int(q_lens.max())
+        max_kv = int(seq_lens.max())
+
+        qi = torch.arange(q_max, device=device)  # [Q]
+        valid = qi[None, :] < q_lens[:, None]  # [B, Q]
+        tokens = torch.where(valid, first[:, None] + qi[None, :], 0)  # [B, Q]
+
+        pos = torch.arange(max_kv, device=device)  # [K]
+        tables = meta.block_tables[torch.tensor(seqs, device=device)].long()  # [B, W]
+        block_ids = tables[:, pos // bs]  # [B, K]; past a row's length this is padding, masked
+        in_seq = pos[None, :] < seq_lens[:, None]  # [B, K]
+        rows = torch.where(in_seq, self._rows(block_ids, pos[None, :], bs), 0)  # [B, K]
+
+        # Query i of a sequence sits at ctx + i and sees positions <= ctx + i. A pad query row
+        # gets the same limit as the sequence's last real token, so it never has an empty
+        # (NaN) softmax row; its output is dropped.
+        ctx = seq_lens - q_lens  # [B]
+        limit = ctx[:, None] + torch.minimum(qi[None, :], q_lens[:, None] - 1)  # [B, Q]
+        mask = pos[None, None, :] <= limit[:, :, None]  # [B, Q, K]
+        # Fold the G query heads sharing a KV head into the query axis: row (i, g) -> i * G + g.
+        mask = mask[:, :, None, :].expand(-1, -1, self.group, -1).reshape(len(seqs), 1, q_max * self.group, max_kv)
+        return _ShortBatch(
+            tokens=tokens,
+            valid=valid,
+            valid_tokens=tokens[valid],
+            kv_rows=rows.reshape(-1),
+            mask=mask,
+            max_kv=max_kv,
+        )
+
+    # ------------------------------------------------------------------ per layer
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, H_q, D]
+        k: torch.Tensor,  # [T, H_kv, D]
+        v: torch.Tensor,  # [T, H_kv, D]
+        kv_cache_layer: torch.Tensor,  # [N, 2, bs, H_kv, D]
+    ) -> torch.Tensor:  # [T, H_q, D]
+        assert self._meta is not None and self._k_rows is not None, "begin_step() first"
+        write_kv(kv_cache_layer, k, v, self._k_rows)
+        flat = flat_layer(kv_cache_layer)  # [N * 2 * bs, H_kv, D]
+        bs = kv_cache_layer.shape[2]
+        out = torch.empty_like(q)
+        if self._short is not None:
+            self._attend_short(q, flat, bs, out)
+        for seq in self._long:
+            self._attend_long(q, flat, bs, seq, out)
+        return out
+
+    def _attend_short(self, q: torch.Tensor, flat: torch.Tensor, bs: int, out: torch.Tensor) -> None:
+        sb = self._short
+        b, q_max = sb.tokens.shape
+        hkv, g, d = self.num_kv_heads, self.group, self.head_dim
+        k = flat.index_select(0, sb.kv_rows).view(b, sb.max_kv, hkv, d).transpose(1, 2)  # [B, Hkv, K, D]
+        v = flat.index_select(0, sb.kv_rows + bs).view(b, sb.max_kv, hkv, d).transpose(1, 2)
+        qb = q[sb.tokens.reshape(-1)].view(b, q_max, hkv, g, d)  # [B, Q, Hkv, G, D]
+        qb = qb.permute(0, 2, 1, 3, 4).reshape(b, hkv, q_max * g, d)  # [B, Hkv, Q*G, D]
+        o = F.scaled_dot_product_attention(qb, k.to(q.dtype), v.to(q.dtype), attn_mask=sb.mask, scale=self.scale)
+        o = o.view(b, hkv, q_max, g, d).permute(0, 2, 1, 3, 4).reshape(b, q_max, hkv * g, d)  # [B, Q, Hq, D]
+        out[sb.valid_tokens] = o[sb.valid]
+
+    def _attend_long(self, q: torch.Tensor, flat: torch.Tensor, bs: int, seq: _LongSeq, out: torch.Tensor) -> None:
+        hkv, g, d = self.num_kv_heads, self.group, self.head_dim
+        n = seq.q_len
+        k = flat.index_select(0, seq.kv_rows).transpose(0, 1)  # [Hkv, S, D]
+        v = flat.index_select(0, seq.kv_rows + bs).transpose(0, 1)
+        if seq.mask is None:
+            # Causal from position 0: keep queries as [Hkv*G] heads so SDPA's causal path applies.
+            o = F.scaled_dot_product_attention(
+                q[seq.start : seq.start + n].transpose(0, 1)[None],  # [1, Hq, n, D]
+                k[None].to(q.dtype),
+                v[None].to(q.dtype),
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=g > 1,
+            )[0]  # [Hq, n, D]
+            out[seq.start : seq.start + n] = o.transpose(0, 1)
+            return
+        qs = q[seq.start : seq.start + n].view(n, hkv, g, d).permute(1, 0, 2, 3)  # [Hkv, n, G, D]
+        mask = seq.mask[:, None, :].expand(n, g, -1).reshape(n * g, -1)  # [n*G, S]
+        o = F.scaled_dot_product_attention(
+            qs.reshape(hkv, n * g, d), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=self.scale
+        )  # [Hkv, n*G, D]
+        out[seq.start : seq.start + n] = o.view(hkv, n, g, d).permute(1, 0, 2, 3).reshape(n, hkv * g, d)

@@ -1,0 +1,487 @@
+"""LLMEngine: add_request / step / abort over the scheduler, model runner and detokenizer.
+
+One engine serves one model in one process. Each ``step`` runs one scheduler iteration and
+returns a ``RequestOutput`` for every request that produced something (new tokens, text, a
+finish), so callers stream by looping on ``step``. ``generate`` is the blocking helper.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence as Seq
+
+import torch
+
+from engine.attention import get_attention_backend
+from engine.attention.kv_cache import allocate_kv_cache, bytes_per_block
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.errors import InvalidRequestError
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.models.config import ModelConfig
+from engine.models.loader import LoadedModel, load_model
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SampledTokens, Scheduler
+from engine.sequence import FinishReason, Sequence, seq_id_of
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    token_ids: list[int]  # every generated token so far
+    new_token_ids: list[int]  # generated in this step
+    text: str  # detokenized so far, stop strings trimmed ("" without a tokenizer)
+    text_delta: str
+    logprobs: list[float] | None = None
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
+
+
+@dataclass(slots=True)
+class _SeqText:
+    """Per-sample text state; None parts when the engine runs without a tokenizer."""
+
+    detok: IncrementalDetokenizer | None
+    stops: StopStringMatcher | None
+    text: str = ""
+    logprobs: list[float] | None = None
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    texts: dict[int, _SeqText] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig = EngineConfig(),
+        progress: Callable[[str], None] | None = None,
+        loaded: LoadedModel | None = None,
+        tokenizer=None,
+        load_tokenizer: bool = True,
+    ) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = torch_dtype(config.dtype)
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        if loaded is None:
+            loaded = load_model(config.model, self.dtype, self.device, progress=progress)
+        self.loaded = loaded
+        self.model_config: ModelConfig = loaded.config
+        self.fingerprint: str = loaded.fingerprint
+        if tokenizer is None and load_tokenizer:
+            tokenizer = load_hf_tokenizer(loaded.tokenizer_path)
+        self.tokenizer = tokenizer
+
+        mc = self.model_config
+        cc = config.cache
+        self.block_size = cc.block_size
+        self.max_model_len = min(config.scheduler.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        per_block = bytes_per_block(mc, cc.block_size, self.dtype)
+        num_blocks = cc.num_blocks or max(1, cc.kv_cache_bytes // per_block)
+        self.num_blocks = num_blocks
+        if progress:
+            progress(f"allocating KV cache: {num_blocks} blocks x {cc.block_size} tokens "
+                     f"({num_blocks * per_block / 2**20:.0f} MiB)")
+        self.kv_cache = allocate_kv_cache(mc, num_blocks, cc.block_size, self.dtype, self.device)
+        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                 extra_key=self.fingerprint.encode())
+        eos = tuple(mc.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+            eos = eos + (tokenizer.eos_token_id,)
+        self.eos_token_ids = eos
+        self.scheduler = Scheduler(config.scheduler, cc, self.kv, self.max_model_len, eos)
+        backend = get_attention_backend(self.device, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.dtype)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, backend, cc.block_size, self.device,
+                                  Sampler(eos_token_ids=eos, seed=config.seed))
+        self._requests: dict[str, _Request] = {}
+        self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def encode(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
+        """Tokenize a prompt; ``chat`` wraps it in the model's chat template first."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer: pass prompt_token_ids")
+        if chat:
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": prompt}
+            ]
+            return encode_chat(self.tokenizer, messages)
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+
+    def add_request(
+        self,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: Seq[int] | None = None,
+        arrival_time: float | None = None,
+        hold_kv: bool = False,
+    ) -> str:
+        """Queue a request. ``hold_kv`` (prefill role) keeps its blocks after it finishes, for
+        ``held_block_table`` / ``release_kv`` once they have been streamed to a decode node."""
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise InvalidRequestError("a request needs a prompt or prompt_token_ids")
+            prompt_token_ids = self.encode(prompt)
+        tokens = [int(t) for t in prompt_token_ids]
+        self._validate(tokens, params)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        req = _Request(request_id, tokens, params, RequestMetrics(arrival_time=now))
+        self._requests[request_id] = req
+        self.scheduler.add_sequence(
+            Sequence(request_id=request_id, index=0, token_ids=list(tokens),
+                     num_prompt_tokens=len(tokens), params=params, arrival_time=now, hold_kv=hold_kv)
+        )
+        return request_id
+
+    # ------------------------------------------------------------------ role modes
+    def reserve_kv(self, request_id: str, prompt_token_ids: Seq[int]) -> tuple[list[int], int] | None:
+        """Decode role: blocks for a prompt whose KV will arrive from a prefill node.
+
+        Returns the block table covering the prompt and how many leading tokens this node
+        already holds in its prefix cache (their blocks need not be sent), or None when the
+        pool cannot take the prompt now.
+        """
+        seq_id = seq_id_of(request_id, 0)
+        if request_id in self._requests or self.kv.has_seq(seq_id):
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        tokens = [int(t) for t in prompt_token_ids]
+        hit = self.kv.lookup_prefix(tokens) if self.config.cache.enable_prefix_caching else None
+        cached = hit.num_tokens if hit else 0
+        if not self.kv.allocate_slots(seq_id, cached, len(tokens), hit):
+            return None
+        return self.kv.get_block_table(seq_id), cached
+
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        output_token_ids: Seq[int],
+        params: SamplingParams,
+        num_cached_tokens: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Decode role: continue a request whose prompt KV now sits in its reserved blocks.
+
+        ``output_token_ids`` are the tokens the prefill node already sampled (usually one);
+        the first ``step`` reports them as new tokens, so the decode node is the only stream.
+        """
+        seq_id = seq_id_of(request_id, 0)
+        if not self.kv.has_seq(seq_id):
+            raise InvalidRequestError(f"no KV reserved for request {request_id!r}")
+        prompt = [int(t) for t in prompt_token_ids]
+        outs = [int(t) for t in output_token_ids]
+        self._validate(prompt, params)
+        if not outs:
+            raise InvalidRequestError("a prefilled request needs the prefill node's first token")
+        self.kv.cache_computed_blocks(seq_id, prompt, len(prompt))
+        now = time.monotonic() if arrival_time is None else arrival_time
+        req = _Request(request_id, prompt, params, RequestMetrics(arrival_time=now))
+        self._requests[request_id] = req
+        seq = Sequence(request_id=request_id, index=0, token_ids=prompt + outs,
+                       num_prompt_tokens=len(prompt), params=params, arrival_time=now,
+                       num_computed_tokens=len(prompt), num_cached_tokens=num_cached_tokens)
+        seq.first_token_time = now
+        self.scheduler.add_sequence(seq)
+        delta = "".join(self._append_text(req, seq, t) for t in outs)
+        self._pending.append(self._request_output(
+            req, [self._completion(req, seq, outs, delta, None, None)], finished=False))
+
+    def held_block_table(self, request_id: str) -> list[int]:
+        """Prefill role: the blocks of a finished ``hold_kv`` request (prompt KV)."""
+        return self.kv.get_block_table(seq_id_of(request_id, 0))
+
+    def release_kv(self, request_id: str) -> None:
+        """Give back held (prefill role) or reserved (decode role) blocks; idempotent."""
+        seq_id = seq_id_of(request_id, 0)
+        if self.kv.has_seq(seq_id) and request_id not in self._requests:
+            self.kv.free(seq_id)
+
+    def _validate(self, tokens: list[int], params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        try:
+            params.validate(vocab)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        n = len(tokens)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {n} tokens but the model's context is {self.max_model_len} tokens "
+                f"(at least one token must remain for the output)"
+            )
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
+                f"exceeds the model's context of {self.max_model_len} tokens"
+            )
+        need = math.ceil((n + params.max_tokens) / self.block_size) * params.n
+        if need > self.num_blocks:
+            raise InvalidRequestError(
+                f"request needs {need} KV blocks (prompt {n} + max_tokens {params.max_tokens}, "
+                f"n={params.n}) but the KV cache has only {self.num_blocks} blocks"
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; returns False for an unknown id."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        seqs = self.scheduler.abort(request_id)
+        outs = []
+        for seq in seqs:
+            self.runner.release(seq.seq_id)
+            outs.append(self._completion(req, seq, [], "", None, None))
+        self._pending.append(self._request_output(req, outs, finished=True))
+        self._finish_request(req)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        self.num_steps += 1
+        sampled = self.runner.execute(sched, self.kv.get_block_table)
+        touched = self.scheduler.update_from_output(sched, sampled)
+
+        by_request: dict[str, list[CompletionOutput]] = {}
+        for seq in touched:
+            req = self._requests[seq.request_id]
+            logprob, top = _pick_logprobs(seq, sampled)
+            delta = self._append_text(req, seq, seq.token_ids[-1])
+            by_request.setdefault(seq.request_id, []).append(
+                self._completion(req, seq, [seq.token_ids[-1]], delta, logprob, top)
+            )
+        for rid, comps in by_request.items():
+            req = self._requests[rid]
+            done = self.scheduler.request_finished(rid)
+            for seq in self.scheduler.sequences(rid):
+                if seq.is_finished:
+                    self.runner.release(seq.seq_id)
+            outputs.append(self._request_output(req, comps, finished=done))
+            if done:
+                self._finish_request(req)
+        return outputs
+
+    def _append_text(self, req: _Request, seq: Sequence, token: int) -> str:
+        st = req.texts.get(seq.index)
+        if st is None:
+            detok = (IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+                     if self.tokenizer is not None else None)
+            stops = (StopStringMatcher(tuple(req.params.stop), req.params.include_stop_str_in_output)
+                     if req.params.stop and detok is not None else None)
+            st = req.texts[seq.index] = _SeqText(detok, stops)
+        if st.detok is None:
+            return ""
+        delta = st.detok.step([token])
+        if seq.is_finished:  # text held back for a split character is final now
+            delta += st.detok.flush()
+        if st.stops is not None:
+            delta, hit = st.stops.feed(delta)
+            if hit and not seq.is_finished:
+                self.scheduler.finish_and_release(seq, FinishReason.STOP)
+            elif seq.is_finished and not hit:
+                delta += st.stops.flush()  # a held-back partial stop string was just text
+        st.text += delta
+        return delta
+
+    def _completion(self, req, seq, new_ids, delta, logprob, top) -> CompletionOutput:
+        st = req.texts.get(seq.index)
+        if logprob is not None:
+            if st is None:
+                st = req.texts[seq.index] = _SeqText(None, None)
+            st.logprobs = (st.logprobs or []) + [logprob]
+        return CompletionOutput(
+            index=seq.index,
+            token_ids=seq.output_token_ids,
+            new_token_ids=new_ids,
+            text=st.text if st else "",
+            text_delta=delta,
+            logprobs=st.logprobs if st else None,
+            new_logprobs=[logprob] if logprob is not None else None,
+            new_top_logprobs=[top] if top is not None else None,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+        )
+
+    def _finish_request(self, req: _Request) -> None:
+        req.metrics.finished_time = time.monotonic()
+        self.scheduler.forget(req.request_id)
+        self._requests.pop(req.request_id, None)
+
+    def _request_output(self, req: _Request, comps, finished: bool) -> RequestOutput:
+        seqs = self.scheduler.sequences(req.request_id)
+        first = seqs[0] if seqs else None
+        if first is not None:
+            req.metrics.first_scheduled_time = first.first_scheduled_time
+            req.metrics.first_token_time = first.first_token_time
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=comps,
+            finished=finished,
+            num_cached_tokens=first.num_cached_tokens if first else 0,
+            metrics=req.metrics,
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def generate(
+        self,
+        prompts: Iterable[str | Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion as one continuous batch; results in input order.
+
+        Each result's outputs hold every sample's full token ids and text.
+        """
+        prompts = list(prompts)
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        ids = []
+        for p, sp in zip(prompts, plist):
+            if isinstance(p, str):
+                ids.append(self.add_request(prompt=p, params=sp))
+            else:
+                ids.append(self.add_request(prompt_token_ids=p, params=sp))
+        final: dict[str, RequestOutput] = {}
+        latest: dict[str, dict[int, CompletionOutput]] = {rid: {} for rid in ids}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.request_id not in latest:
+                    continue
+                for c in out.outputs:
+                    latest[out.request_id][c.index] = c
+                if out.finished:
+                    out.outputs = [latest[out.request_id][i] for i in sorted(latest[out.request_id])]
+                    final[out.request_id] = out
+        return [final[r] for r in ids]
+
+    def stream(self, prompt_token_ids: Seq[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield this request's outputs step by step (other queued requests keep running)."""
+        rid = self.add_request(prompt_token_ids=prompt_token_ids, params=params)
+        while True:
+            for out in self.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+    def take_kv_events(self) -> list:
+        return self.kv.take_events()
+
+    def stats(self) -> dict:
+        pool = self.kv.pool
+        return {
+            "num_blocks": self.num_blocks,
+            "free_blocks": self.kv.num_free_blocks,
+            "kv_usage": self.kv.usage,
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": getattr(pool, "num_queries", None),
+            "prefix_cache_hits": getattr(pool, "num_hits", None),
+        }
+
+
+def _pick_logprobs(seq: Sequence, sampled: dict[str, SampledTokens]) -> tuple[float | None, list | None]:
+    """The logprob of this sequence's sampled token.
+
+    On the step that forks an n > 1 request, the parent's entry holds all n samples and a new
+    child's sample is at its own index there.
+    """
+    own = seq.seq_id in sampled
+    st = sampled[seq.seq_id] if own else sampled[seq_id_of(seq.request_id, 0)]
+    k = 0 if own else seq.index
+    lp = st.logprobs[k] if st.logprobs else None
+    top = st.top_logprobs[k] if st.top_logprobs else None
+    return lp, top
+
+
+def load_hf_tokenizer(path: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return AutoTokenizer.from_pretrained(str(Path(path)), local_files_only=True)
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("this model's tokenizer has no chat template; send a plain prompt")
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(out, dict) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    return [int(t) for t in out]

@@ -1,0 +1,205 @@
+"""KV blocks over a gRPC client stream: ``push_blocks`` (prefill node) and ``KVReceiver``
+(decode node's PushBlocks).
+
+The receiver never writes a partial or unchecked transfer: header checks run when the header
+arrives, chunks are buffered (bounded by the validated header), and only after the trailer's
+checksum matches is the buffer scattered into the pool, with one index_copy_.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import grpc
+import torch
+
+from kv_transfer.buffers import BufferPool
+from kv_transfer.layout import PoolLayout
+from kv_transfer.validate import (
+    KVDataLossError,
+    KVNotReservedError,
+    KVValidationError,
+    Reservation,
+    validate_header,
+)
+from kv_transfer.wire import (
+    CHUNK_BYTES,
+    PayloadAssembler,
+    build_header,
+    iter_wire_messages,
+    payload_units,
+    write_payload,
+)
+from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
+
+# Chunks are ~1 MiB and headers of long prompts (~13 bytes per block) stay far below this;
+# the default 4 MiB receive limit would already do, 16 MiB leaves room for larger chunk_bytes.
+MAX_MESSAGE_BYTES = 16 << 20
+GRPC_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+_PUSH_BLOCKS = kv_pb2.DESCRIPTOR.services_by_name["KVTransfer"].methods_by_name["PushBlocks"]
+PUSH_BLOCKS_PATH = f"/{_PUSH_BLOCKS.containing_service.full_name}/{_PUSH_BLOCKS.name}"
+
+
+class ReceivedBlocks(NamedTuple):
+    """Handed to ``on_received`` once a transfer is in the pool."""
+
+    request_id: str
+    layers: range
+    first_block_index: int
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]
+    num_tokens: int
+
+
+def push_blocks(
+    channel: grpc.Channel,
+    pool: torch.Tensor,
+    *,
+    request_id: str,
+    fingerprint: str,
+    src_block_ids: Sequence[int],
+    block_hashes: Sequence[int],
+    num_tokens: int,
+    dest_block_ids: Sequence[int],
+    skip_leading_blocks: int = 0,
+    layers: range | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    timeout: float | None = None,
+) -> kv_pb2.PushBlocksResponse:
+    """Stream the KV of one request's blocks from ``pool`` to a decode node.
+
+    ``src_block_ids`` / ``block_hashes`` are the request's whole block sequence on this node
+    (hashes: full blocks only). The first ``skip_leading_blocks`` of them are already held by
+    the receiver (ReserveBlocksResponse.num_cached_blocks) and are not sent;
+    ``dest_block_ids`` (ReserveBlocksResponse.block_ids) receive the rest, in order.
+
+        request blocks:  [ b0 b1 | b2 b3 b4 ]      skip_leading_blocks = 2
+                           held    sent -> dest_block_ids[0..3)
+
+    ``layers`` (default: all) lets a caller stream layer groups as prefill finishes them.
+    Raises grpc.RpcError with the receiver's status when it refuses the transfer.
+
+    Takes a channel rather than a KVTransferStub: the messages are serialized here (chunks
+    straight from the pool, see wire.encode_chunk), so the call passes bytes through unchanged.
+    """
+    layout = PoolLayout.of(pool)
+    send_ids = list(src_block_ids)[skip_leading_blocks:]
+    if len(send_ids) != len(dest_block_ids):
+        raise ValueError(
+            f"{len(send_ids)} blocks to send after skipping {skip_leading_blocks}, "
+            f"but {len(dest_block_ids)} dest_block_ids"
+        )
+    layers = range(layout.num_layers) if layers is None else layers
+    header = build_header(
+        request_id=request_id,
+        fingerprint=fingerprint,
+        layout=layout,
+        dest_block_ids=dest_block_ids,
+        block_hashes=list(block_hashes)[skip_leading_blocks:],
+        num_tokens=num_tokens,
+        layers=layers,
+        first_block_index=skip_leading_blocks,
+    )
+    units = payload_units(pool, send_ids, layers)
+    call = channel.stream_unary(
+        PUSH_BLOCKS_PATH,
+        request_serializer=None,  # iter_wire_messages yields serialized KVBlockMessages
+        response_deserializer=kv_pb2.PushBlocksResponse.FromString,
+    )
+    return call(iter_wire_messages(header, units, chunk_bytes), timeout=timeout)
+
+
+_STATUS: dict[type[KVValidationError], grpc.StatusCode] = {
+    KVDataLossError: grpc.StatusCode.DATA_LOSS,
+    KVNotReservedError: grpc.StatusCode.NOT_FOUND,
+    KVValidationError: grpc.StatusCode.INVALID_ARGUMENT,
+}
+
+
+class KVReceiver(kv_pb2_grpc.KVTransferServicer):
+    """PushBlocks into one KV pool. The decode node subclasses it (or delegates to it) and adds
+    ReserveBlocks / ReleaseReservation, which own the reservations ``reservation_for`` reads.
+
+    ``on_received`` runs on the gRPC worker thread after the blocks are in the pool and before
+    the sender is answered; an exception there fails the RPC with INTERNAL.
+    Writes of different requests may run concurrently: reservations keep their blocks disjoint.
+    """
+
+    def __init__(
+        self,
+        pool: torch.Tensor,
+        fingerprint: str,
+        on_received: Callable[[ReceivedBlocks], None],
+        reservation_for: Callable[[str], Reservation | None],
+        buffers: BufferPool | None = None,
+    ) -> None:
+        self._pool = pool
+        self._layout = PoolLayout.of(pool)
+        self._fingerprint = fingerprint
+        self._on_received = on_received
+        self._reservation_for = reservation_for
+        self._buffers = buffers or BufferPool()
+
+    def PushBlocks(self, request_iterator, context: grpc.ServicerContext) -> kv_pb2.PushBlocksResponse:
+        buffer = None
+        try:
+            header, buffer, payload = self._receive(request_iterator)
+            write_payload(self._pool, header, payload)
+        except KVValidationError as err:
+            context.abort(_STATUS[type(err)], str(err))
+        finally:
+            if buffer is not None:
+                self._buffers.release(buffer)
+        received = ReceivedBlocks(
+            request_id=header.request_id,
+            layers=range(header.layer_start, header.layer_start + header.layer_count),
+            first_block_index=header.first_block_index,
+            block_ids=tuple(header.dest_block_ids),
+            block_hashes=tuple(header.block_hashes),
+            num_tokens=header.num_tokens,
+        )
+        try:
+            self._on_received(received)
+        except Exception as err:  # the sender must learn the blocks were not taken
+            context.abort(grpc.StatusCode.INTERNAL, f"on_received failed: {err!r}")
+        return kv_pb2.PushBlocksResponse(blocks_written=len(received.block_ids), bytes_written=header.payload_bytes)
+
+    def _receive(self, messages) -> tuple[kv_pb2.KVHeader, bytearray, memoryview]:
+        """Header, chunks, trailer -> (header, buffer, checked payload in it).
+
+        Raises KVValidationError; the buffer goes back to the pool on every path.
+        """
+        first = next(messages, None)
+        if first is None or first.WhichOneof("kind") != "header":
+            got = "end of stream" if first is None else first.WhichOneof("kind")
+            raise KVValidationError(f"first message: got {got}, expected header")
+        header = first.header
+        reservation = self._reservation_for(header.request_id)
+        if reservation is None:
+            raise KVNotReservedError(f"request_id: no reservation for {header.request_id!r}")
+        validate_header(header, self._layout, self._fingerprint, reservation)
+        buffer = self._buffers.acquire(header.payload_bytes)
+        try:
+            assembler = PayloadAssembler(header, buffer)
+            for msg in messages:
+                kind = msg.WhichOneof("kind")
+                if kind == "chunk":
+                    assembler.add(msg.chunk)
+                elif kind == "trailer":
+                    payload = assembler.finish(msg.trailer)
+                    if next(messages, None) is not None:
+                        raise KVValidationError("stream: got a message after the trailer, expected end")
+                    return header, buffer, payload
+                else:
+                    raise KVValidationError(f"message after header: got {kind}, expected chunk or trailer")
+            raise KVDataLossError(
+                f"stream ended without trailer after {assembler.received} of {header.payload_bytes} payload bytes"
+            )
+        except BaseException:
+            self._buffers.release(buffer)
+            raise

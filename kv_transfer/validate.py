@@ -1,0 +1,111 @@
+"""Receiver-side checks of a KV transfer, run before a byte is written into the pool.
+
+Every check names the field and both values. Header checks run when the header arrives (so a
+bad stream is refused before its chunks are buffered); byte count and checksum run once the
+trailer arrives, still before the pool is touched.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kv_transfer.layout import PoolLayout, dtype_from_wire
+from protos.pdserve.v1 import kv_pb2
+
+
+class KVValidationError(ValueError):
+    """A transfer that does not fit the receiving pool or its reservation; nothing was written."""
+
+
+class KVDataLossError(KVValidationError):
+    """The payload arrived damaged or incomplete (checksum, missing bytes or trailer)."""
+
+
+class KVNotReservedError(KVValidationError):
+    """No reservation exists for the request (never made, released or expired)."""
+
+
+class Reservation(NamedTuple):
+    """What the decode node promised to receive for one request (from ReserveBlocks)."""
+
+    first_block_index: int  # leading blocks it already held; not sent
+    block_ids: tuple[int, ...]  # destination ids of the sent blocks, in order
+    block_hashes: tuple[int, ...]  # chained hashes of the sent full blocks, in order
+
+
+def _require(ok: bool, field: str, got: object, want: object) -> None:
+    if not ok:
+        shown = want if isinstance(want, str) else repr(want)  # a condition ("unique") or a value
+        raise KVValidationError(f"{field}: got {got!r}, expected {shown}")
+
+
+def validate_header(
+    header: kv_pb2.KVHeader, layout: PoolLayout, fingerprint: str, reservation: Reservation
+) -> None:
+    """Check a KVHeader against the local pool, model and reservation."""
+    _require(header.model_fingerprint == fingerprint, "model_fingerprint", header.model_fingerprint, fingerprint)
+    got_dtype = dtype_from_wire(header.dtype)
+    got_name = str(got_dtype) if got_dtype is not None else f"unknown enum value {header.dtype}"
+    _require(got_dtype == layout.dtype, "dtype", got_name, str(layout.dtype))
+    _require(header.block_size == layout.block_size, "block_size", header.block_size, layout.block_size)
+    _require(
+        tuple(header.block_shape) == layout.block_shape, "block_shape", tuple(header.block_shape), layout.block_shape
+    )
+    _require(header.num_layers == layout.num_layers, "num_layers", header.num_layers, layout.num_layers)
+    _require(header.layer_count >= 1, "layer_count", header.layer_count, ">= 1")
+    end = header.layer_start + header.layer_count
+    _require(
+        end <= layout.num_layers,
+        "layer_start + layer_count",
+        end,
+        f"<= num_layers={layout.num_layers}",
+    )
+    _require(
+        header.checksum_algorithm == kv_pb2.CHECKSUM_ALGORITHM_CRC32,
+        "checksum_algorithm",
+        kv_pb2.ChecksumAlgorithm.Name(header.checksum_algorithm)
+        if header.checksum_algorithm in kv_pb2.ChecksumAlgorithm.values()
+        else header.checksum_algorithm,
+        "CHECKSUM_ALGORITHM_CRC32",
+    )
+
+    ids = list(header.dest_block_ids)
+    n = len(ids)
+    _require(n >= 1, "len(dest_block_ids)", n, ">= 1")
+    bad = [b for b in ids if b >= layout.num_blocks]
+    _require(not bad, "dest_block_ids out of range", bad, f"< num_blocks={layout.num_blocks}")
+    _require(len(set(ids)) == n, "dest_block_ids duplicated", sorted({b for b in ids if ids.count(b) > 1}), "unique")
+
+    # The sent blocks cover token positions [first * bs, (first + n) * bs); the last one may be
+    # partial and only full blocks carry a hash.
+    first = header.first_block_index
+    bs = layout.block_size
+    lo, hi = (first + n - 1) * bs + 1, (first + n) * bs
+    _require(lo <= header.num_tokens <= hi, "num_tokens", header.num_tokens, f"in [{lo}, {hi}]")
+    full_blocks = header.num_tokens // bs - first
+    _require(len(header.block_hashes) == full_blocks, "len(block_hashes)", len(header.block_hashes), full_blocks)
+
+    _require(
+        header.first_block_index == reservation.first_block_index,
+        "first_block_index (reserved)",
+        header.first_block_index,
+        reservation.first_block_index,
+    )
+    _require(tuple(ids) == tuple(reservation.block_ids), "dest_block_ids (reserved)", ids, list(reservation.block_ids))
+    _require(
+        tuple(header.block_hashes) == tuple(reservation.block_hashes),
+        "block_hashes (reserved)",
+        [f"{h:016x}" for h in header.block_hashes],
+        [f"{h:016x}" for h in reservation.block_hashes],
+    )
+
+    want_bytes = header.layer_count * n * layout.block_bytes
+    _require(header.payload_bytes == want_bytes, "payload_bytes", header.payload_bytes, want_bytes)
+
+
+def check_payload(header: kv_pb2.KVHeader, received_bytes: int, computed: int, trailer_checksum: int) -> None:
+    """Byte count and checksum of a complete payload."""
+    if received_bytes != header.payload_bytes:
+        raise KVDataLossError(f"payload bytes: got {received_bytes}, header declared {header.payload_bytes}")
+    if computed != trailer_checksum:
+        raise KVDataLossError(f"checksum: computed {computed:#010x}, trailer says {trailer_checksum:#010x}")
+

@@ -1,0 +1,1 @@
+"""Protobuf sources and the Python generated from them (`python -m protos.generate`)."""

@@ -1,0 +1,1 @@
+"""Generated code of the pdserve.* proto packages."""

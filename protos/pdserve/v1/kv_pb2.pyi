@@ -1,0 +1,159 @@
+from protos.pdserve.v1 import serving_pb2 as _serving_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[Dtype]
+    DTYPE_FLOAT32: _ClassVar[Dtype]
+    DTYPE_FLOAT16: _ClassVar[Dtype]
+    DTYPE_BFLOAT16: _ClassVar[Dtype]
+
+class ChecksumAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHECKSUM_ALGORITHM_UNSPECIFIED: _ClassVar[ChecksumAlgorithm]
+    CHECKSUM_ALGORITHM_CRC32: _ClassVar[ChecksumAlgorithm]
+DTYPE_UNSPECIFIED: Dtype
+DTYPE_FLOAT32: Dtype
+DTYPE_FLOAT16: Dtype
+DTYPE_BFLOAT16: Dtype
+CHECKSUM_ALGORITHM_UNSPECIFIED: ChecksumAlgorithm
+CHECKSUM_ALGORITHM_CRC32: ChecksumAlgorithm
+
+class KVBlockMessage(_message.Message):
+    __slots__ = ("header", "chunk", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: KVHeader
+    chunk: KVChunk
+    trailer: KVTrailer
+    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., trailer: _Optional[_Union[KVTrailer, _Mapping]] = ...) -> None: ...
+
+class KVHeader(_message.Message):
+    __slots__ = ("request_id", "model_fingerprint", "block_size", "num_layers", "layer_start", "layer_count", "dtype", "block_shape", "first_block_index", "dest_block_ids", "block_hashes", "num_tokens", "payload_bytes", "checksum_algorithm")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DEST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model_fingerprint: str
+    block_size: int
+    num_layers: int
+    layer_start: int
+    layer_count: int
+    dtype: Dtype
+    block_shape: _containers.RepeatedScalarFieldContainer[int]
+    first_block_index: int
+    dest_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    payload_bytes: int
+    checksum_algorithm: ChecksumAlgorithm
+    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_count: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., block_shape: _Optional[_Iterable[int]] = ..., first_block_index: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("seq", "data")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    data: bytes
+    def __init__(self, seq: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class KVTrailer(_message.Message):
+    __slots__ = ("checksum",)
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    checksum: int
+    def __init__(self, checksum: _Optional[int] = ...) -> None: ...
+
+class PushBlocksResponse(_message.Message):
+    __slots__ = ("blocks_written", "bytes_written")
+    BLOCKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    blocks_written: int
+    bytes_written: int
+    def __init__(self, blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ...) -> None: ...
+
+class ReserveBlocksRequest(_message.Message):
+    __slots__ = ("request_id", "model_fingerprint", "block_size", "num_tokens", "block_hashes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model_fingerprint: str
+    block_size: int
+    num_tokens: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReserveBlocksResponse(_message.Message):
+    __slots__ = ("num_cached_blocks", "block_ids", "lease_s")
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    num_cached_blocks: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    lease_s: float
+    def __init__(self, num_cached_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class ReleaseReservationRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseReservationResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "reservation")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _serving_pb2.SamplingParams
+    decode_address: str
+    reservation: ReserveBlocksResponse
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation: _Optional[_Union[ReserveBlocksResponse, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token_ids", "first_logprobs", "cached_tokens", "blocks_sent", "bytes_sent", "prefill_s", "transfer_s")
+    FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    first_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_logprobs: _containers.RepeatedCompositeFieldContainer[_serving_pb2.TokenLogprobs]
+    cached_tokens: int
+    blocks_sent: int
+    bytes_sent: int
+    prefill_s: float
+    transfer_s: float
+    def __init__(self, first_token_ids: _Optional[_Iterable[int]] = ..., first_logprobs: _Optional[_Iterable[_Union[_serving_pb2.TokenLogprobs, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., blocks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,81 @@
+"""The checked-in generated code matches the .proto sources, and the messages behave."""
+from __future__ import annotations
+
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+from protos.generate import PROTOS_DIR, generate
+from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc, serving_pb2, serving_pb2_grpc
+
+
+def test_generated_code_is_fresh(tmp_path: Path) -> None:
+    fresh = {p.relative_to(tmp_path): p.read_bytes() for p in generate(tmp_path)}
+    checked_in = {p.relative_to(PROTOS_DIR): p.read_bytes() for p in PROTOS_DIR.rglob("*_pb2*.py*")}
+    assert fresh, "protoc generated nothing"
+    stale = sorted(str(p) for p in fresh.keys() | checked_in.keys() if fresh.get(p) != checked_in.get(p))
+    assert not stale, (
+        f"generated code is stale or missing: {stale}; run `python -m protos.generate` "
+        f"(output depends on grpcio-tools, here {version('grpcio-tools')})"
+    )
+
+
+def test_generated_imports_resolve_inside_the_protos_package() -> None:
+    # kv.proto imports serving.proto: the generated import must not be the bare `pdserve.v1`
+    # (which would be the SDK package).
+    assert kv_pb2.PrefillRequest.DESCRIPTOR.fields_by_name["sampling"].message_type is (
+        serving_pb2.SamplingParams.DESCRIPTOR
+    )
+    assert hasattr(serving_pb2_grpc, "PdServeStub") and hasattr(kv_pb2_grpc, "KVTransferStub")
+
+
+def test_generate_response_oneof_round_trip() -> None:
+    chunk = serving_pb2.GenerateResponse(
+        request_id="r1",
+        chunk=serving_pb2.Chunk(
+            index=1,
+            token_ids=[5, 6],
+            text="hi",
+            logprobs=[serving_pb2.TokenLogprobs(token_id=5, logprob=-0.5, top=[serving_pb2.TopLogprob(token_id=7)])],
+        ),
+    )
+    back = serving_pb2.GenerateResponse.FromString(chunk.SerializeToString())
+    assert back == chunk and back.WhichOneof("kind") == "chunk"
+    assert list(back.chunk.token_ids) == [5, 6] and back.chunk.logprobs[0].top[0].token_id == 7
+
+    done = serving_pb2.GenerateResponse(
+        request_id="r1",
+        complete=serving_pb2.Complete(
+            index=0,
+            finish_reason=serving_pb2.FINISH_REASON_LENGTH,
+            usage=serving_pb2.Usage(prompt_tokens=10, completion_tokens=4, cached_prompt_tokens=8),
+            timings=serving_pb2.Timings(queue_s=0.001, first_token_s=0.25, total_s=1.5),
+        ),
+    )
+    back = serving_pb2.GenerateResponse.FromString(done.SerializeToString())
+    assert back.WhichOneof("kind") == "complete"
+    assert back.complete.finish_reason == serving_pb2.FINISH_REASON_LENGTH
+    assert back.complete.timings.first_token_s == pytest.approx(0.25)
+
+    # Setting another member of the oneof replaces the previous one.
+    back.error.code = 13
+    assert back.WhichOneof("kind") == "error" and not back.HasField("complete")
+
+
+def test_sampling_params_presence() -> None:
+    # Fields whose engine default is not zero are optional: unset is distinguishable from 0.
+    empty = serving_pb2.SamplingParams()
+    for name in ("n", "max_tokens", "temperature", "top_p", "repetition_penalty", "seed", "logprobs"):
+        assert not empty.HasField(name), name
+    greedy = serving_pb2.SamplingParams.FromString(serving_pb2.SamplingParams(temperature=0.0).SerializeToString())
+    assert greedy.HasField("temperature") and greedy.temperature == 0.0
+
+
+def test_prompt_is_one_of_text_chat_tokens() -> None:
+    req = serving_pb2.GenerateRequest(text="hello")
+    req.tokens.ids.extend([1, 2, 3])
+    assert req.WhichOneof("prompt") == "tokens" and req.text == ""
+    req.chat.messages.add(role="user", content="hi")
+    assert req.WhichOneof("prompt") == "chat"
+    assert not req.HasField("request_id")
