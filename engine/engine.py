@@ -122,7 +122,9 @@ class LLMEngine:
             loaded = load_model(config.model, self.dtype, self.device, progress=progress)
         self.loaded = loaded
         self.model_config: ModelConfig = loaded.config
-        self.fingerprint: str = loaded.fingerprint
+        # KV of the same weights in another dtype is different KV: the dtype is part of the
+        # key that seeds block hashes and that KV transfers are checked against.
+        self.fingerprint: str = f"{loaded.fingerprint}-{config.dtype}"
         if tokenizer is None and load_tokenizer:
             tokenizer = load_hf_tokenizer(loaded.tokenizer_path)
         self.tokenizer = tokenizer
@@ -130,8 +132,7 @@ class LLMEngine:
         mc = self.model_config
         cc = config.cache
         self.block_size = cc.block_size
-        self.max_model_len = min(config.scheduler.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings)
+        self.max_model_len = min(config.scheduler.max_model_len or mc.max_model_len, mc.max_model_len)
         per_block = bytes_per_block(mc, cc.block_size, self.dtype)
         num_blocks = cc.num_blocks or max(1, cc.kv_cache_bytes // per_block)
         self.num_blocks = num_blocks
@@ -404,6 +405,7 @@ class LLMEngine:
         self,
         prompts: Iterable[str | Seq[int]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
+        hold_kv: bool = False,
     ) -> list[RequestOutput]:
         """Run prompts to completion as one continuous batch; results in input order.
 
@@ -414,9 +416,9 @@ class LLMEngine:
         ids = []
         for p, sp in zip(prompts, plist):
             if isinstance(p, str):
-                ids.append(self.add_request(prompt=p, params=sp))
+                ids.append(self.add_request(prompt=p, params=sp, hold_kv=hold_kv))
             else:
-                ids.append(self.add_request(prompt_token_ids=p, params=sp))
+                ids.append(self.add_request(prompt_token_ids=p, params=sp, hold_kv=hold_kv))
         final: dict[str, RequestOutput] = {}
         latest: dict[str, dict[int, CompletionOutput]] = {rid: {} for rid in ids}
         while len(final) < len(ids):

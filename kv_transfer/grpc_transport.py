@@ -35,9 +35,14 @@ from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 # Chunks are ~1 MiB and headers of long prompts (~13 bytes per block) stay far below this;
 # the default 4 MiB receive limit would already do, 16 MiB leaves room for larger chunk_bytes.
 MAX_MESSAGE_BYTES = 16 << 20
+# For both the channel (prefill node) and the server (decode node). lookahead_bytes is how far
+# a receiver lets a stream run ahead of what it has read (its HTTP/2 window target); the 64 KiB
+# default makes a sender of MiB-sized chunks wait for window updates (measured: 64 MiB
+# transfers went from ~0.7 to ~0.9-1.0 GB/s on loopback with 16 MiB).
 GRPC_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.lookahead_bytes", 16 << 20),
 ]
 
 
@@ -69,6 +74,7 @@ def push_blocks(
     skip_leading_blocks: int = 0,
     layers: range | None = None,
     chunk_bytes: int = CHUNK_BYTES,
+    checksum_algorithm: int = kv_pb2.CHECKSUM_ALGORITHM_CRC32,
     timeout: float | None = None,
 ) -> kv_pb2.PushBlocksResponse:
     """Stream the KV of one request's blocks from ``pool`` to a decode node.
@@ -104,6 +110,7 @@ def push_blocks(
         num_tokens=num_tokens,
         layers=layers,
         first_block_index=skip_leading_blocks,
+        checksum_algorithm=checksum_algorithm,
     )
     units = payload_units(pool, send_ids, layers)
     call = channel.stream_unary(
@@ -114,11 +121,12 @@ def push_blocks(
     return call(iter_wire_messages(header, units, chunk_bytes), timeout=timeout)
 
 
-_STATUS: dict[type[KVValidationError], grpc.StatusCode] = {
-    KVDataLossError: grpc.StatusCode.DATA_LOSS,
-    KVNotReservedError: grpc.StatusCode.NOT_FOUND,
-    KVValidationError: grpc.StatusCode.INVALID_ARGUMENT,
-}
+def _status(err: KVValidationError) -> grpc.StatusCode:
+    if isinstance(err, KVDataLossError):
+        return grpc.StatusCode.DATA_LOSS
+    if isinstance(err, KVNotReservedError):
+        return grpc.StatusCode.NOT_FOUND
+    return grpc.StatusCode.INVALID_ARGUMENT
 
 
 class KVReceiver(kv_pb2_grpc.KVTransferServicer):
@@ -128,6 +136,8 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
     ``on_received`` runs on the gRPC worker thread after the blocks are in the pool and before
     the sender is answered; an exception there fails the RPC with INTERNAL.
     Writes of different requests may run concurrently: reservations keep their blocks disjoint.
+    The owner of the reservations must not hand a reserved block to anyone else while a
+    PushBlocks for it is in flight (release after the stream ends, or on its lease expiry).
     """
 
     def __init__(
@@ -151,7 +161,7 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
             header, buffer, payload = self._receive(request_iterator)
             write_payload(self._pool, header, payload)
         except KVValidationError as err:
-            context.abort(_STATUS[type(err)], str(err))
+            context.abort(_status(err), str(err))
         finally:
             if buffer is not None:
                 self._buffers.release(buffer)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from kv_transfer import checksum
 from kv_transfer.layout import PoolLayout, dtype_from_wire
 from protos.pdserve.v1 import kv_pb2
 
@@ -38,6 +39,10 @@ def _require(ok: bool, field: str, got: object, want: object) -> None:
         raise KVValidationError(f"{field}: got {got!r}, expected {shown}")
 
 
+def _enum_name(enum, value: int) -> str:
+    return enum.Name(value) if value in enum.values() else f"unknown enum value {value}"
+
+
 def validate_header(
     header: kv_pb2.KVHeader, layout: PoolLayout, fingerprint: str, reservation: Reservation
 ) -> None:
@@ -60,12 +65,10 @@ def validate_header(
         f"<= num_layers={layout.num_layers}",
     )
     _require(
-        header.checksum_algorithm == kv_pb2.CHECKSUM_ALGORITHM_CRC32,
+        header.checksum_algorithm in checksum.supported(),
         "checksum_algorithm",
-        kv_pb2.ChecksumAlgorithm.Name(header.checksum_algorithm)
-        if header.checksum_algorithm in kv_pb2.ChecksumAlgorithm.values()
-        else header.checksum_algorithm,
-        "CHECKSUM_ALGORITHM_CRC32",
+        _enum_name(kv_pb2.ChecksumAlgorithm, header.checksum_algorithm),
+        f"one of {[_enum_name(kv_pb2.ChecksumAlgorithm, a) for a in checksum.supported()]}",
     )
 
     ids = list(header.dest_block_ids)
@@ -107,5 +110,5 @@ def check_payload(header: kv_pb2.KVHeader, received_bytes: int, computed: int, t
     if received_bytes != header.payload_bytes:
         raise KVDataLossError(f"payload bytes: got {received_bytes}, header declared {header.payload_bytes}")
     if computed != trailer_checksum:
-        raise KVDataLossError(f"checksum: computed {computed:#010x}, trailer says {trailer_checksum:#010x}")
+        raise KVDataLossError(f"checksum: computed {computed:#x}, trailer says {trailer_checksum:#x}")
 

@@ -10,19 +10,19 @@ unit (l, i) = pool[l, block_ids[i]], each ``PoolLayout.block_bytes`` long. The r
 scatters it with one ``pool[l0:l1].index_copy_(1, dest_ids, payload)``.
 
 On the stream: one KVHeader, KVChunks of whole units (~1 MiB, seq 0, 1, ...), one KVTrailer
-with the CRC32 of the payload (computed while streaming, so the header need not wait for it).
+with the checksum of the payload (computed while streaming, so the header need not wait for it).
 
 Sender copies: the units are joined straight from the pool into each chunk's protobuf
 encoding (one copy, no gathered staging tensor); gRPC then copies that into its buffers.
 """
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 
+from kv_transfer.checksum import new_checksum
 from kv_transfer.layout import PoolLayout, dtype_to_wire
 from kv_transfer.validate import KVValidationError, check_payload
 from protos.pdserve.v1 import kv_pb2
@@ -42,6 +42,7 @@ def build_header(
     num_tokens: int,
     layers: range,
     first_block_index: int = 0,
+    checksum_algorithm: int = kv_pb2.CHECKSUM_ALGORITHM_CRC32,
 ) -> kv_pb2.KVHeader:
     """Header for sending ``len(dest_block_ids)`` blocks of layers ``layers`` (step 1)."""
     if layers.step != 1 or not layers or layers.start < 0 or layers.stop > layout.num_layers:
@@ -60,7 +61,7 @@ def build_header(
         block_hashes=block_hashes,
         num_tokens=num_tokens,
         payload_bytes=len(layers) * len(dest_block_ids) * layout.block_bytes,
-        checksum_algorithm=kv_pb2.CHECKSUM_ALGORITHM_CRC32,
+        checksum_algorithm=checksum_algorithm,
     )
 
 
@@ -108,7 +109,7 @@ def encode_chunk(seq: int, parts: Sequence[np.ndarray | bytes]) -> tuple[bytes, 
 def iter_wire_messages(
     header: kv_pb2.KVHeader, units: Sequence[np.ndarray], chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[bytes]:
-    """The serialized KVBlockMessages of one transfer: header, chunks, trailer with CRC32.
+    """The serialized KVBlockMessages of one transfer: header, chunks, trailer with the checksum.
 
     A chunk holds max(1, chunk_bytes // unit bytes) whole units.
     """
@@ -117,12 +118,12 @@ def iter_wire_messages(
         raise ValueError(f"payload has {len(units) * unit_bytes} bytes, header declares {header.payload_bytes}")
     yield kv_pb2.KVBlockMessage(header=header).SerializeToString()
     per_chunk = max(1, chunk_bytes // max(unit_bytes, 1))
-    crc = 0
+    checksum = new_checksum(header.checksum_algorithm)
     for seq, start in enumerate(range(0, len(units), per_chunk)):
         message, data_at = encode_chunk(seq, units[start : start + per_chunk])
-        crc = zlib.crc32(memoryview(message)[data_at:], crc)  # releases the GIL for large buffers
+        checksum.update(memoryview(message)[data_at:])
         yield message
-    yield kv_pb2.KVBlockMessage(trailer=kv_pb2.KVTrailer(checksum=crc)).SerializeToString()
+    yield kv_pb2.KVBlockMessage(trailer=kv_pb2.KVTrailer(checksum=checksum.value())).SerializeToString()
 
 
 class PayloadAssembler:
@@ -138,9 +139,12 @@ class PayloadAssembler:
             raise ValueError(f"buffer of {len(buffer)} bytes for a {header.payload_bytes}-byte payload")
         self.header = header
         self._view = memoryview(buffer)[: header.payload_bytes]
+        # numpy copies release the GIL (memoryview slice assignment does not), so the copy
+        # overlaps with gRPC's threads on the other core.
+        self._array = np.frombuffer(buffer, dtype=np.uint8, count=header.payload_bytes)
         self.received = 0
         self._next_seq = 0
-        self._crc = 0
+        self._checksum = new_checksum(header.checksum_algorithm)  # validated as supported
 
     def add(self, chunk: kv_pb2.KVChunk) -> None:
         if chunk.seq != self._next_seq:
@@ -151,14 +155,14 @@ class PayloadAssembler:
                 f"payload bytes: chunk {chunk.seq} brings them to {self.received + n}, "
                 f"header declared {self.header.payload_bytes}"
             )
-        self._view[self.received : self.received + n] = chunk.data
-        self._crc = zlib.crc32(chunk.data, self._crc)
+        self._array[self.received : self.received + n] = np.frombuffer(chunk.data, dtype=np.uint8)
+        self._checksum.update(chunk.data)
         self.received += n
         self._next_seq += 1
 
     def finish(self, trailer: kv_pb2.KVTrailer) -> memoryview:
         """Check count and checksum; the returned payload may then be written into the pool."""
-        check_payload(self.header, self.received, self._crc, trailer.checksum)
+        check_payload(self.header, self.received, self._checksum.value(), trailer.checksum)
         return self._view
 
 

@@ -147,3 +147,32 @@ def test_bfloat16_engine_runs(tiny_dir):
     out = eng.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=5))[0]
     assert len(out.outputs[0].token_ids) == 5
     assert eng.kv_cache.dtype == torch.bfloat16
+
+
+def test_prefill_role_hands_kv_to_a_decode_role_engine(tiny_dir):
+    """The disaggregated path without the network: engine P prefills and holds the blocks,
+    their KV is copied into blocks reserved on engine D, D continues; tokens equal one engine."""
+    prompt = list(range(20, 58))
+    params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
+    ref = make_engine(tiny_dir).generate([prompt], params)[0].outputs[0].token_ids
+
+    p_eng, d_eng = make_engine(tiny_dir), make_engine(tiny_dir)
+    # D already holds the first 8 tokens (2 blocks) in its prefix cache: they are not sent.
+    d_eng.generate([prompt[:9]], SamplingParams(temperature=0.0, max_tokens=1))
+    first = p_eng.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)[0]
+    rid = first.request_id
+    src = p_eng.held_block_table(rid)
+    dst, cached = d_eng.reserve_kv("r1", prompt)
+    assert cached == 8 and len(dst) == len(src)
+    skip = cached // d_eng.block_size
+    d_eng.kv_cache[:, dst[skip:]] = p_eng.kv_cache[:, src[skip:]]
+    p_eng.release_kv(rid)
+    assert p_eng.kv.num_free_blocks == p_eng.num_blocks
+
+    d_eng.add_prefilled_request("r1", prompt, first.outputs[0].token_ids, params, num_cached_tokens=0)
+    got = []
+    while d_eng.has_unfinished_requests():
+        for out in d_eng.step():
+            got += out.outputs[0].new_token_ids
+    assert got == ref
+    assert d_eng.kv.num_free_blocks == d_eng.num_blocks

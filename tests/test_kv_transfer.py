@@ -8,6 +8,7 @@ import grpc
 import pytest
 import torch
 
+from kv_transfer import checksum
 from kv_transfer.buffers import BufferPool
 from kv_transfer.grpc_transport import GRPC_OPTIONS, PUSH_BLOCKS_PATH, KVReceiver, ReceivedBlocks, push_blocks
 from kv_transfer.layout import PoolLayout
@@ -100,6 +101,20 @@ def test_skip_leading_blocks(node: Node) -> None:
     assert (got.first_block_index, got.block_ids, got.block_hashes, got.layers) == (2, (4, 9), (33, 44), range(4))
 
 
+@pytest.mark.parametrize("algorithm", ["CHECKSUM_ALGORITHM_CRC32", "CHECKSUM_ALGORITHM_XXH3_64"])
+def test_checksum_algorithms(node: Node, algorithm: str) -> None:
+    value = kv_pb2.ChecksumAlgorithm.Value(algorithm)
+    if value not in checksum.supported():
+        pytest.skip("xxhash is not installed")
+    src = make_pool(node.pool.dtype, seed=5)
+    node.reservations["r3"] = Reservation(0, (3,), ())
+    push_blocks(
+        node.channel, src, request_id="r3", fingerprint=FP, src_block_ids=[6], block_hashes=[], num_tokens=2,
+        dest_block_ids=[3], chunk_bytes=300, checksum_algorithm=value,
+    )
+    assert torch.equal(node.pool[:, 3], src[:, 6])
+
+
 def _messages(src: torch.Tensor, *, dest_ids=(5, 0), src_ids=(7, 2), fingerprint=FP, **header_lies) -> list[bytes]:
     """A well-formed stream of two blocks x 4 layers (several chunks); ``header_lies`` replace
     fields of the header as sent, while the payload stays the honest one."""
@@ -162,6 +177,8 @@ CORRUPTIONS = {
     "chunk_out_of_order": (lambda s, n: (lambda m: [m[0], m[2], m[1], *m[3:]])(_messages(s)),
                            grpc.StatusCode.INVALID_ARGUMENT, "seq"),
     "no_reservation": (lambda s, n: _messages(s, request_id="nobody"), grpc.StatusCode.NOT_FOUND, "reservation"),
+    "checksum_algorithm_unset": (lambda s, n: _messages(s, checksum_algorithm=0), grpc.StatusCode.INVALID_ARGUMENT,
+                                 "checksum_algorithm"),
     "chunk_before_header": (lambda s, n: _messages(s)[1:], grpc.StatusCode.INVALID_ARGUMENT, "expected header"),
 }
 

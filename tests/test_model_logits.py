@@ -178,3 +178,36 @@ def test_early_exit_returns_normed_hidden_of_first_layers(models):
         hs = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states[1][0]
         ref = hf.model.norm(hs)
     torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "dynamic", "factor": 2.0},
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.5 * i for i in range(8)],
+            "original_max_position_embeddings": 16,
+        },
+    ],
+    ids=["dynamic", "longrope"],
+)
+def test_length_dependent_rope_matches_hf_token_by_token(tmp_path, rope):
+    """Past the threshold each position keeps its own frequencies, as in HF's cached decoding."""
+    max_pos = 16 if rope["rope_type"] == "dynamic" else 64
+    hf = save_tiny_model(tiny_llama_config(max_position_embeddings=max_pos, rope_scaling=rope), tmp_path / "m")
+    runner = PagedRunner(load_model(str(tmp_path / "m"), torch.float32, "cpu"))
+    tokens = _prompt(10, 12)
+    ours = runner.step({0: tokens})[0]
+    with torch.no_grad():
+        out = hf(torch.tensor([tokens]), use_cache=True)
+    torch.testing.assert_close(ours, out.logits[0], atol=ATOL, rtol=0)
+    cache = out.past_key_values
+    for _ in range(12):  # positions 12 .. 23 cross the threshold at 16
+        nxt = int(ours[-1].argmax())
+        ours = runner.step({0: [nxt]})[0]
+        with torch.no_grad():
+            out = hf(torch.tensor([[nxt]]), cache=cache, use_cache=True)
+        cache = out.past_key_values
+        torch.testing.assert_close(ours, out.logits[0], atol=ATOL, rtol=0)

@@ -12,9 +12,14 @@ from engine.attention.torch_ref import TorchRefBackend
 def get_attention_backend(
     device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> AttentionBackend:
-    """flashinfer on CUDA when it is installed, else the torch reference backend."""
+    """flashinfer on CUDA when it is installed and the dtype is half precision, else torch_ref.
+
+    flashinfer's kernels take fp16/bf16 only; a float32 model on CUDA runs the torch reference
+    backend (SDPA works on any device).
+    """
     device = torch.device(device)
-    if device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
+    half = dtype in (torch.float16, torch.bfloat16)
+    if device.type == "cuda" and half and importlib.util.find_spec("flashinfer") is not None:
         from engine.attention.flashinfer_backend import FlashInferBackend
 
         return FlashInferBackend(num_heads, num_kv_heads, head_dim, dtype, device)

@@ -28,7 +28,7 @@ class _ShortBatch:
     tokens: torch.Tensor  # [B, Q] int64, flat token index of each (seq, query) cell; pad -> 0
     valid: torch.Tensor  # [B, Q] bool, cell holds a real token
     valid_tokens: torch.Tensor  # [n_valid] int64, tokens[valid]
-    kv_rows: torch.Tensor  # [B * max_kv] int64, K rows of each sequence's positions; pad -> 0
+    kv_rows: torch.Tensor  # [2 * B * max_kv] int64, K rows then V rows of every position; pad -> 0
     mask: torch.Tensor  # [B, 1, Q * G, max_kv] bool, True = attend
     max_kv: int
 
@@ -37,8 +37,8 @@ class _ShortBatch:
 class _LongSeq:
     start: int  # first token in the flat token axis
     q_len: int
-    kv_rows: torch.Tensor  # [seq_len] int64, K rows of positions 0 .. seq_len - 1
-    mask: torch.Tensor | None  # [q_len, seq_len] bool; None = plain causal (no context)
+    kv_rows: torch.Tensor  # [2 * seq_len] int64, K rows then V rows of positions 0 .. seq_len - 1
+    mask: torch.Tensor | None  # [q_len * G, seq_len] bool, folded; None = plain causal (no context)
 
 
 class TorchRefBackend:
@@ -79,8 +79,10 @@ class TorchRefBackend:
             mask = None
             if ctx > 0:
                 # query i (absolute position ctx + i) sees kv positions <= ctx + i
-                mask = pos[None, :] <= (ctx + torch.arange(q, device=device))[:, None]
-            self._long.append(_LongSeq(start=starts[s], q_len=q, kv_rows=rows, mask=mask))
+                mask = pos[None, :] <= (ctx + torch.arange(q, device=device))[:, None]  # [q, S]
+                # Folded like the queries: row i * G + g is query i, head g of its KV group.
+                mask = mask[:, None, :].expand(q, self.group, seq_len).reshape(q * self.group, seq_len)
+            self._long.append(_LongSeq(start=starts[s], q_len=q, kv_rows=torch.cat([rows, rows + bs]), mask=mask))
 
     @staticmethod
     def _rows(block_ids: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
@@ -93,8 +95,8 @@ class TorchRefBackend:
         q_lens = torch.tensor([meta.q_lens[s] for s in seqs], device=device)  # [B]
         seq_lens = torch.tensor([meta.seq_lens[s] for s in seqs], device=device)  # [B]
         first = torch.tensor([starts[s] for s in seqs], device=device)  # [B]
-        q_max = int(q_lens.max())
-        max_kv = int(seq_lens.max())
+        q_max = max(meta.q_lens[s] for s in seqs)  # from the host lists: no device sync
+        max_kv = max(meta.seq_lens[s] for s in seqs)
 
         qi = torch.arange(q_max, device=device)  # [Q]
         valid = qi[None, :] < q_lens[:, None]  # [B, Q]
@@ -118,7 +120,7 @@ class TorchRefBackend:
             tokens=tokens,
             valid=valid,
             valid_tokens=tokens[valid],
-            kv_rows=rows.reshape(-1),
+            kv_rows=torch.cat([rows.reshape(-1), rows.reshape(-1) + bs]),
             mask=mask,
             max_kv=max_kv,
         )
@@ -136,31 +138,31 @@ class TorchRefBackend:
         assert self._meta is not None and self._k_rows is not None, "begin_step() first"
         write_kv(kv_cache_layer, k, v, self._k_rows)
         flat = flat_layer(kv_cache_layer)  # [N * 2 * bs, H_kv, D]
-        bs = kv_cache_layer.shape[2]
         out = torch.empty_like(q)
         if self._short is not None:
-            self._attend_short(q, flat, bs, out)
+            self._attend_short(q, flat, out)
         for seq in self._long:
-            self._attend_long(q, flat, bs, seq, out)
+            self._attend_long(q, flat, seq, out)
         return out
 
-    def _attend_short(self, q: torch.Tensor, flat: torch.Tensor, bs: int, out: torch.Tensor) -> None:
+    def _attend_short(self, q: torch.Tensor, flat: torch.Tensor, out: torch.Tensor) -> None:
         sb = self._short
         b, q_max = sb.tokens.shape
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
-        k = flat.index_select(0, sb.kv_rows).view(b, sb.max_kv, hkv, d).transpose(1, 2)  # [B, Hkv, K, D]
-        v = flat.index_select(0, sb.kv_rows + bs).view(b, sb.max_kv, hkv, d).transpose(1, 2)
+        # One gather for K and V of every sequence: [2, B, K, Hkv, D] -> [B, Hkv, K, D] views.
+        kv = flat.index_select(0, sb.kv_rows).view(2, b, sb.max_kv, hkv, d).transpose(2, 3)
+        k, v = kv[0], kv[1]
         qb = q[sb.tokens.reshape(-1)].view(b, q_max, hkv, g, d)  # [B, Q, Hkv, G, D]
         qb = qb.permute(0, 2, 1, 3, 4).reshape(b, hkv, q_max * g, d)  # [B, Hkv, Q*G, D]
         o = F.scaled_dot_product_attention(qb, k.to(q.dtype), v.to(q.dtype), attn_mask=sb.mask, scale=self.scale)
         o = o.view(b, hkv, q_max, g, d).permute(0, 2, 1, 3, 4).reshape(b, q_max, hkv * g, d)  # [B, Q, Hq, D]
         out[sb.valid_tokens] = o[sb.valid]
 
-    def _attend_long(self, q: torch.Tensor, flat: torch.Tensor, bs: int, seq: _LongSeq, out: torch.Tensor) -> None:
+    def _attend_long(self, q: torch.Tensor, flat: torch.Tensor, seq: _LongSeq, out: torch.Tensor) -> None:
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
         n = seq.q_len
-        k = flat.index_select(0, seq.kv_rows).transpose(0, 1)  # [Hkv, S, D]
-        v = flat.index_select(0, seq.kv_rows + bs).transpose(0, 1)
+        kv = flat.index_select(0, seq.kv_rows).view(2, -1, hkv, d).transpose(1, 2)  # [2, Hkv, S, D]
+        k, v = kv[0], kv[1]
         if seq.mask is None:
             # Causal from position 0: keep queries as [Hkv*G] heads so SDPA's causal path applies.
             o = F.scaled_dot_product_attention(
@@ -174,8 +176,7 @@ class TorchRefBackend:
             out[seq.start : seq.start + n] = o.transpose(0, 1)
             return
         qs = q[seq.start : seq.start + n].view(n, hkv, g, d).permute(1, 0, 2, 3)  # [Hkv, n, G, D]
-        mask = seq.mask[:, None, :].expand(n, g, -1).reshape(n * g, -1)  # [n*G, S]
         o = F.scaled_dot_product_attention(
-            qs.reshape(hkv, n * g, d), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=self.scale
+            qs.reshape(hkv, n * g, d), k.to(q.dtype), v.to(q.dtype), attn_mask=seq.mask, scale=self.scale
         )  # [Hkv, n*G, D]
         out[seq.start : seq.start + n] = o.view(hkv, n, g, d).permute(1, 0, 2, 3).reshape(n, hkv * g, d)

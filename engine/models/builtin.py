@@ -82,6 +82,7 @@ def convert_gguf(gguf_path: Path, target: Path, progress: Progress = None) -> Pa
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         _convert_gguf(gguf_path, tmp, progress)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; the cache is meant to be shared
         if target.exists() and not _complete(target):
             shutil.rmtree(target)  # a leftover without the marker files, never a finished copy
         try:
@@ -116,6 +117,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress) -> None:
     safetensors.torch.save_model(model, str(out_dir / "model.safetensors"))
     config = model.config.to_dict()
     config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)  # this machine's path to the GGUF; not part of the model
     config["architectures"] = [type(model).__name__]
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(out_dir)

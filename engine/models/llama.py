@@ -79,7 +79,7 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position
         self.rope_type = scaling["rope_type"] if scaling else "default"
         self.attention_factor = float(scaling.get("attention_factor", 1.0)) if scaling else 1.0
-        # Host-side and exact even when the model is being built on the meta device.
+        # Always on the host in float32, whatever device context the model is built under.
         with torch.device("cpu"):
             inv_freq = _base_inv_freq(theta, head_dim)
             if self.rope_type == "linear":
@@ -96,11 +96,10 @@ class RotaryEmbedding(nn.Module):
         self._cos: torch.Tensor | None = None  # [P, D / 2] in the model dtype
         self._sin: torch.Tensor | None = None
 
-    def _inv_freq_rows(self, start: int, end: int) -> torch.Tensor:  # [end - start, D / 2] float32
-        n = end - start
+    def _inv_freq_rows(self, n: int) -> torch.Tensor:  # [n, D / 2] float32, row p for position p
         rows = self._inv_freq.expand(n, -1)
-        if self.rope_type == "dynamic" and end > self.max_position:
-            seq_len = torch.arange(start, end, dtype=torch.float64) + 1
+        if self.rope_type == "dynamic" and n > self.max_position:
+            seq_len = torch.arange(n, dtype=torch.float64) + 1
             seq_len = torch.clamp(seq_len, min=self.max_position)
             d, f = self.head_dim, self.scaling["factor"]
             base = self.theta * ((f * seq_len / self.max_position) - (f - 1)) ** (d / (d - 2))
@@ -109,11 +108,11 @@ class RotaryEmbedding(nn.Module):
             rows = torch.where((seq_len > self.max_position)[:, None], scaled, rows)
         elif self.rope_type == "longrope":
             orig = self.scaling["original_max_position_embeddings"]
-            if end > orig:
+            if n > orig:
                 long = torch.tensor(self.scaling["long_factor"], dtype=torch.float32)
                 exponent = torch.arange(0, self.head_dim, 2).float() / self.head_dim
                 long_inv = 1.0 / (long * self.theta**exponent)
-                is_long = (torch.arange(start, end) >= orig)[:, None]
+                is_long = (torch.arange(n) >= orig)[:, None]
                 rows = torch.where(is_long, long_inv[None, :], rows)
         return rows
 
@@ -123,7 +122,7 @@ class RotaryEmbedding(nn.Module):
             return
         size = max(256, 1 << (max(needed, have) - 1).bit_length())
         pos = torch.arange(size, dtype=torch.int64).to(torch.float32)[:, None]  # [P, 1]
-        freqs = pos * self._inv_freq_rows(0, size)  # [P, D / 2] float32
+        freqs = pos * self._inv_freq_rows(size)  # [P, D / 2] float32
         self._cos = (freqs.cos() * self.attention_factor).to(device=device, dtype=dtype)
         self._sin = (freqs.sin() * self.attention_factor).to(device=device, dtype=dtype)
 
@@ -279,7 +278,6 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     # ------------------------------------------------------------------ weights
-
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face tensors into the (fused) parameters; strict.

@@ -62,11 +62,19 @@ def load_model(
     device: torch.device | str = "cpu",
     progress: Progress = None,
 ) -> LoadedModel:
+    """Load ``source`` (builtin name, HF directory or .gguf file); raise ModelLoadError on any problem.
+
+    A builtin or GGUF source is converted once into the cache dir (``progress`` hears about it);
+    later loads read safetensors only. ``tokenizer_path`` is the directory to hand to
+    ``AutoTokenizer.from_pretrained``.
+    """
     directory = resolve_source(source, progress)
     cfg = _read_config(directory)
     tensors = _read_index(directory)
     _check_names(cfg, tensors)
     fingerprint = _fingerprint(cfg, tensors)
+    if progress is not None:
+        progress(f"loading {cfg.architecture} weights from {directory}")
     model = _build(cfg, tensors, dtype, torch.device(device))
     return LoadedModel(model=model, config=cfg, tokenizer_path=directory, fingerprint=fingerprint)
 
@@ -76,8 +84,8 @@ def resolve_source(source: str, progress: Progress = None) -> Path:
     if source in BUILTIN_MODELS:
         try:
             return resolve_builtin(source, progress)
-        except (OSError, KeyError) as e:
-            raise ModelLoadError(f"builtin model {source!r} is unavailable: {e}") from e
+        except Exception as e:  # a missing package, or anything transformers raises converting it
+            raise ModelLoadError(f"builtin model {source!r} is unavailable: {type(e).__name__}: {e}") from e
     path = Path(source).expanduser()
     if not path.exists():
         raise ModelLoadError(

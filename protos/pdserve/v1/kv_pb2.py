@@ -25,41 +25,45 @@ _sym_db = _symbol_database.Default()
 from protos.pdserve.v1 import serving_pb2 as pdserve_dot_v1_dot_serving__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13pdserve/v1/kv.proto\x12\npdserve.v1\x1a\x18pdserve/v1/serving.proto\"\x90\x01\n\x0eKVBlockMessage\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.pdserve.v1.KVChunkH\x00\x12(\n\x07trailer\x18\x03 \x01(\x0b\x32\x15.pdserve.v1.KVTrailerH\x00\x42\x06\n\x04kind\"\xf1\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x13\n\x0blayer_start\x18\x05 \x01(\r\x12\x13\n\x0blayer_count\x18\x06 \x01(\r\x12 \n\x05\x64type\x18\x07 \x01(\x0e\x32\x11.pdserve.v1.Dtype\x12\x13\n\x0b\x62lock_shape\x18\x08 \x03(\r\x12\x19\n\x11\x66irst_block_index\x18\t \x01(\r\x12\x16\n\x0e\x64\x65st_block_ids\x18\n \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x0b \x03(\x06\x12\x12\n\nnum_tokens\x18\x0c \x01(\r\x12\x15\n\rpayload_bytes\x18\r \x01(\x04\x12\x39\n\x12\x63hecksum_algorithm\x18\x0e \x01(\x0e\x32\x1d.pdserve.v1.ChecksumAlgorithm\"$\n\x07KVChunk\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x1d\n\tKVTrailer\x12\x10\n\x08\x63hecksum\x18\x01 \x01(\x04\"C\n\x12PushBlocksResponse\x12\x16\n\x0e\x62locks_written\x18\x01 \x01(\r\x12\x15\n\rbytes_written\x18\x02 \x01(\x04\"\x83\x01\n\x14ReserveBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x06\"V\n\x15ReserveBlocksResponse\x12\x19\n\x11num_cached_blocks\x18\x01 \x01(\r\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\"/\n\x19ReleaseReservationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"+\n\x1aReleaseReservationResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xbc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x36\n\x0breservation\x18\x05 \x01(\x0b\x32!.pdserve.v1.ReserveBlocksResponse\"\xc4\x01\n\x0fPrefillResponse\x12\x17\n\x0f\x66irst_token_ids\x18\x01 \x03(\r\x12\x31\n\x0e\x66irst_logprobs\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x62locks_sent\x18\x04 \x01(\r\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\x12\x11\n\tprefill_s\x18\x06 \x01(\x01\x12\x12\n\ntransfer_s\x18\x07 \x01(\x01*X\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*U\n\x11\x43hecksumAlgorithm\x12\"\n\x1e\x43HECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x43HECKSUM_ALGORITHM_CRC32\x10\x01\x32\x93\x02\n\nKVTransfer\x12J\n\nPushBlocks\x12\x1a.pdserve.v1.KVBlockMessage\x1a\x1e.pdserve.v1.PushBlocksResponse(\x01\x12T\n\rReserveBlocks\x12 .pdserve.v1.ReserveBlocksRequest\x1a!.pdserve.v1.ReserveBlocksResponse\x12\x63\n\x12ReleaseReservation\x12%.pdserve.v1.ReleaseReservationRequest\x1a&.pdserve.v1.ReleaseReservationResponse2Q\n\x0bPrefillNode\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13pdserve/v1/kv.proto\x12\npdserve.v1\x1a\x18pdserve/v1/serving.proto\"\xa2\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0f\x66irst_token_ids\x18\x04 \x03(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\"\x90\x01\n\x0eKVBlockMessage\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.pdserve.v1.KVChunkH\x00\x12(\n\x07trailer\x18\x03 \x01(\x0b\x32\x15.pdserve.v1.KVTrailerH\x00\x42\x06\n\x04kind\"\xf1\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x13\n\x0blayer_start\x18\x05 \x01(\r\x12\x13\n\x0blayer_count\x18\x06 \x01(\r\x12 \n\x05\x64type\x18\x07 \x01(\x0e\x32\x11.pdserve.v1.Dtype\x12\x13\n\x0b\x62lock_shape\x18\x08 \x03(\r\x12\x19\n\x11\x66irst_block_index\x18\t \x01(\r\x12\x16\n\x0e\x64\x65st_block_ids\x18\n \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x0b \x03(\x06\x12\x12\n\nnum_tokens\x18\x0c \x01(\r\x12\x15\n\rpayload_bytes\x18\r \x01(\x04\x12\x39\n\x12\x63hecksum_algorithm\x18\x0e \x01(\x0e\x32\x1d.pdserve.v1.ChecksumAlgorithm\"$\n\x07KVChunk\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x1d\n\tKVTrailer\x12\x10\n\x08\x63hecksum\x18\x01 \x01(\x04\"C\n\x12PushBlocksResponse\x12\x16\n\x0e\x62locks_written\x18\x01 \x01(\r\x12\x15\n\rbytes_written\x18\x02 \x01(\x04\"\x9d\x01\n\x14ReserveBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x06\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\"V\n\x15ReserveBlocksResponse\x12\x19\n\x11num_cached_blocks\x18\x01 \x01(\r\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\"/\n\x19ReleaseReservationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"+\n\x1aReleaseReservationResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xbc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x36\n\x0breservation\x18\x05 \x01(\x0b\x32!.pdserve.v1.ReserveBlocksResponse\"\xc4\x01\n\x0fPrefillResponse\x12\x17\n\x0f\x66irst_token_ids\x18\x01 \x03(\r\x12\x31\n\x0e\x66irst_logprobs\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x62locks_sent\x18\x04 \x01(\r\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\x12\x11\n\tprefill_s\x18\x06 \x01(\x01\x12\x12\n\ntransfer_s\x18\x07 \x01(\x01*X\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*u\n\x11\x43hecksumAlgorithm\x12\"\n\x1e\x43HECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x43HECKSUM_ALGORITHM_CRC32\x10\x01\x12\x1e\n\x1a\x43HECKSUM_ALGORITHM_XXH3_64\x10\x02\x32\x93\x02\n\nKVTransfer\x12J\n\nPushBlocks\x12\x1a.pdserve.v1.KVBlockMessage\x1a\x1e.pdserve.v1.PushBlocksResponse(\x01\x12T\n\rReserveBlocks\x12 .pdserve.v1.ReserveBlocksRequest\x1a!.pdserve.v1.ReserveBlocksResponse\x12\x63\n\x12ReleaseReservation\x12%.pdserve.v1.ReleaseReservationRequest\x1a&.pdserve.v1.ReleaseReservationResponse2\x95\x01\n\nDecodeNode\x12\x43\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x42\n\x0b\x41\x62ortDecode\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse2Q\n\x0bPrefillNode\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.kv_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1424
-  _globals['_DTYPE']._serialized_end=1512
-  _globals['_CHECKSUMALGORITHM']._serialized_start=1514
-  _globals['_CHECKSUMALGORITHM']._serialized_end=1599
-  _globals['_KVBLOCKMESSAGE']._serialized_start=62
-  _globals['_KVBLOCKMESSAGE']._serialized_end=206
-  _globals['_KVHEADER']._serialized_start=209
-  _globals['_KVHEADER']._serialized_end=578
-  _globals['_KVCHUNK']._serialized_start=580
-  _globals['_KVCHUNK']._serialized_end=616
-  _globals['_KVTRAILER']._serialized_start=618
-  _globals['_KVTRAILER']._serialized_end=647
-  _globals['_PUSHBLOCKSRESPONSE']._serialized_start=649
-  _globals['_PUSHBLOCKSRESPONSE']._serialized_end=716
-  _globals['_RESERVEBLOCKSREQUEST']._serialized_start=719
-  _globals['_RESERVEBLOCKSREQUEST']._serialized_end=850
-  _globals['_RESERVEBLOCKSRESPONSE']._serialized_start=852
-  _globals['_RESERVEBLOCKSRESPONSE']._serialized_end=938
-  _globals['_RELEASERESERVATIONREQUEST']._serialized_start=940
-  _globals['_RELEASERESERVATIONREQUEST']._serialized_end=987
-  _globals['_RELEASERESERVATIONRESPONSE']._serialized_start=989
-  _globals['_RELEASERESERVATIONRESPONSE']._serialized_end=1032
-  _globals['_PREFILLREQUEST']._serialized_start=1035
-  _globals['_PREFILLREQUEST']._serialized_end=1223
-  _globals['_PREFILLRESPONSE']._serialized_start=1226
-  _globals['_PREFILLRESPONSE']._serialized_end=1422
-  _globals['_KVTRANSFER']._serialized_start=1602
-  _globals['_KVTRANSFER']._serialized_end=1877
-  _globals['_PREFILLNODE']._serialized_start=1879
-  _globals['_PREFILLNODE']._serialized_end=1960
+  _globals['_DTYPE']._serialized_start=1615
+  _globals['_DTYPE']._serialized_end=1703
+  _globals['_CHECKSUMALGORITHM']._serialized_start=1705
+  _globals['_CHECKSUMALGORITHM']._serialized_end=1822
+  _globals['_DECODEREQUEST']._serialized_start=62
+  _globals['_DECODEREQUEST']._serialized_end=224
+  _globals['_KVBLOCKMESSAGE']._serialized_start=227
+  _globals['_KVBLOCKMESSAGE']._serialized_end=371
+  _globals['_KVHEADER']._serialized_start=374
+  _globals['_KVHEADER']._serialized_end=743
+  _globals['_KVCHUNK']._serialized_start=745
+  _globals['_KVCHUNK']._serialized_end=781
+  _globals['_KVTRAILER']._serialized_start=783
+  _globals['_KVTRAILER']._serialized_end=812
+  _globals['_PUSHBLOCKSRESPONSE']._serialized_start=814
+  _globals['_PUSHBLOCKSRESPONSE']._serialized_end=881
+  _globals['_RESERVEBLOCKSREQUEST']._serialized_start=884
+  _globals['_RESERVEBLOCKSREQUEST']._serialized_end=1041
+  _globals['_RESERVEBLOCKSRESPONSE']._serialized_start=1043
+  _globals['_RESERVEBLOCKSRESPONSE']._serialized_end=1129
+  _globals['_RELEASERESERVATIONREQUEST']._serialized_start=1131
+  _globals['_RELEASERESERVATIONREQUEST']._serialized_end=1178
+  _globals['_RELEASERESERVATIONRESPONSE']._serialized_start=1180
+  _globals['_RELEASERESERVATIONRESPONSE']._serialized_end=1223
+  _globals['_PREFILLREQUEST']._serialized_start=1226
+  _globals['_PREFILLREQUEST']._serialized_end=1414
+  _globals['_PREFILLRESPONSE']._serialized_start=1417
+  _globals['_PREFILLRESPONSE']._serialized_end=1613
+  _globals['_KVTRANSFER']._serialized_start=1825
+  _globals['_KVTRANSFER']._serialized_end=2100
+  _globals['_DECODENODE']._serialized_start=2103
+  _globals['_DECODENODE']._serialized_end=2252
+  _globals['_PREFILLNODE']._serialized_start=2254
+  _globals['_PREFILLNODE']._serialized_end=2335
 # @@protoc_insertion_point(module_scope)

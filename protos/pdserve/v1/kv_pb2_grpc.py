@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from protos.pdserve.v1 import kv_pb2 as pdserve_dot_v1_dot_kv__pb2
+from protos.pdserve.v1 import serving_pb2 as pdserve_dot_v1_dot_serving__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -190,6 +191,132 @@ class KVTransfer:
             '/pdserve.v1.KVTransfer/ReleaseReservation',
             pdserve_dot_v1_dot_kv__pb2.ReleaseReservationRequest.SerializeToString,
             pdserve_dot_v1_dot_kv__pb2.ReleaseReservationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class DecodeNodeStub:
+    """Served by the decode node: the token stream of one request.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Decode = channel.unary_stream(
+                '/pdserve.v1.DecodeNode/Decode',
+                request_serializer=pdserve_dot_v1_dot_kv__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_serving__pb2.GenerateResponse.FromString,
+                _registered_method=True)
+        self.AbortDecode = channel.unary_unary(
+                '/pdserve.v1.DecodeNode/AbortDecode',
+                request_serializer=pdserve_dot_v1_dot_serving__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_serving__pb2.AbortResponse.FromString,
+                _registered_method=True)
+
+
+class DecodeNodeServicer:
+    """Served by the decode node: the token stream of one request.
+    """
+
+    def Decode(self, request, context):
+        """Decodes a request and streams its tokens as the client API's GenerateResponse. With
+        first_token_ids set, the prompt's KV already sits in this request's reservation (filled
+        by PushBlocks) and decoding continues from those tokens; the first streamed chunk carries
+        them. Without, the decode node prefills the prompt itself (short prompts, or a recompute
+        after a failed transfer). Errors before any output are gRPC statuses
+        (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, NOT_FOUND for a missing reservation); after output
+        has started, an in-stream Error followed by status OK.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortDecode(self, request, context):
+        """Stops a request on this node and frees its blocks (and any reservation). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_DecodeNodeServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Decode': grpc.unary_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=pdserve_dot_v1_dot_kv__pb2.DecodeRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_serving__pb2.GenerateResponse.SerializeToString,
+            ),
+            'AbortDecode': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortDecode,
+                    request_deserializer=pdserve_dot_v1_dot_serving__pb2.AbortRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_serving__pb2.AbortResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.DecodeNode', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.DecodeNode', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class DecodeNode:
+    """Served by the decode node: the token stream of one request.
+    """
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.DecodeNode/Decode',
+            pdserve_dot_v1_dot_kv__pb2.DecodeRequest.SerializeToString,
+            pdserve_dot_v1_dot_serving__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortDecode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeNode/AbortDecode',
+            pdserve_dot_v1_dot_serving__pb2.AbortRequest.SerializeToString,
+            pdserve_dot_v1_dot_serving__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

