@@ -247,9 +247,14 @@ class LLMEngine:
                        num_computed_tokens=len(prompt), num_cached_tokens=num_cached_tokens)
         seq.first_token_time = now
         self.scheduler.add_sequence(seq)
+        # The prefill node's token may already end the request (EOS, a stop token, max_tokens=1).
+        self.scheduler._check_stop(seq)
         delta = "".join(self._append_text(req, seq, t) for t in outs)
+        done = self.scheduler.request_finished(request_id)
         self._pending.append(self._request_output(
-            req, [self._completion(req, seq, outs, delta, None, None)], finished=False))
+            req, [self._completion(req, seq, outs, delta, None, None)], finished=done))
+        if done:
+            self._finish_request(req)
 
     def held_block_table(self, request_id: str) -> list[int]:
         """Prefill role: the blocks of a finished ``hold_kv`` request (prompt KV)."""

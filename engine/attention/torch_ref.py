@@ -42,7 +42,8 @@ class _LongSeq:
 
 
 class TorchRefBackend:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, short_q_max: int = 16):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, short_q_max: int = 16,
+                 group_cost_cells: int = 1024):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads = num_heads
@@ -51,9 +52,12 @@ class TorchRefBackend:
         self.group = num_heads // num_kv_heads
         self.scale = head_dim**-0.5
         self.short_q_max = short_q_max
+        # What one more padded batch costs (per-call overhead of the gather and SDPA), in
+        # padded KV positions; measured ~0.1 ms per call vs ~0.1 us per position on CPU.
+        self.group_cost_cells = group_cost_cells
         self._meta: AttentionMetadata | None = None
         self._k_rows: torch.Tensor | None = None
-        self._short: _ShortBatch | None = None
+        self._shorts: list[_ShortBatch] = []
         self._long: list[_LongSeq] = []
 
     # ------------------------------------------------------------------ per step
@@ -67,7 +71,8 @@ class TorchRefBackend:
         for q in meta.q_lens:
             starts.append(starts[-1] + q)
         short = [s for s, q in enumerate(meta.q_lens) if q <= self.short_q_max]
-        self._short = self._build_short(meta, short, starts, device) if short else None
+        self._shorts = [self._build_short(meta, group, starts, device)
+                        for group in split_by_length(short, meta.seq_lens, self.group_cost_cells)]
         self._long = []
         for s, q in enumerate(meta.q_lens):
             if q <= self.short_q_max:
@@ -139,14 +144,13 @@ class TorchRefBackend:
         write_kv(kv_cache_layer, k, v, self._k_rows)
         flat = flat_layer(kv_cache_layer)  # [N * 2 * bs, H_kv, D]
         out = torch.empty_like(q)
-        if self._short is not None:
-            self._attend_short(q, flat, out)
+        for sb in self._shorts:
+            self._attend_short(sb, q, flat, out)
         for seq in self._long:
             self._attend_long(q, flat, seq, out)
         return out
 
-    def _attend_short(self, q: torch.Tensor, flat: torch.Tensor, out: torch.Tensor) -> None:
-        sb = self._short
+    def _attend_short(self, sb: _ShortBatch, q: torch.Tensor, flat: torch.Tensor, out: torch.Tensor) -> None:
         b, q_max = sb.tokens.shape
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
         # One gather for K and V of every sequence: [2, B, K, Hkv, D] -> [B, Hkv, K, D] views.
@@ -180,3 +184,32 @@ class TorchRefBackend:
             qs.reshape(hkv, n * g, d), k.to(q.dtype), v.to(q.dtype), attn_mask=seq.mask, scale=self.scale
         )  # [Hkv, n*G, D]
         out[seq.start : seq.start + n] = o.view(hkv, n, g, d).permute(1, 0, 2, 3).reshape(n, hkv * g, d)
+
+
+def split_by_length(seqs: list[int], seq_lens: list[int], group_cost: int) -> list[list[int]]:
+    """Partition short-query sequences into padded batches that waste the least.
+
+    A padded batch costs ``size * longest`` KV positions plus ``group_cost`` for the call
+    itself. Sorted by length, the best partition is contiguous, found by a small DP::
+
+        lengths  40 60 90 | 500 650 700     one batch: 6 * 700 = 4200 positions
+                 group 1   | group 2         two: 3 * 90 + 3 * 700 + cost = 2370 + cost
+    """
+    if len(seqs) <= 1:
+        return [seqs] if seqs else []
+    order = sorted(seqs, key=lambda s: seq_lens[s])
+    n = len(order)
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j sequences
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest = seq_lens[order[j - 1]]
+        for i in range(j):
+            c = best[i] + (j - i) * longest + group_cost
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    groups = []
+    j = n
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]

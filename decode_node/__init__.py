@@ -1,0 +1,1 @@
+"""Decode role: a node that receives prompt KV, decodes and streams tokens back."""

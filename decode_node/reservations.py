@@ -1,0 +1,136 @@
+"""The decode node's reservations: which blocks a prefill node may push into, for how long,
+and whether the KV has all arrived. Plain bookkeeping under one lock (gRPC threads share it).
+
+Life of one reservation::
+
+    ReserveBlocks -> add ----> PushBlocks (begin_push .. end_push, received layers recorded)
+                       |                     \
+                       |                      Decode -> take (all layers in, no push in flight)
+                       '-- ReleaseReservation / AbortDecode / lease expiry -> drop
+
+A reservation's blocks may only go back to the engine when no PushBlocks is writing into them:
+``drop`` of a reservation with a push in flight only hides it (new pushes are refused), and
+the push's ``end_push`` then says the blocks can be released.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kv_transfer.validate import Reservation
+
+
+@dataclass(slots=True)
+class _Entry:
+    reservation: Reservation
+    prompt_token_ids: tuple[int, ...]
+    deadline: float
+    layers: set[int] = field(default_factory=set)
+    in_flight: int = 0
+    dropped: bool = False
+
+
+class NotReadyError(RuntimeError):
+    """Decode came before the reservation's KV had all arrived."""
+
+
+class ReservationTable:
+    def __init__(self, num_layers: int, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.num_layers = num_layers
+        self.lease_s = lease_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(not e.dropped for e in self._entries.values())
+
+    def add(self, request_id: str, reservation: Reservation, prompt_token_ids: tuple[int, ...]) -> None:
+        with self._lock:
+            if request_id in self._entries:
+                raise KeyError(f"request {request_id!r} already has a reservation")
+            entry = _Entry(reservation, prompt_token_ids, self._clock() + self.lease_s)
+            if not reservation.block_ids:  # every block already cached here: nothing to receive
+                entry.layers = set(range(self.num_layers))
+            self._entries[request_id] = entry
+
+    def get(self, request_id: str) -> Reservation | None:
+        """What KVReceiver checks a push against; None once dropped."""
+        with self._lock:
+            e = self._entries.get(request_id)
+            return None if e is None or e.dropped else e.reservation
+
+    def begin_push(self, request_id: str) -> bool:
+        with self._lock:
+            e = self._entries.get(request_id)
+            if e is None or e.dropped:
+                return False
+            e.in_flight += 1
+            return True
+
+    def received(self, request_id: str, layers: range) -> None:
+        """A push's blocks are in the pool: the lease restarts, now waiting for Decode."""
+        with self._lock:
+            e = self._entries.get(request_id)
+            if e is not None and not e.dropped:
+                e.layers.update(layers)
+                e.deadline = self._clock() + self.lease_s
+
+    def end_push(self, request_id: str) -> bool:
+        """Returns True when the reservation was dropped meanwhile and its blocks can now be
+        released (the caller releases them)."""
+        with self._lock:
+            e = self._entries.get(request_id)
+            if e is None:
+                return False
+            e.in_flight -= 1
+            if e.dropped and e.in_flight == 0:
+                del self._entries[request_id]
+                return True
+            return False
+
+    def take(self, request_id: str, prompt_token_ids: tuple[int, ...]) -> Reservation:
+        """For Decode: remove and return a complete reservation. Raises KeyError (none),
+        ValueError (another prompt) or NotReadyError (KV still missing or arriving)."""
+        with self._lock:
+            e = self._entries.get(request_id)
+            if e is None or e.dropped:
+                raise KeyError(f"no KV reservation for request {request_id!r} (never made, released or expired)")
+            if e.prompt_token_ids != prompt_token_ids:
+                raise ValueError(f"request {request_id!r}: the prompt differs from the one its KV was reserved for")
+            missing = self.num_layers - len(e.layers)
+            if e.in_flight or missing:
+                raise NotReadyError(
+                    f"request {request_id!r}: KV not complete ({missing} of {self.num_layers} layers missing, "
+                    f"{e.in_flight} pushes in flight)"
+                )
+            del self._entries[request_id]
+            return e.reservation
+
+    def drop(self, request_id: str) -> tuple[bool, bool]:
+        """Forget a reservation -> (found, release_now). With a push in flight, release_now
+        is False and that push's ``end_push`` reports it instead."""
+        with self._lock:
+            e = self._entries.get(request_id)
+            if e is None or e.dropped:
+                return False, False
+            if e.in_flight:
+                e.dropped = True
+                return True, False
+            del self._entries[request_id]
+            return True, True
+
+    def expire(self) -> list[str]:
+        """Drop reservations whose lease passed; returns the ids to release now."""
+        now = self._clock()
+        with self._lock:
+            late = [rid for rid, e in self._entries.items() if not e.dropped and e.deadline <= now]
+        release = []
+        for rid in late:
+            _, now_ = self.drop(rid)
+            if now_:
+                release.append(rid)
+        return release

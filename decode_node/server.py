@@ -1,0 +1,249 @@
+"""The decode node's gRPC server: KVTransfer (reserve, receive, release) and DecodeNode
+(Decode stream, AbortDecode), plus health, over one engine.
+
+A disaggregated request, as seen from here::
+
+    ReserveBlocks   blocks for the prompt; leading ones this node already caches are kept and
+                    not sent (num_cached_blocks); the rest are promised to the prefill node
+    PushBlocks      the prefill node writes the KV into exactly those blocks (validated first)
+    Decode          with first_token_ids: the request joins the running batch over that KV;
+                    without: this node prefills the prompt itself (short prompt, or recompute
+                    after a failed transfer; any leftover reservation is dropped first)
+
+Writing into reserved blocks from a gRPC thread while the engine loop steps is safe: the
+engine never reads or reuses a block that is reserved but not yet added as a request, and a
+reservation's blocks go back to the engine only once no push into them is in flight.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+
+import grpc
+
+from decode_node.reservations import NotReadyError, ReservationTable
+from decode_node.responses import ResponseBuilder
+from engine.async_engine import EngineStoppedError, OutputStream, RequestFailedError
+from engine.block_hash import hash_prompt_blocks
+from engine.engine import LLMEngine
+from engine.errors import InvalidRequestError
+from kv_transfer.grpc_transport import KVReceiver, ReceivedBlocks
+from kv_transfer.node_config import NodeConfig
+from kv_transfer.node_runtime import NodeRuntime
+from kv_transfer.validate import Reservation
+from protos.convert import sampling_from_proto
+from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc, serving_pb2
+
+log = logging.getLogger(__name__)
+
+SERVICES = tuple(kv_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("KVTransfer", "DecodeNode"))
+# Told to a router whose ReserveBlocks found the pool full: blocks free up as requests finish.
+RETRY_AFTER_MS = 200
+
+
+class DecodeServer:
+    def __init__(self, config: NodeConfig, engine: LLMEngine | None = None) -> None:
+        if config.role != "decode":
+            raise ValueError(f"DecodeServer needs a decode-role config, got role={config.role!r}")
+        self.config = config
+        self.engine = engine or LLMEngine(config.engine, load_tokenizer=config.load_tokenizer)
+        self.runtime = NodeRuntime(config, self.engine, SERVICES)
+        self.reservations = ReservationTable(self.engine.model_config.num_layers, config.reservation_lease_s)
+        self.receiver = KVReceiver(self.engine.kv_cache, self.engine.fingerprint, self._on_received,
+                                   self.reservations.get)
+        kv_pb2_grpc.add_KVTransferServicer_to_server(_KVTransferService(self), self.runtime.server)
+        kv_pb2_grpc.add_DecodeNodeServicer_to_server(_DecodeService(self), self.runtime.server)
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._expire_reservations, name=f"reaper-{config.node_id}",
+                                        daemon=True)
+
+    @property
+    def aengine(self):
+        return self.runtime.aengine
+
+    @property
+    def address(self) -> str | None:
+        return self.runtime.address
+
+    def start(self) -> str:
+        address = self.runtime.start()
+        self._reaper.start()
+        return address
+
+    def stop(self, deregister: bool = True) -> None:
+        self._stop.set()
+        if self._reaper.is_alive():
+            self._reaper.join()
+        self.runtime.stop(deregister=deregister)
+
+    def stats(self) -> dict:
+        load = self.aengine.load.as_dict() if self.aengine else {}
+        return {"node_id": self.config.node_id, "role": "decode", "address": self.address,
+                "reservations": len(self.reservations), **load}
+
+    # ---- reservation plumbing (gRPC threads)
+    def _on_received(self, r: ReceivedBlocks) -> None:
+        self.reservations.received(r.request_id, r.layers)
+
+    def _drop_reservation(self, request_id: str) -> tuple[bool, bool]:
+        """-> (found, released now); a push in flight releases it when it ends."""
+        found, release_now = self.reservations.drop(request_id)
+        if release_now:
+            self.aengine.release_kv(request_id)
+        return found, release_now
+
+    def _expire_reservations(self) -> None:
+        period = max(0.05, min(1.0, self.config.reservation_lease_s / 4))
+        while not self._stop.wait(period):
+            for rid in self.reservations.expire():
+                log.info("reservation of %r expired after %.1fs without Decode; releasing",
+                         rid, self.config.reservation_lease_s)
+                try:
+                    self.aengine.release_kv(rid)
+                except EngineStoppedError:
+                    return
+
+
+class _KVTransferService(kv_pb2_grpc.KVTransferServicer):
+    def __init__(self, node: DecodeServer) -> None:
+        self.node = node
+
+    def ReserveBlocks(self, request: kv_pb2.ReserveBlocksRequest, context: grpc.ServicerContext):
+        node, eng = self.node, self.node.engine
+        rid = request.request_id
+        if request.model_fingerprint != eng.fingerprint or request.block_size != eng.block_size:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"this node serves model {eng.fingerprint!r} with block_size {eng.block_size}; "
+                          f"got {request.model_fingerprint!r} / {request.block_size}")
+        prompt = list(request.prompt_token_ids)
+        bs = eng.block_size
+        problem = _reserve_problem(rid, prompt, request, eng)
+        if problem:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        hashes = hash_prompt_blocks(prompt, bs, eng.fingerprint.encode())
+        if request.block_hashes and list(request.block_hashes) != hashes[: len(request.block_hashes)]:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "block_hashes do not match the prompt's chained hashes for this model")
+        try:
+            got = node.aengine.reserve_kv(rid, prompt)
+        except InvalidRequestError as err:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(err))
+        except EngineStoppedError as err:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        if got is None:
+            load = node.aengine.load
+            context.set_trailing_metadata((("retry-after-ms", str(RETRY_AFTER_MS)),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"no room for {math.ceil(len(prompt) / bs)} KV blocks now "
+                          f"({load.free_blocks} of {load.num_blocks} free); retry in {RETRY_AFTER_MS} ms")
+        table, cached_tokens = got
+        first = cached_tokens // bs
+        dest = table[first : math.ceil(len(prompt) / bs)]
+        node.reservations.add(rid, Reservation(first, tuple(dest), tuple(hashes[first:])), tuple(prompt))
+        return kv_pb2.ReserveBlocksResponse(num_cached_blocks=first, block_ids=dest,
+                                            lease_s=node.config.reservation_lease_s)
+
+    def PushBlocks(self, request_iterator, context: grpc.ServicerContext):
+        # Peek at the header to count this push as in flight on its reservation: its blocks
+        # must not be released (lease expiry, ReleaseReservation) while it may still write.
+        first = next(request_iterator, None)
+        rid = first.header.request_id if first is not None and first.WhichOneof("kind") == "header" else None
+        began = rid is not None and self.node.reservations.begin_push(rid)
+        messages = itertools.chain([] if first is None else [first], request_iterator)
+        try:
+            return self.node.receiver.PushBlocks(messages, context)
+        finally:
+            if began and self.node.reservations.end_push(rid):
+                self.node.aengine.release_kv(rid)
+
+    def ReleaseReservation(self, request: kv_pb2.ReleaseReservationRequest, context):
+        found, _ = self.node._drop_reservation(request.request_id)
+        return kv_pb2.ReleaseReservationResponse(found=found)
+
+
+def _reserve_problem(rid: str, prompt: list[int], request: kv_pb2.ReserveBlocksRequest, eng: LLMEngine) -> str:
+    """Why a reservation can never be served ("" if it can): checked before blocks are taken."""
+    if not rid:
+        return "request_id is required"
+    if not prompt:
+        return "prompt_token_ids is required (the node verifies its cache hits token by token)"
+    if request.num_tokens and request.num_tokens != len(prompt):
+        return f"num_tokens is {request.num_tokens} but prompt_token_ids has {len(prompt)}"
+    if len(prompt) >= eng.max_model_len:
+        return f"prompt has {len(prompt)} tokens but the model's context is {eng.max_model_len} tokens"
+    need = math.ceil(len(prompt) / eng.block_size)
+    if need > eng.num_blocks:
+        return f"prompt needs {need} KV blocks but the KV cache has only {eng.num_blocks} blocks"
+    vocab = eng.model_config.vocab_size
+    if any(t >= vocab for t in prompt):
+        return f"prompt token ids must be in [0, {vocab})"
+    return ""
+
+
+class _DecodeService(kv_pb2_grpc.DecodeNodeServicer):
+    def __init__(self, node: DecodeServer) -> None:
+        self.node = node
+
+    def Decode(self, request: kv_pb2.DecodeRequest, context: grpc.ServicerContext):
+        rid = request.request_id
+        if not rid:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        params = sampling_from_proto(request.sampling)
+        prompt = tuple(request.prompt_token_ids)
+        try:
+            if request.first_token_ids:
+                stream = self._add_prefilled(request, prompt, params, context)
+            else:
+                self._drop_for_recompute(rid, context)
+                stream = self.node.aengine.add_request(prompt, params, request_id=rid)
+        except InvalidRequestError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except EngineStoppedError as err:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        context.add_callback(stream.cancel)  # client went away -> abort, blocks freed
+        yield from _stream(stream, ResponseBuilder(rid, params.n), context)
+
+    def _add_prefilled(self, request, prompt: tuple[int, ...], params, context) -> OutputStream:
+        rid = request.request_id
+        if params.n != 1:  # the samples would fork at the prompt's last step, which ran elsewhere
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"a prefilled request continues one sequence: n must be 1, got {params.n}")
+        try:
+            self.node.reservations.take(rid, prompt)
+        except KeyError as err:
+            context.abort(grpc.StatusCode.NOT_FOUND, err.args[0])
+        except ValueError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except NotReadyError as err:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        try:
+            return self.node.aengine.add_prefilled_request(
+                rid, prompt, list(request.first_token_ids), params, num_cached_tokens=request.cached_prompt_tokens)
+        except InvalidRequestError:
+            self.node.aengine.release_kv(rid)  # taken off the table above: nobody else will
+            raise
+
+    def _drop_for_recompute(self, rid: str, context) -> None:
+        found, released = self.node._drop_reservation(rid)
+        if found and not released:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"request {rid!r}: a KV push into its reservation is still in flight")
+
+    def AbortDecode(self, request: serving_pb2.AbortRequest, context):
+        rid = request.request_id
+        running = self.node.aengine.abort(rid)
+        reserved, _ = self.node._drop_reservation(rid)
+        return serving_pb2.AbortResponse(found=running or reserved)
+
+
+def _stream(stream: OutputStream, builder: ResponseBuilder, context: grpc.ServicerContext):
+    try:
+        for out in stream:
+            yield from builder.responses(out)
+    except (RequestFailedError, EngineStoppedError) as err:
+        code = grpc.StatusCode.UNAVAILABLE if isinstance(err, EngineStoppedError) else grpc.StatusCode.INTERNAL
+        if builder.num_messages == 0:
+            context.abort(code, str(err))
+        yield from builder.error(code.value[0], str(err))

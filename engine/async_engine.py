@@ -1,0 +1,369 @@
+"""AsyncEngine: one thread owns an LLMEngine; any other thread talks to it through commands.
+
+LLMEngine is single-threaded by design. A node's gRPC handlers run on a thread pool, so they
+never touch the engine: they submit commands (add a request, reserve or release KV, abort) that
+the loop thread runs between steps, and they read their request's outputs from its own
+``OutputStream``::
+
+    gRPC threads --commands (Future)--> [ loop thread: commands, step, dispatch ] --> streams
+                                                   |                                    |
+                            KV events -> on_kv_events callback        per-request queues
+
+The loop steps while the engine has work and sleeps on a condition otherwise (no busy spin),
+including when waiting requests cannot be admitted: only a command (abort, release) can free
+the blocks they need, and every command wakes the loop.
+
+No ray, grpc or redis here: the servers wrap this.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
+
+from engine.engine import LLMEngine, RequestOutput
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# How long a caller waits for a command to run: a command waits at most for the step in
+# progress, so this only trips when the loop is wedged.
+COMMAND_TIMEOUT_S = 60.0
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine loop is not running (shut down or never started)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while running this request (the step raised); the request is gone."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """The engine's load as of the last loop iteration; what nodes heartbeat to Redis."""
+
+    waiting: int = 0
+    running: int = 0
+    running_tokens: int = 0  # tokens (prompt + output) of running sequences: their KV footprint
+    free_blocks: int = 0
+    num_blocks: int = 0
+    kv_usage: float = 0.0
+
+    def as_dict(self) -> dict[str, int | float]:
+        return asdict(self)
+
+
+_DONE = object()  # end-of-stream marker in an OutputStream's queue
+
+
+class OutputStream:
+    """The outputs of one request, in order, for one reader thread.
+
+    Iterate it (blocks until the request finishes), or call ``get(timeout)``. ``cancel()``
+    aborts the request in the engine (a gRPC server calls it when the client goes away); the
+    stream then ends with the engine's abort output.
+    """
+
+    def __init__(self, request_id: str, cancel: Callable[[str], Any]) -> None:
+        self.request_id = request_id
+        self._cancel = cancel
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._ended = threading.Event()  # set by the loop when it delivered the last item
+        self._drained = False  # the reader has seen the end
+
+    # ---- loop side
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put(item)
+        if isinstance(item, BaseException) or item.finished:
+            self._ended.set()
+            self._queue.put(_DONE)
+
+    # ---- reader side
+    @property
+    def finished(self) -> bool:
+        return self._ended.is_set()
+
+    def get(self, timeout: float | None = None) -> RequestOutput | None:
+        """Next output; None once the stream has ended. Raises TimeoutError, or the error that
+        failed the request (RequestFailedError, EngineStoppedError)."""
+        if self._drained:
+            return None
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no output for request {self.request_id!r} within {timeout}s") from None
+        if item is _DONE:
+            self._drained = True
+            return None
+        if isinstance(item, BaseException):
+            self._drained = True
+            raise item
+        return item
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        return self.iter()
+
+    def iter(self, timeout: float | None = None) -> Iterator[RequestOutput]:
+        """Outputs until the request finishes; ``timeout`` bounds the wait for each one."""
+        while (out := self.get(timeout)) is not None:
+            yield out
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """The final output, with every sample's full token ids (waits for the finish)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last: RequestOutput | None = None
+        latest = {}
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            out = self.get(left)
+            if out is None:
+                break
+            for c in out.outputs:
+                latest[c.index] = c
+            last = out
+        if last is None:
+            raise RequestFailedError(f"request {self.request_id!r} ended without output")
+        last.outputs = [latest[i] for i in sorted(latest)]
+        return last
+
+    def cancel(self) -> None:
+        """Abort the request unless it already finished; idempotent, never raises."""
+        if self._ended.is_set():
+            return
+        try:
+            self._cancel(self.request_id)
+        except EngineStoppedError:
+            pass  # shutdown fails every stream on its own
+
+
+class _Command:
+    __slots__ = ("fn", "future")
+
+    def __init__(self, fn: Callable[[LLMEngine], Any]) -> None:
+        self.fn = fn
+        self.future: Future = Future()
+
+
+class AsyncEngine:
+    """Runs ``engine`` on a loop thread (started here); see the module docstring.
+
+    ``on_kv_events`` receives each batch of block events (BlockStored / BlockRemoved /
+    AllBlocksCleared) on the loop thread: it must be quick (hand them to another thread).
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_kv_events: Callable[[list], None] | None = None,
+        name: str = "engine-loop",
+    ) -> None:
+        self.engine = engine
+        self._on_kv_events = on_kv_events
+        self._cond = threading.Condition()
+        self._commands: deque[_Command] = deque()
+        self._stopping = False
+        # Owned by the loop thread (commands run there too): request id -> its stream.
+        self._streams: dict[str, OutputStream] = {}
+        self._load = self._snapshot()
+        self.num_step_errors = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ commands
+    def call(self, fn: Callable[[LLMEngine], T]) -> Future:
+        """Run ``fn(engine)`` on the loop thread between steps; its result or exception
+        lands in the returned Future."""
+        cmd = _Command(fn)
+        with self._cond:
+            if self._stopping or not self._thread.is_alive():
+                raise EngineStoppedError("the engine loop is not running")
+            self._commands.append(cmd)
+            self._cond.notify()
+        return cmd.future
+
+    def run(self, fn: Callable[[LLMEngine], T], timeout: float = COMMAND_TIMEOUT_S) -> T:
+        """``call`` and wait for the result (re-raising the command's exception)."""
+        return self.call(fn).result(timeout)
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        hold_kv: bool = False,
+    ) -> OutputStream:
+        """Queue a request; raises InvalidRequestError right away when it can never run."""
+
+        def add(eng: LLMEngine) -> OutputStream:
+            rid = eng.add_request(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                  params=params, hold_kv=hold_kv)
+            return self._open_stream(rid)
+
+        return self.run(add)
+
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
+        params: SamplingParams,
+        num_cached_tokens: int = 0,
+    ) -> OutputStream:
+        """Decode role: continue a request whose prompt KV sits in its reserved blocks."""
+
+        def add(eng: LLMEngine) -> OutputStream:
+            eng.add_prefilled_request(request_id, prompt_token_ids, output_token_ids, params,
+                                      num_cached_tokens=num_cached_tokens)
+            return self._open_stream(request_id)
+
+        return self.run(add)
+
+    def reserve_kv(self, request_id: str, prompt_token_ids: Sequence[int]) -> tuple[list[int], int] | None:
+        return self.run(lambda eng: eng.reserve_kv(request_id, prompt_token_ids))
+
+    def release_kv(self, request_id: str) -> None:
+        self.run(lambda eng: eng.release_kv(request_id))
+
+    def held_block_table(self, request_id: str) -> list[int]:
+        return self.run(lambda eng: eng.held_block_table(request_id))
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a running or waiting request; its stream ends with an abort output."""
+        return self.run(lambda eng: eng.abort(request_id))
+
+    @property
+    def load(self) -> LoadSnapshot:
+        """Refreshed every loop iteration; safe to read from any thread (one attribute read)."""
+        return self._load
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop after the step in progress; open streams and queued commands fail
+        with EngineStoppedError."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("engine loop did not stop within %.1fs", timeout)
+
+    # ------------------------------------------------------------------ loop thread
+    def _open_stream(self, request_id: str) -> OutputStream:
+        stream = OutputStream(request_id, self._cancel)
+        self._streams[request_id] = stream
+        return stream
+
+    def _cancel(self, request_id: str) -> None:
+        # Fire and forget: a client disconnect callback must not block on the loop.
+        self.call(lambda eng: eng.abort(request_id))
+
+    def _run(self) -> None:
+        busy = False
+        try:
+            while True:
+                with self._cond:
+                    while not (self._commands or self._stopping or busy):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    commands, self._commands = self._commands, deque()
+                for cmd in commands:
+                    self._run_command(cmd)
+                busy = self._step()
+        except Exception:
+            log.exception("engine loop crashed")
+            raise
+        finally:
+            self._fail_everything(EngineStoppedError("the engine was shut down"))
+
+    def _run_command(self, cmd: _Command) -> None:
+        if not cmd.future.set_running_or_notify_cancel():
+            return
+        try:
+            result = cmd.fn(self.engine)
+        except BaseException as err:  # delivered to the caller, who decides
+            cmd.future.set_exception(err)
+        else:
+            cmd.future.set_result(result)
+
+    def _step(self) -> bool:
+        """One engine step + dispatch; returns whether stepping again can make progress."""
+        eng = self.engine
+        steps_before = eng.num_steps
+        outputs: list[RequestOutput] = []
+        try:
+            if eng.has_unfinished_requests():
+                outputs = eng.step()
+        except Exception as err:
+            self.num_step_errors += 1
+            log.exception("engine step failed; failing its %d open requests", len(self._streams))
+            self._fail_requests(RequestFailedError(f"engine step failed: {err!r}"))
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # a request whose stream was already failed
+            stream._put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+        self._publish_events()
+        self._load = self._snapshot()
+        progressed = bool(outputs) or eng.num_steps != steps_before
+        return progressed and eng.has_unfinished_requests()
+
+    def _publish_events(self) -> None:
+        events = self.engine.take_kv_events()
+        if events and self._on_kv_events is not None:
+            try:
+                self._on_kv_events(events)
+            except Exception:  # the index is a hint; a lost batch must not stop serving
+                log.exception("on_kv_events callback failed; %d block events dropped", len(events))
+
+    def _fail_requests(self, err: BaseException) -> None:
+        """Abort every open request (freeing its blocks) and hand ``err`` to its reader.
+
+        A failed step leaves no way to tell which requests it had scheduled, so all open ones
+        fail: their state may be half-updated.
+        """
+        for rid, stream in list(self._streams.items()):
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                log.exception("abort of %r after a failed step also failed", rid)
+            stream._put(err)
+        self._streams.clear()
+
+    def _fail_everything(self, err: BaseException) -> None:
+        with self._cond:
+            self._stopping = True
+            commands, self._commands = self._commands, deque()
+        for cmd in commands:
+            if cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(err)
+        for stream in self._streams.values():
+            stream._put(err)
+        self._streams.clear()
+
+    def _snapshot(self) -> LoadSnapshot:
+        eng = self.engine
+        sched = eng.scheduler
+        return LoadSnapshot(
+            waiting=sched.num_waiting,
+            running=sched.num_running,
+            running_tokens=sum(s.num_tokens for s in sched.running),
+            free_blocks=eng.kv.num_free_blocks,
+            num_blocks=eng.num_blocks,
+            kv_usage=eng.kv.usage,
+        )

@@ -1,0 +1,81 @@
+"""Frozen configuration of one serving node (prefill or decode role).
+
+Torch-free (``engine.config`` is plain data) so that launchers, the CLI and Ray drivers can
+build it without loading the engine. CLI flags and Helm values map onto these fields one to
+one; the engine's own settings stay in the nested ``EngineConfig``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    node_id: str
+    role: str  # "prefill" | "decode"
+    redis_url: str
+    host: str = "127.0.0.1"
+    grpc_port: int = 0  # 0 = pick a free port (the bound address is what the node registers)
+    namespace: str = "pdserve"  # Redis key prefix; clusters sharing one Redis use different ones
+    # The node's registry entry expires lease_s after its last heartbeat: a dead node stops
+    # receiving work within lease_s. heartbeat_s must be well below it.
+    lease_s: float = 3.0
+    heartbeat_s: float = 0.5
+    # Decode role: seconds a KV reservation waits for its PushBlocks, and again after each
+    # completed push for the Decode call, before its blocks are released.
+    reservation_lease_s: float = 10.0
+    # Decode role: load the model's tokenizer for text deltas and stop strings. Prefill nodes
+    # never detokenize (the decode node streams the text), so they skip it.
+    load_tokenizer: bool = True
+    # gRPC worker threads: each Decode stream holds one for its whole duration.
+    grpc_workers: int = 32
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not self.node_id:
+            raise ValueError("node_id must be non-empty")
+        if not 0 < self.heartbeat_s < self.lease_s:
+            raise ValueError(
+                f"need 0 < heartbeat_s < lease_s, got heartbeat_s={self.heartbeat_s} lease_s={self.lease_s}"
+            )
+        if not 0 <= self.grpc_port < 65536:
+            raise ValueError(f"grpc_port must be in [0, 65535], got {self.grpc_port}")
+        if self.reservation_lease_s <= 0:
+            raise ValueError(f"reservation_lease_s must be > 0, got {self.reservation_lease_s}")
+        if self.grpc_workers < 2:
+            raise ValueError(f"grpc_workers must be >= 2, got {self.grpc_workers}")
+
+
+def pool_resource(role: str) -> str:
+    """The Ray custom resource of a role's pool: a Ray node joins the prefill pool by offering
+    ``{"prefill_pool": k}`` (k node actors fit on it)."""
+    return f"{role}_pool"
+
+
+def ray_actor_options(
+    config: NodeConfig, *, gpu: bool = False, accelerator_type: str | None = None, num_cpus: float = 1
+) -> dict:
+    """``.options(...)`` for a node actor (plain dict, so this module stays Ray-free).
+
+    Named after the node (it shows up by name on the dashboard and ``ray.get_actor`` finds it),
+    pinned to its role's pool, restarted forever by Ray; method calls (address, ready, stats)
+    are idempotent reads, so a few are retried across a restart.
+    """
+    options: dict = {
+        "name": config.node_id,
+        "resources": {pool_resource(config.role): 1},
+        "max_restarts": -1,
+        "max_task_retries": 3,
+        "num_cpus": num_cpus,
+    }
+    if gpu:
+        options["num_gpus"] = 1
+        if accelerator_type:
+            options["accelerator_type"] = accelerator_type
+    return options

@@ -1,0 +1,130 @@
+"""A node's background link to the Redis index: lease heartbeats and KV block events.
+
+The engine loop hands block events over with ``submit_events`` (a queue put, never a Redis
+round trip on the engine thread); this thread folds them and publishes each batch in one
+pipeline, and heartbeats the load every ``heartbeat_s`` (the heartbeat is the lease).
+
+Redis trouble never stops serving: the index is a hint. A failed publish is logged and the
+node re-registers (dropping its entries) on the next success, so the index forgets blocks it
+can no longer vouch for instead of keeping stale ones.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+import redis
+
+from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
+from kv_transfer.kv_index import NodePublisher
+
+log = logging.getLogger(__name__)
+
+
+def fold_kv_events(events: Iterable[object]) -> tuple[list[int], list[int], bool]:
+    """Net effect of block events in order -> (stored, removed, cleared).
+
+    ``NodePublisher.publish`` applies cleared, then removed, then stored; folding first makes
+    that order right whatever the batch held (a block stored then evicted in the same batch
+    ends up removed, not stored).
+    """
+    state: dict[int, bool] = {}  # hash -> stored (True) / removed (False); insertion order kept
+    cleared = False
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            for h in ev.block_hashes:
+                state.pop(h, None)
+                state[h] = True
+        elif isinstance(ev, BlockRemoved):
+            for h in ev.block_hashes:
+                state.pop(h, None)
+                state[h] = False
+        elif isinstance(ev, AllBlocksCleared):
+            cleared = True
+            state.clear()
+        else:
+            raise TypeError(f"unknown KV event {type(ev).__name__}")
+    stored = [h for h, s in state.items() if s]
+    removed = [h for h, s in state.items() if not s]
+    return stored, removed, cleared
+
+
+class IndexPublisherThread:
+    """Registers the node at ``start``, heartbeats ``load()`` and publishes block events until
+    ``stop``, which deregisters (unless told not to, as a crashed node would not)."""
+
+    def __init__(
+        self,
+        publisher: NodePublisher,
+        load: Callable[[], Mapping[str, float | int]],
+        heartbeat_s: float,
+    ) -> None:
+        self.publisher = publisher
+        self._load = load
+        self._heartbeat_s = heartbeat_s
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._needs_resync = False
+        self._thread = threading.Thread(target=self._run, name=f"index-{publisher.info.node_id}", daemon=True)
+        self.num_published = 0
+        self.num_errors = 0
+
+    def start(self) -> None:
+        self.publisher.register()
+        self._thread.start()
+
+    def submit_events(self, events: list) -> None:
+        """Thread-safe; called by the engine loop with each batch of block events."""
+        self._events.put(events)
+
+    def stop(self, deregister: bool = True, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._events.put(None)  # wake the thread
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if deregister:
+            try:
+                self.publisher.deregister()
+            except redis.RedisError as err:
+                # The lease still expires on its own within lease_s.
+                log.warning("deregister of %s failed: %s", self.publisher.info.node_id, err)
+
+    def _run(self) -> None:
+        next_beat = time.monotonic()
+        while not self._stop.is_set():
+            batches = self._take_events(timeout=max(0.0, next_beat - time.monotonic()))
+            try:
+                if self._needs_resync:
+                    self.publisher.register()  # drops our entries: they may be stale now
+                    self._needs_resync = False
+                if batches:
+                    stored, removed, cleared = fold_kv_events(ev for b in batches for ev in b)
+                    self.publisher.publish(stored=stored, removed=removed, cleared=cleared)
+                    self.num_published += 1
+                if time.monotonic() >= next_beat:
+                    self.publisher.heartbeat(self._load())
+                    next_beat = time.monotonic() + self._heartbeat_s
+            except redis.RedisError as err:
+                self.num_errors += 1
+                self._needs_resync = True
+                log.warning("index publish for %s failed (will re-register): %s",
+                            self.publisher.info.node_id, err)
+                next_beat = time.monotonic() + self._heartbeat_s
+
+    def _take_events(self, timeout: float) -> list[list]:
+        """Every queued batch, waiting up to ``timeout`` for the first one."""
+        batches = []
+        try:
+            first = self._events.get(timeout=timeout)
+        except queue.Empty:
+            return batches
+        while True:
+            if first is not None:
+                batches.append(first)
+            try:
+                first = self._events.get_nowait()
+            except queue.Empty:
+                return batches

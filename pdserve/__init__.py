@@ -1,0 +1,19 @@
+"""pdserve client SDK: ``import pdserve``.
+
+    with pdserve.Client("127.0.0.1:50051") as client:
+        for chunk in client.generate("Hello", max_tokens=32):
+            print(chunk.text, end="")
+
+Torch-free and server-free: it needs grpcio, protobuf and the generated stubs only.
+"""
+from pdserve.aio import AsyncClient, AsyncStream
+from pdserve.client import TLS, Client, Stream
+from pdserve.errors import (CancelledError, DeadlineExceededError, InvalidRequestError, NotFoundError,
+                            PdServeError, ResourceExhaustedError, UnavailableError)
+from pdserve.types import Chunk, Completion, ModelInfo, Timings, TokenLogprob, Usage
+
+__all__ = [
+    "AsyncClient", "AsyncStream", "CancelledError", "Chunk", "Client", "Completion", "DeadlineExceededError",
+    "InvalidRequestError", "ModelInfo", "NotFoundError", "PdServeError", "ResourceExhaustedError", "Stream",
+    "TLS", "Timings", "TokenLogprob", "UnavailableError", "Usage",
+]

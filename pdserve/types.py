@@ -1,0 +1,58 @@
+"""Plain result types of the SDK (no protobuf in user code)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """New output of sample ``index`` since its previous chunk."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """Seconds from the request's arrival at the router (see serving.proto Timings)."""
+
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    first_token_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One finished sample: its whole text and tokens, why it stopped, usage and timings."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    usage: Usage = field(default_factory=Usage)
+    timings: Timings = field(default_factory=Timings)
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    id: str
+    max_context_length: int

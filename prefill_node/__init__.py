@@ -1,0 +1,1 @@
+"""Prefill role: a node that prefills prompts and streams their KV to decode nodes."""

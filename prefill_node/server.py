@@ -1,0 +1,194 @@
+"""The prefill node's gRPC server: PrefillNode.Prefill plus health, over one engine.
+
+Prefill = the request run with max_tokens=1 and its KV held after it finishes, then the blocks
+the decode node does not already hold pushed into its reservation, then the blocks released::
+
+    prompt blocks here:  [ p0 p1 | p2 p3 p4 ]     reservation.num_cached_blocks = 2
+                           held    pushed -> reservation.block_ids
+
+The first token is sampled here with the request's own sampling parameters (seed,
+temperature, penalties...), so it follows the same distribution as on a single engine; the
+decode node continues from it. Stop strings are left to the decode node, which detokenizes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+import time
+
+import grpc
+
+from engine.async_engine import EngineStoppedError, RequestFailedError
+from engine.block_hash import hash_prompt_blocks
+from engine.engine import LLMEngine, RequestOutput
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+from kv_transfer.grpc_transport import GRPC_OPTIONS, push_blocks
+from kv_transfer.node_config import NodeConfig
+from kv_transfer.node_runtime import NodeRuntime
+from protos.convert import sampling_from_proto
+from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc, serving_pb2
+
+log = logging.getLogger(__name__)
+
+SERVICES = (kv_pb2.DESCRIPTOR.services_by_name["PrefillNode"].full_name,)
+# A push that takes longer is treated as a failed transfer (the router then recomputes).
+PUSH_TIMEOUT_S = 60.0
+
+
+class PrefillServer:
+    def __init__(self, config: NodeConfig, engine: LLMEngine | None = None) -> None:
+        if config.role != "prefill":
+            raise ValueError(f"PrefillServer needs a prefill-role config, got role={config.role!r}")
+        self.config = config
+        # Prefill nodes never detokenize: the decode node streams the text.
+        self.engine = engine or LLMEngine(config.engine, load_tokenizer=False)
+        self.runtime = NodeRuntime(config, self.engine, SERVICES)
+        kv_pb2_grpc.add_PrefillNodeServicer_to_server(_PrefillService(self), self.runtime.server)
+        self._channels: dict[str, grpc.Channel] = {}
+        self._channels_lock = threading.Lock()
+        self.num_prefills = 0
+        self.num_transfer_failures = 0
+
+    @property
+    def aengine(self):
+        return self.runtime.aengine
+
+    @property
+    def address(self) -> str | None:
+        return self.runtime.address
+
+    def start(self) -> str:
+        return self.runtime.start()
+
+    def stop(self, deregister: bool = True) -> None:
+        self.runtime.stop(deregister=deregister)
+        with self._channels_lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+    def stats(self) -> dict:
+        load = self.aengine.load.as_dict() if self.aengine else {}
+        return {"node_id": self.config.node_id, "role": "prefill", "address": self.address,
+                "prefills": self.num_prefills, "transfer_failures": self.num_transfer_failures, **load}
+
+    def channel(self, address: str) -> grpc.Channel:
+        """One long-lived channel per decode node: connection setup stays off the hot path."""
+        with self._channels_lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+            return ch
+
+
+def first_token_params(params: SamplingParams) -> SamplingParams:
+    """The request's parameters for sampling its first token only: same distribution
+    (min_tokens >= 1 still bans EOS), one token, no stop strings (no text here)."""
+    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=(),
+                               include_stop_str_in_output=False)
+
+
+class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
+    def __init__(self, node: PrefillServer) -> None:
+        self.node = node
+
+    def Prefill(self, request: kv_pb2.PrefillRequest, context: grpc.ServicerContext):
+        node, eng = self.node, self.node.engine
+        rid = request.request_id
+        prompt = list(request.prompt_token_ids)
+        params = sampling_from_proto(request.sampling)
+        problem = _prefill_problem(rid, prompt, params, request, eng)
+        if problem:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        t0 = time.monotonic()
+        try:
+            stream = node.aengine.add_request(prompt, first_token_params(params), request_id=rid, hold_kv=True)
+        except InvalidRequestError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except EngineStoppedError as err:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        context.add_callback(stream.cancel)  # the router gave up: stop computing
+        try:
+            final = self._wait(stream, context)
+            prefill_s = time.monotonic() - t0
+            sent = kv_pb2.PushBlocksResponse()
+            t1 = time.monotonic()
+            if request.reservation.block_ids:
+                sent = self._push(rid, prompt, request, context)
+            transfer_s = time.monotonic() - t1 if request.reservation.block_ids else 0.0
+        finally:
+            # Always: the blocks stay in this node's prefix cache either way, unpinned.
+            try:
+                node.aengine.release_kv(rid)
+            except EngineStoppedError:
+                pass  # the engine and its blocks are gone with it
+        node.num_prefills += 1
+        c = final.outputs[0]
+        first_logprobs = []
+        if c.logprobs:
+            tops = c.new_top_logprobs or [[]]
+            first_logprobs = [serving_pb2.TokenLogprobs(
+                token_id=c.token_ids[0], logprob=c.logprobs[0],
+                top=[serving_pb2.TopLogprob(token_id=t, logprob=v) for t, v in (tops[0] or [])])]
+        return kv_pb2.PrefillResponse(
+            first_token_ids=c.token_ids, first_logprobs=first_logprobs, cached_tokens=final.num_cached_tokens,
+            blocks_sent=sent.blocks_written, bytes_sent=sent.bytes_written,
+            prefill_s=prefill_s, transfer_s=transfer_s,
+        )
+
+    def _wait(self, stream, context) -> RequestOutput:
+        try:
+            final = stream.result()
+        except RequestFailedError as err:
+            context.abort(grpc.StatusCode.INTERNAL, str(err))
+        except EngineStoppedError as err:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        if final.outputs[0].finish_reason == "abort" or not final.outputs[0].token_ids:
+            context.abort(grpc.StatusCode.CANCELLED, f"request {final.request_id!r} was aborted")
+        return final
+
+    def _push(self, rid: str, prompt: list[int], request: kv_pb2.PrefillRequest, context) -> kv_pb2.PushBlocksResponse:
+        node, eng = self.node, self.node.engine
+        res = request.reservation
+        bs = eng.block_size
+        # The table may run past the prompt (the sampled token's slot): only prompt blocks go.
+        src = node.aengine.held_block_table(rid)[: math.ceil(len(prompt) / bs)]
+        try:
+            return push_blocks(
+                node.channel(request.decode_address), eng.kv_cache,
+                request_id=rid, fingerprint=eng.fingerprint, src_block_ids=src,
+                block_hashes=hash_prompt_blocks(prompt, bs, eng.fingerprint.encode()),
+                num_tokens=len(prompt), dest_block_ids=list(res.block_ids),
+                skip_leading_blocks=res.num_cached_blocks, timeout=PUSH_TIMEOUT_S,
+            )
+        except ValueError as err:  # the reservation does not fit this prompt
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reservation: {err}")
+        except grpc.RpcError as err:
+            node.num_transfer_failures += 1
+            log.warning("KV transfer of %r to %s failed: %s %s", rid, request.decode_address,
+                        err.code(), err.details())
+            # The receiver's code (INVALID_ARGUMENT, DATA_LOSS, NOT_FOUND) or UNAVAILABLE /
+            # DEADLINE_EXCEEDED when it could not be reached: the router recomputes on decode.
+            context.abort(err.code(), f"KV transfer to {request.decode_address} failed: {err.details()}")
+
+
+def _prefill_problem(rid: str, prompt: list[int], params: SamplingParams, request, eng: LLMEngine) -> str:
+    """Why this prefill can never lead to a served request ("" if it can). The whole request
+    is checked, not just its first token, so a bad one fails before any compute or transfer."""
+    if not rid:
+        return "request_id is required"
+    if params.n != 1:
+        return f"a disaggregated prefill samples one sequence: n must be 1, got {params.n}"
+    if request.reservation.block_ids and not request.decode_address:
+        return "decode_address is required when the reservation lists blocks to send"
+    try:
+        params.validate(eng.model_config.vocab_size)
+    except ValueError as err:
+        return str(err)
+    if prompt and len(prompt) + params.max_tokens > eng.max_model_len:
+        return (f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {eng.max_model_len} tokens")
+    return ""

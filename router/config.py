@@ -1,0 +1,59 @@
+"""Router configuration: one frozen dataclass; the CLI flags of ``python -m router.server``
+map onto its fields one to one."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    redis_url: str
+    model_name: str
+    tokenizer_dir: str  # local HF tokenizer dir: tokenizer.json + tokenizer_config.json
+    max_model_len: int  # prompt + output tokens of one request
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = pick a free port (RouterServer.address tells which)
+    namespace: str = "pdserve"
+    max_prompt_tokens: int | None = None  # None = max_model_len - 1
+    max_tokens_limit: int | None = None  # None = no limit beyond max_model_len
+    # Requests with n above this are not disaggregated: the decode node prefills them itself
+    # (the prefill -> decode hand-off carries the KV of one sample).
+    max_n: int = 1
+    # Prompts shorter than this prefill on the decode node: a transfer would cost more than
+    # recomputing them.
+    short_prompt_tokens: int = 64
+    node_refresh_s: float = 0.5
+    prune_every_s: float = 10.0
+    # Admission bound: requests beyond it get RESOURCE_EXHAUSTED with a retry hint.
+    max_inflight: int = 256
+    retry_after_ms: int = 200
+    # Per-hop deadlines (seconds) for the node RPCs; the decode stream has none of its own
+    # (it lasts as long as the client's deadline allows).
+    reserve_timeout_s: float = 5.0
+    prefill_timeout_s: float = 120.0
+    control_timeout_s: float = 5.0
+    max_message_bytes: int = 64 * 1024 * 1024
+    # Token ids accepted in token prompts and stop_token_ids; None = the tokenizer's vocab.
+    vocab_size: int | None = None
+    # EOS ids that end a request on its first token; None = from the tokenizer dir
+    # (tokenizer_config's eos_token, config.json / generation_config.json eos_token_id).
+    eos_token_ids: tuple[int, ...] | None = None
+    # Weight of a node's queued/running tokens against its cached prefix tokens in placement.
+    load_alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 1 <= self.effective_max_prompt_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_prompt_tokens must be in [1, max_model_len={self.max_model_len}), "
+                f"got {self.max_prompt_tokens}"
+            )
+        if self.max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if self.node_refresh_s <= 0:
+            raise ValueError(f"node_refresh_s must be > 0, got {self.node_refresh_s}")
+
+    @property
+    def effective_max_prompt_tokens(self) -> int:
+        return self.max_prompt_tokens if self.max_prompt_tokens is not None else self.max_model_len - 1

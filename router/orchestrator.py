@@ -1,0 +1,471 @@
+"""Request orchestration: validate -> tokenize -> hash -> one index lookup -> place -> drive
+the nodes -> relay the token stream.
+
+Disaggregated path (kv.proto has the wire-level walk-through)::
+
+    ReserveBlocks(decode) -> Prefill(prefill, carries the reservation) -> Decode(decode, first tokens)
+          |                       | fails: ReleaseReservation, then Decode without first tokens
+          | fails: Decode without first tokens (the decode node prefills; "local")
+    first token already ends the request -> ReleaseReservation, complete here
+
+Errors before any output are ``RouterError`` (the server turns them into gRPC statuses);
+after output started they are in-stream ``Error`` messages. The node view comes from a
+background thread (``NodeRefresher``) so a request never waits for the registry; the only
+Redis round trip on the request path is the prefix match.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.block_hash import hash_prompt_blocks
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from kv_transfer.kv_index import IndexReader, NodeInfo
+from protos.convert import sampling_from_proto, sampling_to_proto
+from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
+from protos.pdserve.v1 import serving_pb2 as pb
+from router.config import RouterConfig
+from router.placement import NoCapacityError, Placement, PlacementPolicy, PlacementRequest
+from router.tokenizer import ChatTemplateError, PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+
+class RouterError(Exception):
+    """A failure before any output: becomes the RPC's status (with retry-after-ms if set)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+
+
+# ----------------------------------------------------------------------------- node view
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """An immutable snapshot of the live nodes of the served model; replaced whole."""
+
+    nodes: tuple[NodeInfo, ...] = ()
+    fingerprint: str | None = None
+    block_size: int | None = None
+    refreshed_at: float = 0.0
+    error: str | None = None  # why the registry could not be read, if it could not
+
+    @property
+    def has_decode(self) -> bool:
+        return any(n.role == "decode" for n in self.nodes)
+
+
+def build_view(nodes: dict[str, NodeInfo], now: float) -> NodeView:
+    """Keep the nodes of one model. Mixed fingerprints mean a misconfigured cluster (KV of one
+    model is garbage to another): the fingerprint with the most decode nodes wins, the rest
+    are excluded and logged."""
+    if not nodes:
+        return NodeView(refreshed_at=now)
+    groups = Counter((n.fingerprint, n.block_size) for n in nodes.values() if n.role == "decode")
+    if not groups:
+        groups = Counter((n.fingerprint, n.block_size) for n in nodes.values())
+    (fp, bs), _ = min(groups.items(), key=lambda kv: (-kv[1], kv[0]))
+    keep = tuple(n for n in nodes.values() if (n.fingerprint, n.block_size) == (fp, bs))
+    if len(keep) != len(nodes):
+        odd = sorted(f"{n.node_id} ({n.fingerprint}, block_size {n.block_size})"
+                     for n in nodes.values() if (n.fingerprint, n.block_size) != (fp, bs))
+        log.error("nodes with a different model fingerprint or block size are excluded from routing "
+                  "(serving %s, block_size %d): %s", fp, bs, ", ".join(odd))
+    return NodeView(keep, fp, bs, now)
+
+
+class NodeRefresher:
+    """Reads the registry every ``refresh_s`` on its own thread; ``view`` is the latest
+    snapshot. A node whose lease lapses leaves the view within lease + refresh_s."""
+
+    def __init__(self, reader: IndexReader, refresh_s: float, prune_every_s: float) -> None:
+        self._reader = reader
+        self._refresh_s = refresh_s
+        self._prune_every_s = prune_every_s
+        self._view = NodeView()
+        self._stop = threading.Event()
+        self._first = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="router-node-refresh", daemon=True)
+
+    @property
+    def view(self) -> NodeView:
+        return self._view  # one attribute read: the snapshot is replaced, never mutated
+
+    def refresh_once(self) -> NodeView:
+        try:
+            self._view = build_view(self._reader.live_nodes(), time.monotonic())
+        except Exception as e:  # redis down: keep serving from nothing rather than stale leases
+            log.warning("node registry unreadable: %s", e)
+            self._view = NodeView(refreshed_at=time.monotonic(), error=f"node registry unreadable: {e}")
+        return self._view
+
+    def start(self) -> None:
+        self._thread.start()
+        self._first.wait(timeout=5.0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        last_prune = time.monotonic()
+        while not self._stop.is_set():
+            self.refresh_once()
+            self._first.set()
+            if time.monotonic() - last_prune >= self._prune_every_s:
+                last_prune = time.monotonic()
+                try:
+                    dead = self._reader.prune_dead()
+                    if dead:
+                        log.info("pruned dead nodes from the index: %s", dead)
+                except Exception as e:
+                    log.warning("prune_dead failed: %s", e)
+            self._stop.wait(self._refresh_s)
+
+
+# ----------------------------------------------------------------------------- per request
+@dataclass(slots=True)
+class Prepared:
+    """A validated request, placed."""
+
+    client_id: str
+    node_id: str  # the id the nodes see: unique per attempt, so clients cannot collide on nodes
+    prompt: list[int]
+    params: SamplingParams
+    sampling: pb.SamplingParams  # normalized: every field explicit
+    block_hashes: list[int]
+    fingerprint: str
+    block_size: int
+    placement: Placement
+
+
+@dataclass(slots=True)
+class Running:
+    """What Abort needs to stop a request wherever it is."""
+
+    node_request_id: str | None = None
+    decode_address: str | None = None
+    prefill_call: object | None = None
+    aborted: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Orchestrator:
+    """Serves Generate/Abort. Lives on one asyncio loop; ``_prepare`` runs on a worker thread
+    (tokenizing and the Redis lookup block)."""
+
+    def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer, refresher: NodeRefresher,
+                 reader: IndexReader, policy: PlacementPolicy) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.refresher = refresher
+        self.reader = reader
+        self.policy = policy
+        self.vocab_size = config.vocab_size or tokenizer.vocab_size
+        self.eos_token_ids = frozenset(config.eos_token_ids if config.eos_token_ids is not None
+                                       else tokenizer.eos_token_ids)
+        self._running: dict[str, Running] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.inflight = 0
+
+    # -- admission and validation ------------------------------------------------------------
+    def _prepare(self, req: pb.GenerateRequest, client_id: str) -> Prepared:
+        cfg = self.config
+        if req.model and req.model != cfg.model_name:
+            raise RouterError(grpc.StatusCode.NOT_FOUND,
+                              f"model {req.model!r} is not served here; served models: [{cfg.model_name!r}]")
+        prompt = self._prompt_ids(req)
+        try:
+            params = sampling_from_proto(req.sampling)
+            params.validate(self.vocab_size)
+        except ValueError as e:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        n = len(prompt)
+        if n == 0:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty (0 tokens)")
+        if n > cfg.effective_max_prompt_tokens:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"prompt has {n} tokens; max_prompt_tokens is {cfg.effective_max_prompt_tokens}")
+        if cfg.max_tokens_limit is not None and params.max_tokens > cfg.max_tokens_limit:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"max_tokens is {params.max_tokens}; max_tokens_limit is {cfg.max_tokens_limit}")
+        if n + params.max_tokens > cfg.max_model_len:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
+                              f"exceeds max_model_len {cfg.max_model_len}")
+        view = self.refresher.view
+        if not view.has_decode:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                              view.error or f"no live decode node for model {cfg.model_name!r}; retry later")
+        hashes = hash_prompt_blocks(prompt, view.block_size, view.fingerprint.encode())
+        try:
+            matched = self.reader.match(hashes, [x.node_id for x in view.nodes])
+        except Exception as e:  # the index is a hint: route without it rather than fail
+            log.warning("index lookup failed, placing without prefix information: %s", e)
+            matched = {}
+        try:
+            placement = self.policy.choose(
+                PlacementRequest(n, view.block_size, params.n, params.max_tokens), list(view.nodes), matched)
+        except NoCapacityError as e:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        return Prepared(client_id, f"{client_id}-{uuid.uuid4().hex[:12]}", prompt, params,
+                        sampling_to_proto(params), hashes, view.fingerprint, view.block_size, placement)
+
+    def _prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
+        kind = req.WhichOneof("prompt")
+        if kind == "text":
+            return self.tokenizer.encode(req.text)
+        if kind == "chat":
+            if not req.chat.messages:
+                raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "chat prompt has no messages")
+            try:
+                return self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in req.chat.messages])
+            except ChatTemplateError as e:
+                raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if kind == "tokens":
+            ids = list(req.tokens.ids)
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"token ids must be in [0, {self.vocab_size}) (the vocab size); got {bad[:5]}")
+            return ids
+        raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "no prompt: set one of text, chat or tokens")
+
+    # -- the request ---------------------------------------------------------------------------
+    async def generate(self, req: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """Yield the client's responses. Raises RouterError before the first one."""
+        arrival = time.monotonic()
+        if self.inflight >= self.config.max_inflight:
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{self.inflight} requests in flight (max_inflight {self.config.max_inflight}); "
+                              f"retry after {self.config.retry_after_ms} ms", self.config.retry_after_ms)
+        client_id = req.request_id if req.HasField("request_id") and req.request_id else uuid.uuid4().hex
+        if client_id in self._running:
+            raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request id {client_id!r} is already running")
+        self.inflight += 1
+        run = self._running[client_id] = Running()
+        try:
+            prep = await asyncio.to_thread(self._prepare, req, client_id)
+            async for resp in self._execute(prep, run, arrival):
+                resp.request_id = client_id
+                yield resp
+        except asyncio.CancelledError:
+            # The client went away: stop the work on the nodes too (shielded from our own cancel).
+            await asyncio.shield(self._abort_on_nodes(run))
+            raise
+        finally:
+            self.inflight -= 1
+            self._running.pop(client_id, None)
+
+    async def _execute(self, prep: Prepared, run: Running, arrival: float) -> AsyncIterator[pb.GenerateResponse]:
+        pl = prep.placement
+        decode = pl.decode_node
+        run.decode_address = decode.grpc_address
+        run.node_request_id = prep.node_id
+        run.timings["queue_s"] = time.monotonic() - arrival
+        if run.aborted:  # Abort arrived while the request was being prepared
+            for resp in _aborted(prep):
+                yield resp
+            return
+        first: kv_pb2.PrefillResponse | None = None
+        if pl.prefill_node is not None:
+            first = await self._prefill(prep, pl.prefill_node, decode, run)
+            if run.aborted:
+                for resp in _aborted(prep):
+                    yield resp
+                return
+        if first is not None and self._finished_by_first_token(prep, first):
+            await self._release(decode.grpc_address, prep.node_id)
+            for resp in self._complete_here(prep, first, arrival):
+                yield resp
+            return
+        dreq = kv_pb2.DecodeRequest(request_id=prep.node_id, prompt_token_ids=prep.prompt, sampling=prep.sampling)
+        if first is not None:
+            dreq.first_token_ids.extend(first.first_token_ids)
+            dreq.cached_prompt_tokens = first.cached_tokens
+        async for resp in self._relay(prep, dreq, decode, first, arrival, run):
+            yield resp
+
+    async def _prefill(self, prep: Prepared, prefill: NodeInfo, decode: NodeInfo,
+                       run: Running) -> kv_pb2.PrefillResponse | None:
+        """Reserve on the decode node, prefill on the prefill node. None: prefill locally."""
+        cfg = self.config
+        kv = kv_pb2_grpc.KVTransferStub(self._channel(decode.grpc_address))
+        try:
+            reservation = await kv.ReserveBlocks(kv_pb2.ReserveBlocksRequest(
+                request_id=prep.node_id, model_fingerprint=prep.fingerprint, block_size=prep.block_size,
+                num_tokens=len(prep.prompt), block_hashes=prep.block_hashes, prompt_token_ids=prep.prompt,
+            ), timeout=cfg.reserve_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            log.warning("request %s: ReserveBlocks on %s failed (%s: %s); prefilling on the decode node",
+                        prep.client_id, decode.node_id, e.code().name, e.details())
+            return None
+        call = kv_pb2_grpc.PrefillNodeStub(self._channel(prefill.grpc_address)).Prefill(kv_pb2.PrefillRequest(
+            request_id=prep.node_id, prompt_token_ids=prep.prompt, sampling=prep.sampling,
+            decode_address=decode.grpc_address, reservation=reservation,
+        ), timeout=cfg.prefill_timeout_s)
+        run.prefill_call = call
+        try:
+            resp = await call
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            await self._release(decode.grpc_address, prep.node_id)
+            if isinstance(e, asyncio.CancelledError) or run.aborted:
+                if not run.aborted:
+                    raise
+                return None
+            log.warning("request %s: Prefill on %s failed (%s: %s); recomputing on decode node %s",
+                        prep.client_id, prefill.node_id, e.code().name, e.details(), decode.node_id)
+            return None
+        finally:
+            run.prefill_call = None
+        run.timings["prefill_s"] = resp.prefill_s
+        run.timings["transfer_s"] = resp.transfer_s
+        run.timings["first_token_at"] = time.monotonic()
+        return resp
+
+    def _finished_by_first_token(self, prep: Prepared, first: kv_pb2.PrefillResponse) -> bool:
+        """Whether the prefill node's token already ends the request, so no decode slot is
+        needed. Stop strings need the decode node's text matching: they always go there."""
+        p = prep.params
+        if p.n != 1 or p.stop or len(first.first_token_ids) != 1:
+            return False
+        if p.max_tokens == 1:
+            return True
+        tok = first.first_token_ids[0]
+        if p.min_tokens > 1:
+            return False
+        return tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)
+
+    def _complete_here(self, prep: Prepared, first: kv_pb2.PrefillResponse, arrival: float):
+        p, tok = prep.params, first.first_token_ids[0]
+        detok = IncrementalDetokenizer(self.tokenizer, prep.prompt)
+        text = detok.step([tok]) + detok.flush()
+        chunk = pb.Chunk(index=0, token_ids=[tok], text=text)
+        if first.first_logprobs:
+            chunk.logprobs.append(first.first_logprobs[0])
+        reason = pb.FINISH_REASON_LENGTH if p.max_tokens == 1 and not (
+            tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)) else pb.FINISH_REASON_STOP
+        now = time.monotonic()
+        yield pb.GenerateResponse(chunk=chunk)
+        yield pb.GenerateResponse(complete=pb.Complete(
+            index=0, finish_reason=reason,
+            usage=pb.Usage(prompt_tokens=len(prep.prompt), completion_tokens=1,
+                           cached_prompt_tokens=first.cached_tokens),
+            timings=pb.Timings(queue_s=0.0, prefill_s=first.prefill_s, transfer_s=first.transfer_s,
+                               first_token_s=now - arrival, total_s=now - arrival)))
+
+    async def _relay(self, prep: Prepared, dreq: kv_pb2.DecodeRequest, decode: NodeInfo,
+                     first: kv_pb2.PrefillResponse | None, arrival: float, run: Running):
+        stub = kv_pb2_grpc.DecodeNodeStub(self._channel(decode.grpc_address))
+        call = stub.Decode(dreq)
+        sent = 0
+        first_token_s: dict[int, float] = {}
+        try:
+            async for resp in call:
+                kind = resp.WhichOneof("kind")
+                if kind == "chunk" and resp.chunk.index not in first_token_s:
+                    first_token_s[resp.chunk.index] = time.monotonic() - arrival
+                elif kind == "complete":
+                    self._fill_complete(resp.complete, run, first, first_token_s, arrival)
+                sent += 1
+                yield resp
+        except grpc.aio.AioRpcError as e:
+            if sent == 0:
+                code = e.code()
+                retry = _retry_after(e) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and retry is None:
+                    retry = self.config.retry_after_ms
+                raise RouterError(code, f"decode node {decode.node_id}: {e.details()}", retry) from None
+            log.warning("request %s: decode stream from %s broke after output: %s", prep.client_id,
+                        decode.node_id, e.details())
+            yield pb.GenerateResponse(error=pb.Error(code=e.code().value[0],
+                                                     message=f"decode node {decode.node_id}: {e.details()}"))
+            for i in range(prep.params.n):
+                yield pb.GenerateResponse(complete=pb.Complete(index=i, finish_reason=pb.FINISH_REASON_ERROR))
+
+    def _fill_complete(self, c: pb.Complete, run: Running, first, first_token_s: dict[int, float],
+                       arrival: float) -> None:
+        """Router-side timings (all from arrival here) and the prefill node's cache reuse."""
+        t = run.timings
+        c.timings.queue_s = t.get("queue_s", 0.0)
+        c.timings.prefill_s = t.get("prefill_s", c.timings.prefill_s)
+        c.timings.transfer_s = t.get("transfer_s", 0.0)
+        if "first_token_at" in t:  # the prefill node produced the first token
+            c.timings.first_token_s = t["first_token_at"] - arrival
+        elif c.index in first_token_s:
+            c.timings.first_token_s = first_token_s[c.index]
+        c.timings.total_s = time.monotonic() - arrival
+        if first is not None:
+            c.usage.cached_prompt_tokens = first.cached_tokens
+
+    # -- abort -------------------------------------------------------------------------------------
+    async def abort(self, client_id: str) -> bool:
+        run = self._running.get(client_id)
+        if run is None:
+            return False
+        run.aborted = True
+        await self._abort_on_nodes(run)
+        return True
+
+    async def _abort_on_nodes(self, run: Running) -> None:
+        if run.prefill_call is not None:
+            run.prefill_call.cancel()
+        node_request_id = run.node_request_id
+        if node_request_id is None or run.decode_address is None:
+            return
+        stub = kv_pb2_grpc.DecodeNodeStub(self._channel(run.decode_address))
+        try:
+            # AbortDecode also drops a reservation, so one call covers every phase.
+            await stub.AbortDecode(pb.AbortRequest(request_id=node_request_id), timeout=self.config.control_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            log.warning("AbortDecode %s on %s failed: %s", node_request_id, run.decode_address, e.details())
+
+    async def _release(self, address: str, node_request_id: str) -> None:
+        stub = kv_pb2_grpc.KVTransferStub(self._channel(address))
+        try:
+            await stub.ReleaseReservation(kv_pb2.ReleaseReservationRequest(request_id=node_request_id),
+                                          timeout=self.config.control_timeout_s)
+        except grpc.aio.AioRpcError as e:  # the reservation's lease frees it anyway
+            log.warning("ReleaseReservation %s on %s failed: %s", node_request_id, address, e.details())
+
+    # -- channels ------------------------------------------------------------------------------------
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            opts = [("grpc.max_receive_message_length", self.config.max_message_bytes),
+                    ("grpc.max_send_message_length", self.config.max_message_bytes)]
+            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=opts)
+        return ch
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+
+def _aborted(prep: Prepared):
+    for i in range(prep.params.n):
+        yield pb.GenerateResponse(complete=pb.Complete(
+            index=i, finish_reason=pb.FINISH_REASON_ABORT, usage=pb.Usage(prompt_tokens=len(prep.prompt))))
+
+
+def _retry_after(e: grpc.aio.AioRpcError) -> int | None:
+    for key, value in e.trailing_metadata() or ():
+        if key == "retry-after-ms":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None

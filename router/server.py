@@ -1,0 +1,178 @@
+"""The router's client-facing gRPC server: PdServe (Generate, Abort, ListModels), the standard
+grpc.health.v1 service and server reflection.
+
+    python -m router.server --redis-url redis://127.0.0.1:6379/0 --tokenizer-dir DIR \
+        --model-name smollm2-135m --max-model-len 2048 --port 50051
+
+It runs on grpc.aio: a request spends its life waiting on nodes, so one event loop carries
+thousands of them where a thread per stream would not. ``serve(config)`` runs that loop on a
+thread of its own so callers (the launcher, tests) stay synchronous.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import threading
+
+import grpc
+import redis
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kv_transfer.kv_index import IndexReader
+from protos.pdserve.v1 import serving_pb2 as pb
+from protos.pdserve.v1 import serving_pb2_grpc as pb_grpc
+from router.config import RouterConfig
+from router.orchestrator import NodeRefresher, Orchestrator, RouterError
+from router.placement import PrefixLoadPolicy
+from router.tokenizer import PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PdServe"].full_name
+
+
+class PdServeService(pb_grpc.PdServeServicer):
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self.orch = orchestrator
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            async for resp in self.orch.generate(request):
+                yield resp
+        except RouterError as e:
+            md = (("retry-after-ms", str(e.retry_after_ms)),) if e.retry_after_ms is not None else ()
+            await context.abort(e.code, e.message, trailing_metadata=md)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        return pb.AbortResponse(found=await self.orch.abort(request.request_id))
+
+    async def ListModels(self, request, context) -> pb.ListModelsResponse:
+        cfg = self.orch.config
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id=cfg.model_name, max_context_length=cfg.max_model_len)])
+
+
+class RouterServer:
+    """A running router. ``address`` is host:port as bound (port 0 picks a free one)."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.address: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self._grace = 0.0
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._thread_main, name="router-server", daemon=True)
+
+    def start(self) -> "RouterServer":
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self, grace: float = 0.0) -> None:
+        if self._loop is not None and self._stopping is not None and self._thread.is_alive():
+            self._grace = grace
+            self._loop.call_soon_threadsafe(self._stopping.set)
+        self._thread.join()
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:  # reported to start(); a failed start must not hang it
+            self._error = e
+            self._started.set()
+
+    async def _main(self) -> None:
+        cfg = self.config
+        self._loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        client = redis.Redis.from_url(cfg.redis_url)
+        reader = IndexReader(client, cfg.namespace)
+        refresher = NodeRefresher(IndexReader(client, cfg.namespace), cfg.node_refresh_s, cfg.prune_every_s)
+        orch = Orchestrator(cfg, PromptTokenizer(cfg.tokenizer_dir), refresher, reader,
+                            PrefixLoadPolicy(cfg.load_alpha, cfg.short_prompt_tokens, cfg.max_n))
+        opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
+                ("grpc.max_send_message_length", cfg.max_message_bytes)]
+        server = grpc.aio.server(options=opts)
+        pb_grpc.add_PdServeServicer_to_server(PdServeService(orch), server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if port == 0:
+            raise OSError(f"could not bind {cfg.host}:{cfg.port}")
+        refresher.start()
+        await server.start()
+        self.address = f"{cfg.host}:{port}"
+        log.info("router serving %s on %s", cfg.model_name, self.address)
+        self._started.set()
+        health_task = asyncio.create_task(_track_health(health_servicer, refresher, cfg.node_refresh_s))
+        try:
+            await self._stopping.wait()
+        finally:
+            health_task.cancel()
+            await server.stop(self._grace)
+            refresher.stop()
+            await orch.close()
+            client.close()
+
+
+async def _track_health(servicer, refresher: NodeRefresher, every_s: float) -> None:
+    """SERVING while a decode node is live: a load balancer then sends traffic elsewhere
+    when this router could only answer UNAVAILABLE."""
+    last = None
+    while True:
+        status = (health_pb2.HealthCheckResponse.SERVING if refresher.view.has_decode
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        if status != last:
+            for name in ("", SERVICE_NAME):
+                await servicer.set(name, status)
+            last = status
+        await asyncio.sleep(every_s)
+
+
+def serve(config: RouterConfig) -> RouterServer:
+    """Start a router; returns once it accepts connections."""
+    return RouterServer(config).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="pdserve router (gRPC)")
+    p.add_argument("--redis-url", required=True)
+    p.add_argument("--tokenizer-dir", required=True)
+    p.add_argument("--model-name", required=True)
+    p.add_argument("--max-model-len", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--namespace", default="pdserve")
+    p.add_argument("--max-prompt-tokens", type=int)
+    p.add_argument("--max-tokens-limit", type=int)
+    p.add_argument("--short-prompt-tokens", type=int, default=64)
+    p.add_argument("--max-inflight", type=int, default=256)
+    p.add_argument("--node-refresh-s", type=float, default=0.5)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = serve(RouterConfig(
+        redis_url=args.redis_url, tokenizer_dir=args.tokenizer_dir, model_name=args.model_name,
+        max_model_len=args.max_model_len, host=args.host, port=args.port, namespace=args.namespace,
+        max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
+        short_prompt_tokens=args.short_prompt_tokens, max_inflight=args.max_inflight,
+        node_refresh_s=args.node_refresh_s,
+    ))
+    print(f"router listening on {server.address}", flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: threading.Thread(target=server.stop, args=(5.0,)).start())
+    server.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

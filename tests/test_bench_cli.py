@@ -1,0 +1,30 @@
+"""`pdserve bench` plumbing: the last line printed with --json is one JSON object."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_bench(*args: str) -> dict:
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", *args, "--json"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_kv_memory_bench_reports_paged_vs_contiguous():
+    out = run_bench("kv-memory", "--max-requests", "60")
+    assert set(out["per_trace"]) == {"azure-code", "azure-conv", "mooncake-conv"}
+    assert 0.0 <= out["paged_waste"] < out["contiguous_waste"] <= 1.0
+    assert out["concurrency_ratio"] >= 1.0
+    assert out["per_trace"]["azure-conv"]["concurrency_ratio"] > 1.0
+
+
+def test_unknown_bench_is_refused():
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "nope"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "known:" in r.stderr

@@ -1,0 +1,125 @@
+"""Prefill and decode nodes as Ray actors on a real local Ray, in their own pools: one request
+through them by hand, both registered in Redis, and a restarted actor re-registers cleanly."""
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+
+import grpc
+import pytest
+import redis
+
+from engine.block_hash import hash_prompt_blocks
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.engine import LLMEngine
+from engine.models.tiny import save_tiny_model
+from engine.sampling_params import SamplingParams
+from kv_transfer.grpc_transport import GRPC_OPTIONS
+from kv_transfer.kv_index import IndexReader
+from kv_transfer.node_config import NodeConfig
+from protos.convert import sampling_to_proto
+from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
+
+ray = pytest.importorskip("ray")
+
+BS = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    # Without these, in-process ray.init turns on token auth and phones home (environment.md).
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")}
+    os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    ray.init(num_cpus=2, resources={"prefill_pool": 1, "decode_pool": 1}, include_dashboard=False,
+             namespace=f"test-{uuid.uuid4().hex[:6]}", log_to_driver=False)
+    yield
+    ray.shutdown()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def engine_config(path) -> EngineConfig:
+    return EngineConfig(model=str(path), dtype="float32", device="cpu", num_threads=1,
+                        cache=CacheConfig(block_size=BS, num_blocks=64),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8))
+
+
+def wait_for(cond, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return cond()
+
+
+def run_request(prefill_addr: str, decode_addr: str, fp: str, rid: str, prompt: list[int]) -> list[int]:
+    with grpc.insecure_channel(prefill_addr, options=GRPC_OPTIONS) as p_ch, \
+            grpc.insecure_channel(decode_addr, options=GRPC_OPTIONS) as d_ch:
+        res = kv_pb2_grpc.KVTransferStub(d_ch).ReserveBlocks(kv_pb2.ReserveBlocksRequest(
+            request_id=rid, model_fingerprint=fp, block_size=BS, num_tokens=len(prompt),
+            prompt_token_ids=prompt), timeout=30)
+        pre = kv_pb2_grpc.PrefillNodeStub(p_ch).Prefill(kv_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(GREEDY),
+            decode_address=decode_addr, reservation=res), timeout=30)
+        msgs = kv_pb2_grpc.DecodeNodeStub(d_ch).Decode(kv_pb2.DecodeRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(GREEDY),
+            first_token_ids=pre.first_token_ids, cached_prompt_tokens=pre.cached_tokens), timeout=30)
+        return [t for m in msgs if m.WhichOneof("kind") == "chunk" for t in m.chunk.token_ids]
+
+
+def test_prefill_and_decode_actors_serve_a_request_and_register(tiny_dir, redis_url, local_ray):
+    from decode_node.actor import spawn_decode_node
+    from prefill_node.actor import spawn_prefill_node
+
+    ns = f"ray-{uuid.uuid4().hex[:6]}"
+    common = dict(redis_url=redis_url, namespace=ns, lease_s=1.0, heartbeat_s=0.2, load_tokenizer=False,
+                  engine=engine_config(tiny_dir))
+    prefill = spawn_prefill_node(NodeConfig(node_id="prefill-0", role="prefill", **common), num_cpus=1)
+    decode = spawn_decode_node(NodeConfig(node_id="decode-0", role="decode", **common), num_cpus=1)
+    assert ray.get([prefill.ready.remote(), decode.ready.remote()], timeout=60) == [True, True]
+    p_addr, d_addr = ray.get([prefill.address.remote(), decode.address.remote()], timeout=30)
+    assert ray.get_actor("decode-0") is not None  # named: visible on the dashboard
+
+    ref_engine = LLMEngine(engine_config(tiny_dir), load_tokenizer=False)
+    prompt = list(range(20, 47))
+    ref = ref_engine.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    assert run_request(p_addr, d_addr, ref_engine.fingerprint, "r1", prompt) == ref
+
+    r = redis.Redis.from_url(redis_url)
+    reader = IndexReader(r, ns=ns)
+    live = reader.live_nodes()
+    assert {n: (i.role, i.grpc_address) for n, i in live.items()} == {
+        "prefill-0": ("prefill", p_addr), "decode-0": ("decode", d_addr)}
+    hashes = hash_prompt_blocks(prompt, BS, ref_engine.fingerprint.encode())
+    assert wait_for(lambda: reader.match(hashes, ["decode-0"])["decode-0"] == len(hashes), 5)
+    stats = ray.get(decode.stats.remote(), timeout=30)
+    json.dumps(stats)  # plain data
+    assert stats["free_blocks"] == stats["num_blocks"] == 64
+
+    # Ray restarts a killed node: it comes back on a new port with a fresh pool, and its
+    # registration replaces the old one, index entries included.
+    ray.kill(decode, no_restart=False)
+    assert wait_for(lambda: ray.get(decode.ready.remote(), timeout=60), 60)
+    new_addr = ray.get(decode.address.remote(), timeout=30)
+    assert wait_for(lambda: reader.live_nodes().get("decode-0") is not None
+                    and reader.live_nodes()["decode-0"].grpc_address == new_addr, 10)
+    assert reader.match(hashes, ["decode-0"])["decode-0"] == 0
+    assert run_request(p_addr, new_addr, ref_engine.fingerprint, "r2", prompt) == ref
+
+    ray.get([prefill.stop.remote(), decode.stop.remote()], timeout=30)
+    assert reader.live_nodes() == {}
+    for actor in (prefill, decode):
+        ray.kill(actor, no_restart=True)
+    r.close()
