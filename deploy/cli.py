@@ -95,7 +95,88 @@ def sampling_params_from_args(a: argparse.Namespace):
                           seed=a.seed, stop=tuple(a.stop))
 
 
+def cmd_generate_remote(a: argparse.Namespace) -> int:
+    """`pdserve generate --url HOST:PORT`: stream through the cluster with the client SDK."""
+    import pdserve
+
+    kwargs = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                  min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop or None)
+    prompt = a.prompt if a.no_chat else (
+        ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": a.prompt}])
+    t0 = time.perf_counter()
+    t_first = None
+    n = 0
+    try:
+        with pdserve.Client(a.url) as client:
+            stream = client.generate(prompt, **{k: v for k, v in kwargs.items() if v is not None})
+            for chunk in stream:
+                if t_first is None:
+                    t_first = time.perf_counter()
+                n += len(chunk.token_ids)
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+            done = stream.completion
+    except pdserve.PdServeError as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 2
+    dt = time.perf_counter() - t0
+    print()
+    usage = f", prompt {done.usage.prompt_tokens} tokens ({done.usage.cached_prompt_tokens} cached)" if done else ""
+    print(f"[{n} tokens in {dt:.2f}s: {n / dt:.1f} tok/s, first token "
+          f"{((t_first or t0) - t0) * 1000:.0f} ms{usage}, finish={done.finish_reason if done else None}]",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    from deploy.launcher import ClusterConfig, run_up
+
+    spinner_free = lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    cfg = ClusterConfig(
+        engine=engine_config_from_args(a), prefill_nodes=a.prefill_nodes, decode_nodes=a.decode_nodes,
+        host="127.0.0.1", grpc_port=a.grpc_port, redis_url=a.redis_url, dashboard_port=a.dashboard_port,
+        short_prompt_tokens=a.short_prompt_tokens, node_threads=a.node_threads,
+    )
+    return run_up(cfg, spinner_free)
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    """Nodes, pools, load and KV usage from the registry in Redis."""
+    import redis
+
+    from deploy.launcher import state_file
+    from kv_transfer.kv_index import IndexReader
+
+    url, ns = a.redis_url, a.namespace
+    state = {}
+    if url is None and state_file().exists():
+        state = json.loads(state_file().read_text())
+        url, ns = state.get("redis_url"), state.get("namespace", ns)
+    if url is None:
+        print("error: no running `pdserve up` found; pass --redis-url", file=sys.stderr)
+        return 2
+    try:
+        nodes = IndexReader(redis.Redis.from_url(url), ns).live_nodes()
+    except redis.RedisError as e:
+        print(f"error: cannot read {url}: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps({"cluster": state, "nodes": {k: v.__class__.__name__ and {
+            f: getattr(v, f) for f in v.__dataclass_fields__} for k, v in nodes.items()}}))
+        return 0
+    if state:
+        print(f"router grpc={state.get('grpc')}  dashboard={state.get('dashboard')}  redis={url}")
+    print(f"{'node':<12} {'role':<8} {'address':<22} {'waiting':>7} {'running':>7} {'tokens':>7} "
+          f"{'free blocks':>11} {'kv usage':>8}")
+    for n in sorted(nodes.values(), key=lambda n: (n.role, n.node_id)):
+        print(f"{n.node_id:<12} {n.role:<8} {n.grpc_address:<22} {n.waiting:>7} {n.running:>7} "
+              f"{n.running_tokens:>7} {n.free_blocks:>11} {n.kv_usage:>8.1%}")
+    return 0
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
+    if a.url:
+        return cmd_generate_remote(a)
     from engine.engine import LLMEngine
     from engine.errors import InvalidRequestError
     from engine.models.loader import ModelLoadError
@@ -160,8 +241,25 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("prompt")
     g.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
     g.add_argument("--system", default=None, help="system message for the chat template")
+    g.add_argument("--url", default=None, help="a running cluster's router (HOST:PORT); default: in-process")
     _add_engine_args(g)
     _add_sampling_args(g)
+
+    u = sub.add_parser("up", help="run the whole cluster on this machine")
+    _add_engine_args(u)
+    u.add_argument("--prefill-nodes", type=int, default=1)
+    u.add_argument("--decode-nodes", type=int, default=1)
+    u.add_argument("--grpc-port", type=int, default=50051)
+    u.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    u.add_argument("--dashboard-port", type=int, default=8265)
+    u.add_argument("--short-prompt-tokens", type=int, default=64,
+                   help="prompts shorter than this prefill on the decode node")
+    u.add_argument("--node-threads", type=int, default=1, help="torch threads per node")
+
+    st = sub.add_parser("status", help="nodes, load and KV usage of a running cluster")
+    st.add_argument("--redis-url", default=None)
+    st.add_argument("--namespace", default="pdserve")
+    st.add_argument("--json", action="store_true")
 
     b = sub.add_parser("bench", help="benchmarks (pdserve bench NAME --help)", add_help=False)
     b.add_argument("name")
@@ -171,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench(args, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd == "up":
+        return cmd_up(args)
+    if args.cmd == "status":
+        return cmd_status(args)
     return cmd_generate(args)
 
 

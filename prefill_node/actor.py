@@ -6,6 +6,8 @@ previous life published to the index (NodePublisher.register).
 """
 from __future__ import annotations
 
+import os
+
 import ray
 
 from kv_transfer.node_config import NodeConfig, ray_actor_options
@@ -26,7 +28,8 @@ class PrefillNodeActor:
         return self._server.aengine is not None and self._server.aengine.alive
 
     def stats(self) -> dict:
-        return self._server.stats()
+        # The pid tells restarts apart (a restarted actor is a new process).
+        return {**self._server.stats(), "pid": os.getpid()}
 
     def stop(self) -> None:
         """Leave the index and stop serving (then end the actor with ray.kill)."""

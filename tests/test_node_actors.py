@@ -110,8 +110,17 @@ def test_prefill_and_decode_actors_serve_a_request_and_register(tiny_dir, redis_
 
     # Ray restarts a killed node: it comes back on a new port with a fresh pool, and its
     # registration replaces the old one, index entries included.
+    old_pid = stats["pid"]
+
+    def restarted() -> bool:
+        try:  # ray.kill returns before the old process is gone: wait for the new one
+            return ray.get(decode.stats.remote(), timeout=60)["pid"] != old_pid
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            return False
+
     ray.kill(decode, no_restart=False)
-    assert wait_for(lambda: ray.get(decode.ready.remote(), timeout=60), 60)
+    assert wait_for(restarted, 60)
+    assert ray.get(decode.ready.remote(), timeout=30)
     new_addr = ray.get(decode.address.remote(), timeout=30)
     assert wait_for(lambda: reader.live_nodes().get("decode-0") is not None
                     and reader.live_nodes()["decode-0"].grpc_address == new_addr, 10)

@@ -111,6 +111,11 @@ def _converted_gguf(path: Path, progress: Progress) -> Path:
         raise ModelLoadError(f"cannot convert GGUF file {path}: {type(e).__name__}: {e}") from e
 
 
+def read_model_config(directory: str | Path) -> ModelConfig:
+    """The ModelConfig of a local model directory, without touching its weights."""
+    return _read_config(Path(directory))
+
+
 def _read_config(directory: Path) -> ModelConfig:
     path = directory / "config.json"
     if not path.is_file():

@@ -1,0 +1,221 @@
+"""`pdserve up`: the whole cluster on one machine.
+
+    redis-server (private, loopback)   <- or --redis-url
+    local Ray (dashboard on 127.0.0.1) with two custom resources: prefill_pool, decode_pool
+      prefill-0 .. prefill-{P-1}   PrefillNodeActor   (one per prefill_pool unit)
+      decode-0  .. decode-{D-1}    DecodeNodeActor    (one per decode_pool unit)
+    router (gRPC on 127.0.0.1:--grpc-port), in this process, torch-free
+
+When every node has registered, one line goes to stdout so scripts can wait for it:
+
+    pdserve ready grpc=127.0.0.1:50051 dashboard=http://127.0.0.1:8265
+
+Ctrl-C or SIGTERM stops the router, the actors, Ray and Redis, in that order.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from deploy.redis_server import RedisServer, free_port
+from engine.config import EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    engine: EngineConfig
+    prefill_nodes: int = 1
+    decode_nodes: int = 1
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    redis_url: str | None = None  # None: start a private redis-server
+    dashboard_port: int = 8265
+    namespace: str = "pdserve"
+    short_prompt_tokens: int = 64
+    lease_s: float = 3.0
+    node_threads: int = 1  # torch threads per node: nodes share this machine's cores
+    ready_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.prefill_nodes < 0 or self.decode_nodes < 1:
+            raise ValueError("need at least one decode node and zero or more prefill nodes")
+
+
+def state_file() -> Path:
+    base = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
+    return base / "cluster.json"
+
+
+class LocalCluster:
+    """Brings up and tears down the embedded cluster; usable as a context manager in tests."""
+
+    def __init__(self, config: ClusterConfig, progress: Callable[[str], None] = lambda m: None) -> None:
+        self.config = config
+        self.progress = progress
+        self.redis: RedisServer | None = None
+        self.redis_url: str | None = config.redis_url
+        self.router = None
+        self.actors: dict[str, object] = {}
+        self.node_addresses: dict[str, str] = {}
+        self.dashboard_url: str | None = None
+        self._ray_started = False
+
+    # ------------------------------------------------------------------ bring-up
+    def start(self) -> "LocalCluster":
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        import ray
+
+        from engine.models.loader import read_model_config, resolve_source
+        from kv_transfer.node_config import NodeConfig
+        from router.config import RouterConfig
+        from router.server import serve
+
+        cfg = self.config
+        # Convert a builtin or GGUF model once here, so the nodes don't race to do it.
+        model_dir = resolve_source(cfg.engine.model, progress=self.progress)
+        engine_cfg = replace(cfg.engine, model=str(model_dir), num_threads=cfg.node_threads)
+        model_cfg = read_model_config(model_dir)
+
+        if self.redis_url is None:
+            self.progress("starting redis-server on 127.0.0.1")
+            self.redis = RedisServer(host=cfg.host).start()
+            self.redis_url = self.redis.url
+
+        self.progress("starting Ray")
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        dash_port = cfg.dashboard_port or free_port()
+        ctx = ray.init(
+            namespace=cfg.namespace,
+            num_cpus=os.cpu_count() or 2,
+            resources={"prefill_pool": cfg.prefill_nodes, "decode_pool": cfg.decode_nodes},
+            include_dashboard=True,
+            dashboard_host=cfg.host,
+            dashboard_port=dash_port,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+        self._ray_started = True
+        self.dashboard_url = f"http://{ctx.dashboard_url}" if ctx.dashboard_url else None
+
+        from decode_node.actor import spawn_decode_node
+        from prefill_node.actor import spawn_prefill_node
+
+        for role, count, spawn in (("prefill", cfg.prefill_nodes, spawn_prefill_node),
+                                   ("decode", cfg.decode_nodes, spawn_decode_node)):
+            for i in range(count):
+                node = NodeConfig(node_id=f"{role}-{i}", role=role, redis_url=self.redis_url,
+                                  host=cfg.host, namespace=cfg.namespace, lease_s=cfg.lease_s,
+                                  heartbeat_s=min(0.5, cfg.lease_s / 4), engine=engine_cfg,
+                                  load_tokenizer=role == "decode")
+                # Nodes ask for no CPU slot: on a small machine the pools, not cores, place them.
+                self.actors[node.node_id] = spawn(node, num_cpus=0)
+        self.progress(f"loading the model on {len(self.actors)} nodes")
+        refs = {nid: a.address.remote() for nid, a in self.actors.items()}
+        deadline = time.monotonic() + cfg.ready_timeout_s
+        for nid, ref in refs.items():
+            self.node_addresses[nid] = ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
+            self.progress(f"{nid} serving on {self.node_addresses[nid]}")
+
+        self.progress("starting the router")
+        self.router = serve(RouterConfig(
+            redis_url=self.redis_url, model_name=cfg.engine.model, tokenizer_dir=str(model_dir),
+            max_model_len=min(model_cfg.max_model_len, cfg.engine.scheduler.max_model_len or 1 << 30),
+            host=cfg.host, port=cfg.grpc_port, namespace=cfg.namespace,
+            short_prompt_tokens=cfg.short_prompt_tokens,
+        ))
+        self._wait_registered(deadline)
+        self._write_state()
+
+    def _wait_registered(self, deadline: float) -> None:
+        import redis
+
+        from kv_transfer.kv_index import IndexReader
+
+        reader = IndexReader(redis.Redis.from_url(self.redis_url), self.config.namespace)
+        while time.monotonic() < deadline:
+            if set(self.actors) <= set(reader.live_nodes()):
+                return
+            time.sleep(0.1)
+        raise TimeoutError("nodes did not register in Redis in time")
+
+    def _write_state(self) -> None:
+        path = state_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({
+            "grpc": self.address, "redis_url": self.redis_url, "dashboard": self.dashboard_url,
+            "namespace": self.config.namespace, "nodes": self.node_addresses, "pid": os.getpid(),
+        }))
+
+    @property
+    def address(self) -> str | None:
+        return self.router.address if self.router is not None else None
+
+    # ------------------------------------------------------------------ tear-down
+    def stop(self) -> None:
+        if self.router is not None:
+            self.router.stop(grace=1.0)
+            self.router = None
+        if self._ray_started:
+            import ray
+
+            for a in self.actors.values():
+                try:
+                    ray.get(a.stop.remote(), timeout=5)
+                except Exception as e:  # a dead actor has nothing to stop; note it and go on
+                    self.progress(f"node stop: {type(e).__name__}")
+                ray.kill(a, no_restart=True)
+            self.actors.clear()
+            ray.shutdown()
+            self._ray_started = False
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+        path = state_file()
+        if path.exists():
+            try:
+                if json.loads(path.read_text()).get("pid") == os.getpid():
+                    path.unlink()
+            except (OSError, ValueError):
+                pass
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_up(config: ClusterConfig, progress: Callable[[str], None]) -> int:
+    """Foreground `pdserve up`: ready line, then wait for Ctrl-C / SIGTERM."""
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+
+    cluster = LocalCluster(config, progress)
+    try:
+        cluster.start()
+        # After ray.init: Ray's core installs its own SIGTERM handler, which would end this
+        # process without tearing anything down.
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        print(f"pdserve ready grpc={cluster.address} dashboard={cluster.dashboard_url}", flush=True)
+        while not stop.wait(0.5):
+            pass
+        progress("shutting down")
+    finally:
+        cluster.stop()
+    return 0
