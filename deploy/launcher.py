@@ -64,6 +64,7 @@ class LocalCluster:
         self.actors: dict[str, object] = {}
         self.node_addresses: dict[str, str] = {}
         self.dashboard_url: str | None = None
+        self.model_dir: Path | None = None
         self._ray_started = False
 
     # ------------------------------------------------------------------ bring-up
@@ -85,7 +86,7 @@ class LocalCluster:
 
         cfg = self.config
         # Convert a builtin or GGUF model once here, so the nodes don't race to do it.
-        model_dir = resolve_source(cfg.engine.model, progress=self.progress)
+        model_dir = self.model_dir = resolve_source(cfg.engine.model, progress=self.progress)
         engine_cfg = replace(cfg.engine, model=str(model_dir), num_threads=cfg.node_threads)
         model_cfg = read_model_config(model_dir)
 

@@ -1,0 +1,159 @@
+"""The embedded cluster end to end: real Redis, real Ray actors, real gRPC, SmolLM2-135M.
+
+One cluster (2 prefill nodes, 1 decode node, the router) serves every test in this module.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+import pdserve
+from deploy.launcher import ClusterConfig, LocalCluster
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from kv_transfer.kv_index import IndexReader
+
+pytestmark = pytest.mark.e2e
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SYSTEM = ("You are a helpful assistant for a company that builds distributed systems. Answer briefly "
+          "and precisely; when unsure, say so. Prefer plain words over jargon.")
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "What is 12 times 12?",
+    "Write a haiku about autumn.",
+    "What does a CPU do?",
+    "Give me one tip for better sleep.",
+    "Translate 'thank you' into German.",
+    "What is the largest planet in the solar system?",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    cfg = ClusterConfig(
+        engine=EngineConfig(model="smollm2-135m", dtype="float32", cache=CacheConfig(num_blocks=256)),
+        prefill_nodes=2, decode_nodes=1, grpc_port=0, dashboard_port=0,
+        # Every prompt here is a chat prompt of 30+ tokens: all take the disaggregated path.
+        short_prompt_tokens=16,
+    )
+    with LocalCluster(cfg) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return LLMEngine(EngineConfig(model="smollm2-135m", dtype="float32", cache=CacheConfig(num_blocks=256)))
+
+
+def chat(q, system=None):
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": q}]
+
+
+def test_greedy_outputs_equal_the_single_process_engine(cluster, reference):
+    with pdserve.Client(cluster.address, timeout=120) as client:
+        got = [client.complete(chat(q), max_tokens=24, temperature=0.0) for q in QUESTIONS]
+    prompts = [reference.encode(q, chat=True) for q in QUESTIONS]
+    want = reference.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
+    for g, w in zip(got, want):
+        assert list(g.token_ids) == w.outputs[0].token_ids
+        assert g.text == w.outputs[0].text
+        assert g.usage.prompt_tokens == len(w.prompt_token_ids)
+        assert g.timings.prefill_s > 0  # went through a prefill node
+    assert "Paris" in got[0].text
+
+
+def test_shared_system_prompt_reuses_cached_blocks(cluster, reference):
+    with pdserve.Client(cluster.address, timeout=120) as client:
+        first = client.complete(chat("What is a load balancer?", SYSTEM), max_tokens=16, temperature=0.0)
+        second = client.complete(chat("What is a message queue?", SYSTEM), max_tokens=16, temperature=0.0)
+    assert second.usage.cached_prompt_tokens >= 32
+    want = reference.generate([reference.encode("What is a message queue?", chat=True, system=SYSTEM)],
+                              SamplingParams(temperature=0.0, max_tokens=16))[0]
+    assert list(second.token_ids) == want.outputs[0].token_ids
+    assert first.finish_reason in ("stop", "length")
+
+
+def test_repeated_prefix_goes_to_the_prefill_node_that_holds_it(cluster):
+    from engine.block_hash import hash_prompt_blocks
+    from router.tokenizer import PromptTokenizer
+
+    reader = IndexReader(redis.Redis.from_url(cluster.redis_url), cluster.config.namespace)
+    long_system = SYSTEM + " " + " ".join(f"Rule {i}: be kind to user {i}." for i in range(20))
+    tok = PromptTokenizer(str(cluster.model_dir))
+    with pdserve.Client(cluster.address, timeout=120) as client:
+        client.complete(chat("Say hi.", long_system), max_tokens=4, temperature=0.0)
+        prefill = [n for n in reader.live_nodes().values() if n.role == "prefill"]
+        ids = tok.encode_chat(chat("Say hello.", long_system))
+        hashes = hash_prompt_blocks(ids, prefill[0].block_size, prefill[0].fingerprint.encode())
+        matched = reader.match(hashes, [n.node_id for n in prefill])
+        holder = max(matched, key=matched.get)
+        assert matched[holder] >= 4 and min(matched.values()) == 0  # exactly one node holds it
+        out = client.complete(chat("Say hello.", long_system), max_tokens=4, temperature=0.0)
+    # Only the holder can have served those tokens from its cache.
+    assert out.usage.cached_prompt_tokens >= matched[holder] * prefill[0].block_size
+
+
+def test_index_entries_appear_after_prefill(cluster):
+    r = redis.Redis.from_url(cluster.redis_url)
+    assert r.keys(f"{cluster.config.namespace}:blk:*")
+    nodes = IndexReader(r, cluster.config.namespace).live_nodes()
+    assert {n.role for n in nodes.values()} == {"prefill", "decode"}
+    assert len(nodes) == 3
+
+
+def test_invalid_requests_are_rejected_with_the_limit(cluster):
+    with pdserve.Client(cluster.address, timeout=60) as client:
+        with pytest.raises(pdserve.InvalidRequestError, match="8192"):
+            client.complete("hi", max_tokens=9000)
+        with pytest.raises(pdserve.NotFoundError, match="smollm2-135m"):
+            client.complete("hi", model="gpt-17", max_tokens=4)
+
+
+def test_cli_generate_through_the_cluster(cluster):
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "generate", "--url", cluster.address,
+                        "--max-tokens", "12", "What is the capital of France?"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout and "tok/s" in r.stderr
+
+
+def test_pdserve_up_prints_ready_and_leaves_nothing_behind():
+    import psutil
+
+    from deploy.redis_server import free_port
+
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--grpc-port", str(port),
+                             "--dashboard-port", "0", "--kv-cache-mib", "64"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    children = []
+    try:
+        deadline = time.monotonic() + 180
+        line = ""
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if line.startswith("pdserve ready") or not line:
+                break
+        assert line.startswith(f"pdserve ready grpc=127.0.0.1:{port} dashboard=http://127.0.0.1:"), line
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert any("redis-server" in " ".join(c.cmdline()) for c in children)
+        with pdserve.Client(f"127.0.0.1:{port}", timeout=60) as client:
+            text = client.complete(chat("What is the capital of France?"), max_tokens=8, temperature=0.0).text
+        assert "Paris" in text
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert proc.returncode == 0
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, [c.cmdline()[:2] for c in alive]
