@@ -303,7 +303,6 @@ class LLMEngine:
         seqs = self.scheduler.abort(request_id)
         outs = []
         for seq in seqs:
-            self.runner.release(seq.seq_id)
             outs.append(self._completion(req, seq, [], "", None, None))
         self._pending.append(self._request_output(req, outs, finished=True))
         self._finish_request(req)
@@ -337,9 +336,6 @@ class LLMEngine:
         for rid, comps in by_request.items():
             req = self._requests[rid]
             done = self.scheduler.request_finished(rid)
-            for seq in self.scheduler.sequences(rid):
-                if seq.is_finished:
-                    self.runner.release(seq.seq_id)
             outputs.append(self._request_output(req, comps, finished=done))
             if done:
                 self._finish_request(req)

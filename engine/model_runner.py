@@ -7,6 +7,8 @@ last token.
 """
 from __future__ import annotations
 
+import hashlib
+import struct
 from typing import Callable
 
 import torch
@@ -15,7 +17,6 @@ from engine.attention.kv_cache import copy_blocks
 from engine.attention.metadata import AttentionMetadata
 from engine.sampler import Sampler, SamplingRow
 from engine.scheduler import SampledTokens, SchedulerOutput
-from engine.sequence import seq_id_of
 
 
 class ModelRunner:
@@ -37,22 +38,18 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
-        # Per-sample generators live as long as their sequence so a seeded request draws the
-        # same stream whatever else shares its batch.
-        self._generators: dict[str, torch.Generator] = {}
 
-    def release(self, seq_id: str) -> None:
-        self._generators.pop(seq_id, None)
+    def _generator(self, seed: int | None, index: int, step: int) -> torch.Generator | None:
+        """A seeded sample's generator for its ``step``-th output token.
 
-    def _generator(self, seq_id: str, seed: int | None, index: int) -> torch.Generator | None:
+        Derived from (seed, sample index, step) rather than carried along, so a seeded request
+        draws the same tokens whatever shares its batch, after a preemption, and when its first
+        token was sampled on a prefill node and the rest on a decode node.
+        """
         if seed is None:
             return None
-        gen = self._generators.get(seq_id)
-        if gen is None:
-            # Samples of one request must differ from each other yet stay reproducible.
-            gen = torch.Generator(device=self.device).manual_seed(seed + index)
-            self._generators[seq_id] = gen
-        return gen
+        digest = hashlib.blake2b(struct.pack("<qqq", seed, index, step), digest_size=8).digest()
+        return torch.Generator(device=self.device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
     @torch.inference_mode()
     def execute(
@@ -107,7 +104,7 @@ class ModelRunner:
                         params=p,
                         prompt_token_ids=prompt,
                         output_token_ids=output,
-                        generator=self._generator(seq_id_of(seq.request_id, index), p.seed, index),
+                        generator=self._generator(p.seed, index, len(output)),
                     )
                 )
                 src.append(r)

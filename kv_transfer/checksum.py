@@ -1,8 +1,8 @@
 """Payload checksums, computed incrementally chunk by chunk on both ends.
 
-CRC32 (zlib, ~6.6 GiB/s on the dev VMs) is always available. XXH3-64 (~34 GiB/s) needs the
-`xxhash` package, which pdserve does not declare yet; a receiver without it refuses such
-transfers, so senders keep CRC32 unless they know the receiver has it.
+XXH3-64 (~34 GiB/s on the dev VMs, from the `xxhash` dependency) is what nodes send; CRC32
+(zlib, ~6.6 GiB/s) stays accepted. At ~10 ms per 64 MiB on each end, CRC32 alone cost a third
+of a loopback transfer's time.
 """
 from __future__ import annotations
 

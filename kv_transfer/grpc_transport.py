@@ -74,7 +74,7 @@ def push_blocks(
     skip_leading_blocks: int = 0,
     layers: range | None = None,
     chunk_bytes: int = CHUNK_BYTES,
-    checksum_algorithm: int = kv_pb2.CHECKSUM_ALGORITHM_CRC32,
+    checksum_algorithm: int = kv_pb2.CHECKSUM_ALGORITHM_XXH3_64,
     timeout: float | None = None,
 ) -> kv_pb2.PushBlocksResponse:
     """Stream the KV of one request's blocks from ``pool`` to a decode node.

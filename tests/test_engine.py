@@ -149,17 +149,23 @@ def test_bfloat16_engine_runs(tiny_dir):
     assert eng.kv_cache.dtype == torch.bfloat16
 
 
-def test_prefill_role_hands_kv_to_a_decode_role_engine(tiny_dir):
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=10, min_tokens=10),
+], ids=["greedy", "seeded"])
+def test_prefill_role_hands_kv_to_a_decode_role_engine(tiny_dir, params):
     """The disaggregated path without the network: engine P prefills and holds the blocks,
-    their KV is copied into blocks reserved on engine D, D continues; tokens equal one engine."""
+    their KV is copied into blocks reserved on engine D, D continues; tokens equal one engine
+    (seeded sampling too: generators derive from (seed, sample, step), not from history)."""
     prompt = list(range(20, 58))
-    params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
     ref = make_engine(tiny_dir).generate([prompt], params)[0].outputs[0].token_ids
 
     p_eng, d_eng = make_engine(tiny_dir), make_engine(tiny_dir)
     # D already holds the first 8 tokens (2 blocks) in its prefix cache: they are not sent.
     d_eng.generate([prompt[:9]], SamplingParams(temperature=0.0, max_tokens=1))
-    first = p_eng.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)[0]
+    from dataclasses import replace
+
+    first = p_eng.generate([prompt], replace(params, max_tokens=1, min_tokens=0), hold_kv=True)[0]
     rid = first.request_id
     src = p_eng.held_block_table(rid)
     dst, cached = d_eng.reserve_kv("r1", prompt)
