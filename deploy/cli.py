@@ -137,7 +137,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         host="127.0.0.1", grpc_port=a.grpc_port, redis_url=a.redis_url, dashboard_port=a.dashboard_port,
         short_prompt_tokens=a.short_prompt_tokens, node_threads=a.node_threads,
     )
-    return run_up(cfg, spinner_free)
+    return run_up(cfg, spinner_free, demo_prompt=a.demo)
 
 
 def cmd_status(a: argparse.Namespace) -> int:
@@ -252,9 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--grpc-port", type=int, default=50051)
     u.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     u.add_argument("--dashboard-port", type=int, default=8265)
-    u.add_argument("--short-prompt-tokens", type=int, default=64,
+    u.add_argument("--short-prompt-tokens", type=int, default=16,
                    help="prompts shorter than this prefill on the decode node")
     u.add_argument("--node-threads", type=int, default=1, help="torch threads per node")
+    u.add_argument("--demo", default=None, metavar="PROMPT",
+                   help="once ready, stream an answer to PROMPT through the cluster, then keep serving")
 
     st = sub.add_parser("status", help="nodes, load and KV usage of a running cluster")
     st.add_argument("--redis-url", default=None)

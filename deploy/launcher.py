@@ -37,7 +37,7 @@ class ClusterConfig:
     redis_url: str | None = None  # None: start a private redis-server
     dashboard_port: int = 8265
     namespace: str = "pdserve"
-    short_prompt_tokens: int = 64
+    short_prompt_tokens: int = 16
     lease_s: float = 3.0
     node_threads: int = 1  # torch threads per node: nodes share this machine's cores
     ready_timeout_s: float = 300.0
@@ -199,7 +199,30 @@ class LocalCluster:
         self.stop()
 
 
-def run_up(config: ClusterConfig, progress: Callable[[str], None]) -> int:
+def run_demo(address: str, prompt: str) -> None:
+    """Stream one answer through the router with the client SDK, as a user would."""
+    import sys
+
+    import pdserve
+
+    t0 = time.perf_counter()
+    with pdserve.Client(address, timeout=300) as client:
+        stream = client.generate([{"role": "user", "content": prompt}], max_tokens=256, temperature=0.0)
+        print(f"> {prompt}", flush=True)
+        for chunk in stream:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        done = stream.completion
+    print(flush=True)
+    if done is not None:
+        t = done.timings
+        print(f"[{len(done.token_ids)} tokens in {time.perf_counter() - t0:.2f}s; prefill node "
+              f"{t.prefill_s * 1000:.0f} ms, KV transfer {t.transfer_s * 1000:.0f} ms, first token "
+              f"{t.first_token_s * 1000:.0f} ms; prompt {done.usage.prompt_tokens} tokens, "
+              f"{done.usage.cached_prompt_tokens} cached]", file=sys.stderr, flush=True)
+
+
+def run_up(config: ClusterConfig, progress: Callable[[str], None], demo_prompt: str | None = None) -> int:
     """Foreground `pdserve up`: ready line, then wait for Ctrl-C / SIGTERM."""
     stop = threading.Event()
 
@@ -214,6 +237,10 @@ def run_up(config: ClusterConfig, progress: Callable[[str], None]) -> int:
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
         print(f"pdserve ready grpc={cluster.address} dashboard={cluster.dashboard_url}", flush=True)
+        if demo_prompt:
+            run_demo(cluster.address, demo_prompt)
+            progress(f"serving on {cluster.address}; try `pdserve generate --url {cluster.address} \"...\"`, "
+                     f"`pdserve status`; Ctrl-C stops everything")
         while not stop.wait(0.5):
             pass
         progress("shutting down")
