@@ -1,2 +1,10 @@
-"""Root conftest: service fixtures (real Redis, later Ray) shared by every test module."""
+"""Root conftest: environment for every test, and the service fixtures (real Redis) as a plugin."""
+import os
+
+# Local Ray clusters in tests: no token auth (in-process ray.init would otherwise enable it and
+# write a token that later clusters reject) and no usage reporting; nothing reaches a hub.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 pytest_plugins = ["tests.services"]

@@ -69,6 +69,12 @@ class ResponseBuilder:
         )
         usage = pb.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=completion_tokens,
                          cached_prompt_tokens=out.num_cached_tokens)
+        spec = next((c.spec for c in out.outputs if c.index == index and c.spec is not None), None)
+        if spec is not None:
+            usage.spec_drafts, usage.spec_draft_tokens = spec.num_drafts, spec.num_draft_tokens
+            usage.spec_accepted_tokens = spec.num_accepted_tokens
+            usage.spec_acceptance_per_position.extend(spec.acceptance_per_position)
+            usage.spec_mean_accepted_length = spec.mean_accepted_length
         return self._msg(complete=pb.Complete(index=index, finish_reason=FINISH_TO_PROTO[reason],
                                               usage=usage, timings=timings))
 

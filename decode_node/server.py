@@ -25,6 +25,7 @@ import grpc
 
 from decode_node.reservations import NotReadyError, ReservationTable
 from decode_node.responses import ResponseBuilder
+from decode_node.spec import build_proposer
 from engine.async_engine import EngineStoppedError, OutputStream, RequestFailedError
 from engine.block_hash import hash_prompt_blocks
 from engine.engine import LLMEngine
@@ -48,7 +49,9 @@ class DecodeServer:
         if config.role != "decode":
             raise ValueError(f"DecodeServer needs a decode-role config, got role={config.role!r}")
         self.config = config
-        self.engine = engine or LLMEngine(config.engine, load_tokenizer=config.load_tokenizer)
+        # Speculation lives with the decode role: the engine gets its proposer from here.
+        self.engine = engine or LLMEngine(config.engine, load_tokenizer=config.load_tokenizer,
+                                          proposer_factory=build_proposer)
         self.runtime = NodeRuntime(config, self.engine, SERVICES)
         self.reservations = ReservationTable(self.engine.model_config.num_layers, config.reservation_lease_s)
         self.receiver = KVReceiver(self.engine.kv_cache, self.engine.fingerprint, self._on_received,
@@ -81,7 +84,7 @@ class DecodeServer:
     def stats(self) -> dict:
         load = self.aengine.load.as_dict() if self.aengine else {}
         return {"node_id": self.config.node_id, "role": "decode", "address": self.address,
-                "reservations": len(self.reservations), **load}
+                "reservations": len(self.reservations), "speculative": self.engine.stats()["speculative"], **load}
 
     # ---- reservation plumbing (gRPC threads)
     def _on_received(self, r: ReceivedBlocks) -> None:

@@ -59,10 +59,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--spec-method", default="off",
+                   choices=["off", "ngram", "draft", "early_exit", "low_precision", "medusa"],
+                   help="speculative decoding on decode nodes (docs/speculative.md)")
+    p.add_argument("--spec-tokens", type=int, default=5, help="most draft tokens per sequence and step")
+    p.add_argument("--spec-draft-model", default=None, help="draft: model dir or builtin; medusa: heads dir")
+    p.add_argument("--spec-draft-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--spec-early-exit-layers", type=int, default=None)
+    p.add_argument("--spec-ngram-max", type=int, default=4)
+    p.add_argument("--no-spec-adaptive", action="store_true", help="always draft spec-tokens tokens")
 
 
 def engine_config_from_args(a: argparse.Namespace):
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 
     return EngineConfig(
         model=a.model,
@@ -73,6 +82,10 @@ def engine_config_from_args(a: argparse.Namespace):
                           enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
                                   max_num_seqs=a.max_num_seqs),
+        speculative=SpeculativeConfig(
+            method=a.spec_method, num_speculative_tokens=a.spec_tokens, draft_model=a.spec_draft_model,
+            draft_dtype=a.spec_draft_dtype, early_exit_layers=a.spec_early_exit_layers,
+            ngram_max=a.spec_ngram_max, adaptive=not a.no_spec_adaptive),
     )
 
 
@@ -184,7 +197,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
     try:
         with Spinner() as sp:
             sp.update(f"loading {a.model}")
-            eng = LLMEngine(engine_config_from_args(a), progress=sp.update)
+            cfg = engine_config_from_args(a)
+            factory = None
+            if cfg.speculative.enabled:  # in-process: this engine plays the decode role
+                from decode_node.spec import build_proposer as factory
+            eng = LLMEngine(cfg, progress=sp.update, proposer_factory=factory)
             sp.update("tokenizing")
             ids = eng.encode(a.prompt, chat=not a.no_chat, system=a.system)
         params = sampling_params_from_args(a)

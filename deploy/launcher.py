@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from deploy.redis_server import RedisServer, free_port
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,10 +116,12 @@ class LocalCluster:
 
         for role, count, spawn in (("prefill", cfg.prefill_nodes, spawn_prefill_node),
                                    ("decode", cfg.decode_nodes, spawn_decode_node)):
+            # Speculation is a decode-role feature; prefill nodes produce one token per request.
+            role_engine = engine_cfg if role == "decode" else replace(engine_cfg, speculative=SpeculativeConfig())
             for i in range(count):
                 node = NodeConfig(node_id=f"{role}-{i}", role=role, redis_url=self.redis_url,
                                   host=cfg.host, namespace=cfg.namespace, lease_s=cfg.lease_s,
-                                  heartbeat_s=min(0.5, cfg.lease_s / 4), engine=engine_cfg,
+                                  heartbeat_s=min(0.5, cfg.lease_s / 4), engine=role_engine,
                                   load_tokenizer=role == "decode")
                 # Nodes ask for no CPU slot: on a small machine the pools, not cores, place them.
                 self.actors[node.node_id] = spawn(node, num_cpus=0)

@@ -46,6 +46,48 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (decode role). The engine only runs the mechanism; the proposer
+    named by ``method`` is built by whoever constructs the engine (``decode_node.spec``)."""
+
+    # off | ngram | draft | early_exit | low_precision | medusa (see docs/speculative.md)
+    method: str = "off"
+    num_speculative_tokens: int = 5  # k: most draft tokens one sequence verifies per step
+    ngram_min: int = 1  # n-gram prompt lookup: shortest / longest suffix matched
+    ngram_max: int = 4
+    draft_model: str | None = None  # draft: a model dir / builtin; medusa: the heads' dir
+    draft_dtype: str = "bfloat16"  # draft and low_precision: dtype of the draft's weights and KV
+    early_exit_layers: int | None = None  # early_exit: target layers the draft runs (None: half)
+    adaptive: bool = True  # k per request from observed acceptance; off when it does not pay
+    # Per-step speculative token budget at batch 1; it shrinks linearly to 0 at
+    # ``max_batch_size`` running sequences (verification is not free at large batch).
+    max_tokens_per_step: int = 64
+    max_batch_size: int = 64
+    # Cost of a verification step relative to a plain decode step at batch 1:
+    # 1 + verify_fixed_cost + k * verify_token_cost. Measured on the 2-core CPU with SmolLM2:
+    # q_len 1 -> 40 ms, q_len 4..8 -> 64..71 ms (one matmul row vs a small GEMM is the jump; the
+    # extra rows cost little because the weights are read once either way).
+    verify_fixed_cost: float = 0.5
+    verify_token_cost: float = 0.03
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.early_exit_layers is not None and self.early_exit_layers < 1:
+            raise ValueError(f"early_exit_layers must be >= 1, got {self.early_exit_layers}")
+        if self.max_tokens_per_step < 0 or self.max_batch_size < 1:
+            raise ValueError("max_tokens_per_step must be >= 0 and max_batch_size >= 1")
+        if self.verify_token_cost < 0 or self.verify_fixed_cost < 0:
+            raise ValueError("verify_fixed_cost and verify_token_cost must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str = "smollm2-135m"  # builtin name or local Hugging Face directory / GGUF file
     dtype: str = "float32"  # float32 | bfloat16 | float16
@@ -54,3 +96,4 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

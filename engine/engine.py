@@ -3,6 +3,12 @@
 One engine serves one model in one process. Each ``step`` runs one scheduler iteration and
 returns a ``RequestOutput`` for every request that produced something (new tokens, text, a
 finish), so callers stream by looping on ``step``. ``generate`` is the blocking helper.
+
+With ``EngineConfig.speculative`` on, the engine also runs speculative decoding: each step the
+adaptive controller (``spec_control``) picks a lookahead k for decoding sequences, the
+scheduler reserves k draft slots, the injected ``Proposer`` fills them, the runner verifies
+all k + 1 positions in the step's one forward pass, and the scheduler keeps only the accepted
+run (see ``engine/spec.py`` and docs/speculative.md).
 """
 from __future__ import annotations
 
@@ -29,6 +35,8 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledTokens, Scheduler
 from engine.sequence import FinishReason, Sequence, seq_id_of
+from engine.spec import DraftRequest, Proposer, SpecStats
+from engine.spec_control import SpecController
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,6 +65,7 @@ class CompletionOutput:
     new_logprobs: list[float] | None = None
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
+    spec: SpecStats | None = None  # speculative-decoding counters of this sample (None: off)
 
 
 @dataclass(slots=True)
@@ -112,7 +121,11 @@ class LLMEngine:
         loaded: LoadedModel | None = None,
         tokenizer=None,
         load_tokenizer: bool = True,
+        proposer_factory: Callable[["LLMEngine"], Proposer] | None = None,
     ) -> None:
+        """``proposer_factory`` builds the speculative-decoding proposer from this engine (its
+        model, KV cache, device); required when ``config.speculative`` is on. Decode nodes
+        pass ``decode_node.spec.build_proposer``."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = torch_dtype(config.dtype)
@@ -150,6 +163,17 @@ class LLMEngine:
         backend = get_attention_backend(self.device, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.dtype)
         self.runner = ModelRunner(loaded.model, self.kv_cache, backend, cc.block_size, self.device,
                                   Sampler(eos_token_ids=eos, seed=config.seed))
+        self.proposer: Proposer | None = None
+        self.spec_controller: SpecController | None = None
+        self.spec_stats = SpecStats()  # node totals
+        self._seq_spec: dict[str, SpecStats] = {}
+        if config.speculative.enabled:
+            if proposer_factory is None:
+                raise ValueError(
+                    f"speculative method {config.speculative.method!r} is configured but no proposer "
+                    "factory was passed (decode nodes pass decode_node.spec.build_proposer)")
+            self.proposer = proposer_factory(self)
+            self.spec_controller = SpecController(config.speculative, self.proposer.draft_cost)
         self._requests: dict[str, _Request] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._ids = itertools.count()
@@ -249,7 +273,8 @@ class LLMEngine:
         self.scheduler.add_sequence(seq)
         # The prefill node's token may already end the request (EOS, a stop token, max_tokens=1).
         self.scheduler._check_stop(seq)
-        delta = "".join(self._append_text(req, seq, t) for t in outs)
+        delta = "".join(self._append_text(req, seq, t, final=seq.is_finished and i == len(outs) - 1)[0]
+                        for i, t in enumerate(outs))
         done = self.scheduler.request_finished(request_id)
         self._pending.append(self._request_output(
             req, [self._completion(req, seq, outs, delta, None, None)], finished=done))
@@ -318,20 +343,28 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._plan_speculation())
         if sched.is_empty:
             return outputs
         self.num_steps += 1
+        if self.proposer is not None:
+            if sched.block_copies:
+                self.proposer.copy_blocks(sched.block_copies)
+            self._propose(sched)
+        before = {item.seq.seq_id: item.seq.num_tokens for item in sched.scheduled}
         sampled = self.runner.execute(sched, self.kv.get_block_table)
         touched = self.scheduler.update_from_output(sched, sampled)
+        self._observe_speculation(sched, sampled)
 
         by_request: dict[str, list[CompletionOutput]] = {}
         for seq in touched:
             req = self._requests[seq.request_id]
-            logprob, top = _pick_logprobs(seq, sampled)
-            delta = self._append_text(req, seq, seq.token_ids[-1])
+            # A forked child is new this step: its one token is the last.
+            new = seq.token_ids[before.get(seq.seq_id, seq.num_tokens - 1):]
+            delta, new = self._append_run(req, seq, new)
+            logprobs, tops = _pick_logprobs(seq, sampled, len(new))
             by_request.setdefault(seq.request_id, []).append(
-                self._completion(req, seq, [seq.token_ids[-1]], delta, logprob, top)
+                self._completion(req, seq, new, delta, logprobs, tops)
             )
         for rid, comps in by_request.items():
             req = self._requests[rid]
@@ -341,7 +374,58 @@ class LLMEngine:
                 self._finish_request(req)
         return outputs
 
-    def _append_text(self, req: _Request, seq: Sequence, token: int) -> str:
+    # ------------------------------------------------------------------ speculation
+    def _plan_speculation(self) -> dict[str, int] | None:
+        if self.spec_controller is None:
+            return None
+        candidates = [s.seq_id for s in self.scheduler.decode_candidates()]
+        return self.spec_controller.plan(candidates, self.scheduler.num_running) if candidates else None
+
+    def _propose(self, sched) -> None:
+        items = [it for it in sched.scheduled if it.num_lookahead > 0]
+        if not items:
+            return
+        reqs = [DraftRequest(it.seq, it.num_lookahead, self.kv.get_block_table(it.seq.seq_id)) for it in items]
+        for it, prop in zip(items, self.proposer.propose(reqs)):
+            n = min(len(prop.token_ids), it.num_lookahead)
+            it.draft_token_ids = [int(t) for t in prop.token_ids[:n]]
+            it.draft_probs = None if prop.probs is None or n == 0 else prop.probs[:n]
+
+    def _observe_speculation(self, sched, sampled: dict) -> None:
+        for it in sched.scheduled:
+            if not it.draft_token_ids or it.seq.seq_id not in sampled:
+                continue
+            sid = it.seq.seq_id
+            drafted, accepted = len(it.draft_token_ids), len(sampled[sid].token_ids) - 1
+            self.spec_controller.observe(sid, drafted, accepted)
+            self._seq_spec.setdefault(sid, SpecStats()).record(drafted, accepted)
+            self.spec_stats.record(drafted, accepted)
+
+    def _forget_speculation(self, request_id: str) -> None:
+        for seq in self.scheduler.sequences(request_id):
+            self._seq_spec.pop(seq.seq_id, None)
+            self.runner.last_hidden.pop(seq.seq_id, None)
+            if self.proposer is not None:
+                self.spec_controller.forget(seq.seq_id)
+                self.proposer.forget(seq.seq_id)
+
+    # ------------------------------------------------------------------ text
+    def _append_run(self, req: _Request, seq: Sequence, new: list[int]) -> tuple[str, list[int]]:
+        """Detokenize a step's new tokens (several after a verification); a stop string met
+        before the last of them cuts the rest off (they were never output)."""
+        delta = ""
+        for i, tok in enumerate(new):
+            last = i == len(new) - 1
+            d, hit = self._append_text(req, seq, tok, final=seq.is_finished and last)
+            delta += d
+            if hit and not last:
+                del seq.token_ids[len(seq.token_ids) - (len(new) - 1 - i):]
+                seq.finish_reason = FinishReason.STOP  # may have been finished by a later token
+                return delta, new[: i + 1]
+        return delta, new
+
+    def _append_text(self, req: _Request, seq: Sequence, token: int, final: bool) -> tuple[str, bool]:
+        """-> (text delta, a stop string matched). ``final``: the sequence ends with this token."""
         st = req.texts.get(seq.index)
         if st is None:
             detok = (IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
@@ -350,25 +434,27 @@ class LLMEngine:
                      if req.params.stop and detok is not None else None)
             st = req.texts[seq.index] = _SeqText(detok, stops)
         if st.detok is None:
-            return ""
+            return "", False
         delta = st.detok.step([token])
-        if seq.is_finished:  # text held back for a split character is final now
+        if final:  # text held back for a split character is final now
             delta += st.detok.flush()
+        hit = False
         if st.stops is not None:
             delta, hit = st.stops.feed(delta)
             if hit and not seq.is_finished:
                 self.scheduler.finish_and_release(seq, FinishReason.STOP)
-            elif seq.is_finished and not hit:
+            elif final and not hit:
                 delta += st.stops.flush()  # a held-back partial stop string was just text
         st.text += delta
-        return delta
+        return delta, hit
 
-    def _completion(self, req, seq, new_ids, delta, logprob, top) -> CompletionOutput:
+    def _completion(self, req, seq, new_ids, delta, logprobs, tops) -> CompletionOutput:
+        """``logprobs`` / ``tops``: one entry per new token, or None."""
         st = req.texts.get(seq.index)
-        if logprob is not None:
+        if logprobs is not None:
             if st is None:
                 st = req.texts[seq.index] = _SeqText(None, None)
-            st.logprobs = (st.logprobs or []) + [logprob]
+            st.logprobs = (st.logprobs or []) + list(logprobs)
         return CompletionOutput(
             index=seq.index,
             token_ids=seq.output_token_ids,
@@ -376,13 +462,15 @@ class LLMEngine:
             text=st.text if st else "",
             text_delta=delta,
             logprobs=st.logprobs if st else None,
-            new_logprobs=[logprob] if logprob is not None else None,
-            new_top_logprobs=[top] if top is not None else None,
+            new_logprobs=list(logprobs) if logprobs is not None else None,
+            new_top_logprobs=list(tops) if tops is not None else None,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            spec=self._seq_spec.get(seq.seq_id, SpecStats()) if self.proposer is not None else None,
         )
 
     def _finish_request(self, req: _Request) -> None:
         req.metrics.finished_time = time.monotonic()
+        self._forget_speculation(req.request_id)
         self.scheduler.forget(req.request_id)
         self._requests.pop(req.request_id, None)
 
@@ -457,11 +545,14 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": getattr(pool, "num_queries", None),
             "prefix_cache_hits": getattr(pool, "num_hits", None),
+            "speculative": self.spec_stats.as_dict() if self.proposer is not None else None,
         }
 
 
-def _pick_logprobs(seq: Sequence, sampled: dict[str, SampledTokens]) -> tuple[float | None, list | None]:
-    """The logprob of this sequence's sampled token.
+def _pick_logprobs(
+    seq: Sequence, sampled: dict[str, SampledTokens], num_new: int
+) -> tuple[list[float] | None, list | None]:
+    """The logprobs of this sequence's ``num_new`` new tokens (several after a verification).
 
     On the step that forks an n > 1 request, the parent's entry holds all n samples and a new
     child's sample is at its own index there.
@@ -469,9 +560,9 @@ def _pick_logprobs(seq: Sequence, sampled: dict[str, SampledTokens]) -> tuple[fl
     own = seq.seq_id in sampled
     st = sampled[seq.seq_id] if own else sampled[seq_id_of(seq.request_id, 0)]
     k = 0 if own else seq.index
-    lp = st.logprobs[k] if st.logprobs else None
-    top = st.top_logprobs[k] if st.top_logprobs else None
-    return lp, top
+    lps = st.logprobs[k : k + num_new] if st.logprobs else None
+    tops = st.top_logprobs[k : k + num_new] if st.top_logprobs else None
+    return lps, tops
 
 
 def load_hf_tokenizer(path: str | os.PathLike):

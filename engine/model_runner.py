@@ -4,6 +4,11 @@ This is the only engine module that turns the scheduler's bookkeeping into tenso
 the flattened token batch and the attention metadata, applies copy-on-write block copies,
 runs the model over the paged KV cache and samples the sequences whose slice reached their
 last token.
+
+Speculative verification: a scheduled sequence carrying draft tokens runs its last token and
+the drafts as one query of length k + 1; the logits of all k + 1 positions go through the
+sampler's exact processing (penalties see the drafts before each position as output) and
+``verify_drafts`` picks the emitted run.
 """
 from __future__ import annotations
 
@@ -15,8 +20,9 @@ import torch
 
 from engine.attention.kv_cache import copy_blocks
 from engine.attention.metadata import AttentionMetadata
-from engine.sampler import Sampler, SamplingRow
-from engine.scheduler import SampledTokens, SchedulerOutput
+from engine.rejection_sampler import verify_drafts
+from engine.sampler import Sampler, SamplingRow, apply_penalties, probs_from_penalized
+from engine.scheduler import SampledTokens, ScheduledSeq, SchedulerOutput
 
 
 class ModelRunner:
@@ -38,6 +44,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
+        # Proposers that draft from the target's hidden states (Medusa heads) turn this on:
+        # seq id -> [hidden] final-normed state of the position that produced its last token.
+        self.keep_hidden = False
+        self.last_hidden: dict[str, torch.Tensor] = {}
 
     def _generator(self, seed: int | None, index: int, step: int) -> torch.Generator | None:
         """A seeded sample's generator for its ``step``-th output token.
@@ -64,14 +74,21 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []  # index into the flattened tokens of each sampled slice end
+        verify_rows: list[int] = []  # flat index of the first of the k + 1 rows of each verification
+        verifying: list[ScheduledSeq] = []
         for item in out.scheduled:
             end = item.start + item.num_new_tokens
+            drafts = item.draft_token_ids
             input_ids.extend(item.seq.token_ids[item.start : end])
-            positions.extend(range(item.start, end))
-            q_lens.append(item.num_new_tokens)
-            seq_lens.append(end)
+            input_ids.extend(drafts)
+            positions.extend(range(item.start, end + len(drafts)))
+            q_lens.append(item.num_new_tokens + len(drafts))
+            seq_lens.append(end + len(drafts))
             tables.append(block_table_of(item.seq.seq_id))
-            if item.sample:
+            if drafts:
+                verifying.append(item)
+                verify_rows.append(len(input_ids) - len(drafts) - 1)
+            elif item.sample:
                 sample_rows.append(len(input_ids) - 1)
 
         meta = AttentionMetadata.build(q_lens, seq_lens, tables, self.block_size, self.device)
@@ -79,8 +96,11 @@ class ModelRunner:
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
         hidden = self.model(ids_t, pos_t, self.kv_cache, self.backend)  # [T, hidden]
+        results: dict[str, SampledTokens] = {}
+        if verifying:
+            results.update(self._verify(verifying, verify_rows, hidden))
         if not sample_rows:
-            return {}
+            return results
         idx = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, idx))  # [S_sample, V] fp32
         if self.logits_hook is not None:
@@ -91,7 +111,7 @@ class ModelRunner:
         owners: list[tuple[str, int]] = []
         r = 0
         for item in out.scheduled:
-            if not item.sample:
+            if not item.sample or item.draft_token_ids:
                 continue
             seq = item.seq
             p = seq.params
@@ -113,8 +133,11 @@ class ModelRunner:
         if len(src) != logits.shape[0]:
             logits = logits.index_select(0, torch.tensor(src, dtype=torch.long, device=self.device))
         res = self.sampler(logits, rows)
+        if self.keep_hidden:
+            sampled_ids = [it.seq.seq_id for it in out.scheduled if it.sample and not it.draft_token_ids]
+            for sid, row in zip(sampled_ids, sample_rows):
+                self.last_hidden[sid] = hidden[row].clone()
 
-        results: dict[str, SampledTokens] = {}
         for i, (seq_id, _) in enumerate(owners):
             st = results.setdefault(seq_id, SampledTokens(token_ids=[], logprobs=None, top_logprobs=None))
             st.token_ids.append(res.token_ids[i])
@@ -123,3 +146,57 @@ class ModelRunner:
             if res.top_logprobs is not None:
                 st.top_logprobs = (st.top_logprobs or []) + [res.top_logprobs[i]]
         return results
+
+    def _verify(
+        self, items: list[ScheduledSeq], first_rows: list[int], hidden: torch.Tensor  # [T, hidden]
+    ) -> dict[str, SampledTokens]:
+        """Rejection-sample every verifying sequence's k + 1 positions."""
+        flat: list[int] = []  # hidden row of every verified position, all sequences
+        rows: list[SamplingRow] = []
+        for item, first in zip(items, first_rows):
+            seq, p = item.seq, item.seq.params
+            prompt = seq.prompt_token_ids if p.repetition_penalty != 1.0 else ()
+            output = seq.output_token_ids
+            for j in range(len(item.draft_token_ids) + 1):
+                flat.append(first + j)
+                # Position j comes after drafts d_1 .. d_j: penalties and min_tokens see them.
+                rows.append(SamplingRow(params=p, prompt_token_ids=prompt,
+                                        output_token_ids=output + item.draft_token_ids[:j]))
+        idx = torch.tensor(flat, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, idx))  # [R, V] fp32
+        if self.logits_hook is not None:
+            self.logits_hook([it.seq.seq_id for it in items for _ in range(len(it.draft_token_ids) + 1)], logits)
+        penalized = apply_penalties(logits, rows, self.sampler.eos_token_ids)  # [R, V]
+        probs = probs_from_penalized(penalized, rows)  # [R, V]
+
+        results: dict[str, SampledTokens] = {}
+        r = 0
+        for item, first in zip(items, first_rows):
+            seq, p = item.seq, item.seq.params
+            k = len(item.draft_token_ids)
+            uniform = self._uniforms(p.seed, seq.index, len(seq.output_token_ids), k + 1)  # [2, k + 1]
+            draft_probs = None if item.draft_probs is None else item.draft_probs.to(probs.device)
+            n_acc, nxt = verify_drafts(item.draft_token_ids, probs[r : r + k + 1], draft_probs, uniform, p.greedy)
+            emitted = item.draft_token_ids[:n_acc] + [nxt]
+            st = SampledTokens(token_ids=emitted)
+            if p.logprobs is not None:
+                tok = torch.tensor(emitted, dtype=torch.long, device=self.device)
+                lp, top = Sampler._logprobs(penalized[r : r + n_acc + 1], tok, rows[r : r + n_acc + 1])
+                st.logprobs, st.top_logprobs = lp, (top if p.logprobs else None)
+            results[seq.seq_id] = st
+            if self.keep_hidden:
+                self.last_hidden[seq.seq_id] = hidden[first + n_acc].clone()
+            r += k + 1
+        return results
+
+    def _uniforms(self, seed: int | None, index: int, step: int, n: int) -> torch.Tensor:  # [2, n]
+        """Uniforms for a verification of n positions, the first emitting output token ``step``.
+
+        A seeded request draws position j's pair from the generator of output token step + j,
+        so its tokens depend on its seed and drafts only, never on the batch.
+        """
+        if seed is None:
+            return torch.rand((2, n), generator=self.sampler.default_generator(self.device), device=self.device)
+        cols = [torch.rand(2, generator=self._generator(seed, index, step + j), device=self.device)
+                for j in range(n)]
+        return torch.stack(cols, dim=1)

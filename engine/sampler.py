@@ -226,6 +226,10 @@ class Sampler:
             self._generators[device] = torch.Generator(device=device).manual_seed(self._seed)
         return self._generators[device]
 
+    def default_generator(self, device: torch.device) -> torch.Generator:
+        """The generator unseeded rows draw from (speculative verification shares it)."""
+        return self._generator(device)
+
     def processed_probs(self, logits: Tensor, rows: list[SamplingRow]) -> Tensor:
         """The distribution [N, V] this sampler draws from (for rejection sampling)."""
         return processed_probs(logits, rows, self.eos_token_ids)

@@ -15,6 +15,16 @@ Every step the scheduler hands the model runner a token budget's worth of work:
 After the model ran, ``update_from_output`` advances ``num_computed_tokens``, registers the
 blocks that became full of computed tokens in the prefix cache, appends sampled tokens, forks
 n > 1 requests after their prompt, and finishes sequences that hit a stop condition.
+
+Speculative decoding: a decoding sequence given a lookahead k gets slots for its last token and
+k draft tokens (``allocate_slots(total = computed + 1 + k)``)::
+
+    positions  | computed ............ | t | d1 .. dk |
+                                       ^ slots for the verification of t and k drafts
+
+After verification only the accepted run counts: its tokens are appended one by one with the
+stop checks (a stop cuts the run), ``num_computed_tokens`` advances over verified tokens only,
+the KV of the rejected positions is truncated away, and only then are full blocks hashed.
 """
 from __future__ import annotations
 
@@ -22,7 +32,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence as Seq
+from typing import Any, Iterable, Sequence as Seq
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager, PrefixHit
@@ -36,6 +46,11 @@ class ScheduledSeq:
     num_new_tokens: int  # query length this step
     sample: bool  # the slice reaches the last token: the step yields the next token
     num_samples: int = 1  # > 1 on the step that finishes an n > 1 prompt (then it forks)
+    # Speculation: slots reserved for up to this many draft tokens after the last token; the
+    # engine fills in the proposer's drafts (at most num_lookahead) before the model runs.
+    num_lookahead: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: Any = None  # [len(draft_token_ids), V] tensor, or None (one-hot proposals)
 
 
 @dataclass(slots=True)
@@ -46,7 +61,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens + len(s.draft_token_ids) for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -57,7 +72,9 @@ class SchedulerOutput:
 class SampledTokens:
     """What the model runner produced for one scheduled sequence that sampled."""
 
-    token_ids: list[int]  # one per sample (n on a forking step, else 1)
+    # One per sample (n on a forking step, else 1); after a verification, the emitted run:
+    # the accepted drafts then the recovered or bonus token.
+    token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
@@ -104,7 +121,14 @@ class Scheduler:
         return len(self.running)
 
     # ------------------------------------------------------------------ scheduling
-    def schedule(self) -> SchedulerOutput:
+    def decode_candidates(self) -> list[Sequence]:
+        """Running sequences that are decoding (only their last token lacks KV): the ones that
+        may speculate this step."""
+        return [s for s in self.running
+                if s.num_tokens - s.num_computed_tokens == 1 and not s.needs_fork]
+
+    def schedule(self, lookahead: dict[str, int] | None = None) -> SchedulerOutput:
+        """``lookahead``: seq id -> draft tokens to reserve slots for (decoding sequences)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         now = self.clock()
@@ -113,8 +137,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            k = self._lookahead(seq, n, budget, lookahead)
             scheduled_self = True
-            while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n):
+            while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens,
+                                             seq.num_computed_tokens + n + k):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -123,8 +149,10 @@ class Scheduler:
                     break
             if not scheduled_self:
                 break
-            out.scheduled.append(self._scheduled(seq, n))
-            budget -= n
+            item = self._scheduled(seq, n)
+            item.num_lookahead = k
+            out.scheduled.append(item)
+            budget -= n + k
             i += 1
 
         if not out.preempted:
@@ -166,6 +194,15 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _lookahead(self, seq: Sequence, n: int, budget: int, lookahead: dict[str, int] | None) -> int:
+        """Draft slots for ``seq``: what was asked, within the step budget, the tokens the
+        request may still produce and the context (the last emitted token needs no slot)."""
+        if not lookahead or n != seq.num_tokens - seq.num_computed_tokens or n != 1:
+            return 0
+        k = lookahead.get(seq.seq_id, 0)
+        room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        return max(0, min(k, budget - n, room))
+
     def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
         sample = seq.num_computed_tokens + n == seq.num_tokens
         samples = seq.params.n if (sample and seq.needs_fork) else 1
@@ -191,6 +228,10 @@ class Scheduler:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
+            if item.num_lookahead:
+                self._update_speculative(item, sampled[seq.seq_id], now)
+                touched.append(seq)
+                continue
             seq.num_computed_tokens = item.start + item.num_new_tokens
             if self.enable_prefix_caching:
                 self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
@@ -208,6 +249,27 @@ class Scheduler:
             if seq.is_finished:
                 self._release(seq)
         return touched
+
+    def _update_speculative(self, item: ScheduledSeq, result: SampledTokens, now: float) -> None:
+        """Append a verification's emitted run, token by token, and roll the KV back to it.
+
+        The last token and the accepted drafts have verified KV; the final emitted token (the
+        recovered or bonus one) has none yet, like any freshly sampled token. A stop condition
+        met inside the run drops the tokens after it.
+        """
+        seq = item.seq
+        for tok in result.token_ids:
+            seq.token_ids.append(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self._check_stop(seq)
+            if seq.is_finished:
+                break
+        seq.num_computed_tokens = seq.num_tokens - 1
+        # Free the slots of rejected (and cut-off) positions before anything is hashed.
+        self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
+        if self.enable_prefix_caching:
+            self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     def _fork(self, parent: Sequence, count: int) -> list[Sequence]:
         parent.forked = True

@@ -165,7 +165,9 @@ class ResponseAccumulator:
                 index=c.index, text="".join(self._text.get(c.index, [])),
                 token_ids=tuple(self._ids.get(c.index, [])),
                 finish_reason=_finish_reason(c.finish_reason),
-                usage=Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens),
+                usage=Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens, u.spec_drafts,
+                            u.spec_draft_tokens, u.spec_accepted_tokens, tuple(u.spec_acceptance_per_position),
+                            u.spec_mean_accepted_length),
                 timings=Timings(t.queue_s, t.prefill_s, t.transfer_s, t.first_token_s, t.total_s),
                 logprobs=tuple(self._lps.get(c.index, [])),
             )

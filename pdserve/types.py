@@ -26,6 +26,12 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    # Speculative decoding on the decode node (see serving.proto Usage); zeros when off.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_per_position: tuple[float, ...] = ()
+    spec_mean_accepted_length: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from engine.engine import LLMEngine, RequestOutput
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from kv_transfer.grpc_transport import GRPC_OPTIONS, push_blocks
+from kv_transfer.kv_index import StepReport
 from kv_transfer.node_config import NodeConfig
 from kv_transfer.node_runtime import NodeRuntime
 from protos.convert import sampling_from_proto
@@ -51,6 +52,11 @@ class PrefillServer:
         self._channels_lock = threading.Lock()
         self.num_prefills = 0
         self.num_transfer_failures = 0
+        # Prefills in progress on this node: a step report is only clean (pure compute, no
+        # queueing behind another request) when its prefill ran alone.
+        self._inflight = 0
+        self._starts = 0
+        self._inflight_lock = threading.Lock()
 
     @property
     def aengine(self):
@@ -110,10 +116,23 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except EngineStoppedError as err:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        with node._inflight_lock:
+            node._inflight += 1
+            node._starts += 1
+            alone, starts = node._inflight == 1, node._starts
         context.add_callback(stream.cancel)  # the router gave up: stop computing
         try:
-            final = self._wait(stream, context)
+            try:
+                final = self._wait(stream, context)
+            finally:
+                with node._inflight_lock:
+                    node._inflight -= 1
+                    alone = alone and node._starts == starts  # nobody started meanwhile
             prefill_s = time.monotonic() - t0
+            if alone and node.runtime.publisher is not None:
+                node.runtime.publisher.submit_step(StepReport(
+                    new_tokens=len(prompt) - final.num_cached_tokens, context_tokens=len(prompt),
+                    seconds=prefill_s))
             sent = kv_pb2.PushBlocksResponse()
             t1 = time.monotonic()
             if request.reservation.block_ids:

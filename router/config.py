@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.admission import SLO_CLASSES
+
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
@@ -38,8 +40,20 @@ class RouterConfig:
     # EOS ids that end a request on its first token; None = from the tokenizer dir
     # (tokenizer_config's eos_token, config.json / generation_config.json eos_token_id).
     eos_token_ids: tuple[int, ...] | None = None
-    # Weight of a node's queued/running tokens against its cached prefix tokens in placement.
+    # Weight of a node's queued/running tokens against its cached prefix tokens in placement
+    # (policy "prefix_load" only).
     load_alpha: float = 0.5
+    # "ttft": TtftPolicy (predicted time to first token, SLO admission); "prefix_load": the
+    # first policy (cached tokens - alpha * queued tokens, no admission).
+    policy: str = "ttft"
+    # SLO class of requests that name none (GenerateRequest.slo_class UNSPECIFIED), a key of
+    # router.admission.SLO_CLASSES. "relaxed" so slow hardware (CPU nodes) is not rejected by
+    # budgets meant for accelerators; deployments on GPUs set "standard".
+    default_slo_class: str = "relaxed"
+    # TtftPolicy: weight of a request's compute seconds on top of its predicted TTFT.
+    compute_weight: float = 1.0
+    # KV bytes per prompt token (transfer-time prior until transfers are measured); 0 = CostBook's default.
+    kv_bytes_per_token: int = 0
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -51,6 +65,10 @@ class RouterConfig:
             )
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if self.policy not in ("ttft", "prefix_load"):
+            raise ValueError(f"policy must be 'ttft' or 'prefix_load', got {self.policy!r}")
+        if self.default_slo_class not in SLO_CLASSES:
+            raise ValueError(f"default_slo_class must be one of {sorted(SLO_CLASSES)}, got {self.default_slo_class!r}")
         if self.node_refresh_s <= 0:
             raise ValueError(f"node_refresh_s must be > 0, got {self.node_refresh_s}")
 

@@ -11,7 +11,13 @@ Disaggregated path (kv.proto has the wire-level walk-through)::
 Errors before any output are ``RouterError`` (the server turns them into gRPC statuses);
 after output started they are in-stream ``Error`` messages. The node view comes from a
 background thread (``NodeRefresher``) so a request never waits for the registry; the only
-Redis round trip on the request path is the prefix match.
+Redis round trip on the request path is the prefix match. The same thread reads the prefill
+nodes' step reports into the ``CostBook`` the TTFT policy predicts with.
+
+Admission: the global ``max_inflight`` bound, then the policy's estimate against the request's
+SLO class (``router.admission.decide``); both reject with RESOURCE_EXHAUSTED and a retry hint.
+Index accuracy: every disaggregated request compares the cached tokens placement predicted
+with those the prefill node reports it reused (``IndexAccuracy``).
 """
 from __future__ import annotations
 
@@ -29,15 +35,23 @@ import grpc
 from engine.block_hash import hash_prompt_blocks
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
-from kv_transfer.kv_index import IndexReader, NodeInfo
+from kv_transfer.kv_index import IndexReader, NodeInfo, index_freshness
 from protos.convert import sampling_from_proto, sampling_to_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 from protos.pdserve.v1 import serving_pb2 as pb
+from router.admission import SLO_CLASSES, decide
 from router.config import RouterConfig
+from router.cost_model import CostBook
 from router.placement import NoCapacityError, Placement, PlacementPolicy, PlacementRequest
 from router.tokenizer import ChatTemplateError, PromptTokenizer
 
 log = logging.getLogger(__name__)
+
+
+# GenerateRequest.slo_class -> router.admission.SLO_CLASSES; UNSPECIFIED (absent here) takes
+# RouterConfig.default_slo_class.
+_SLO_NAMES = {pb.SLO_CLASS_INTERACTIVE: "interactive", pb.SLO_CLASS_STANDARD: "standard",
+              pb.SLO_CLASS_BATCH: "batch"}
 
 
 class RouterError(Exception):
@@ -89,8 +103,11 @@ class NodeRefresher:
     """Reads the registry every ``refresh_s`` on its own thread; ``view`` is the latest
     snapshot. A node whose lease lapses leaves the view within lease + refresh_s."""
 
-    def __init__(self, reader: IndexReader, refresh_s: float, prune_every_s: float) -> None:
+    def __init__(self, reader: IndexReader, refresh_s: float, prune_every_s: float,
+                 costs: CostBook | None = None) -> None:
         self._reader = reader
+        self._costs = costs
+        self._step_cursor: dict[str, str] = {}  # node id -> last step report id read
         self._refresh_s = refresh_s
         self._prune_every_s = prune_every_s
         self._view = NodeView()
@@ -108,7 +125,22 @@ class NodeRefresher:
         except Exception as e:  # redis down: keep serving from nothing rather than stale leases
             log.warning("node registry unreadable: %s", e)
             self._view = NodeView(refreshed_at=time.monotonic(), error=f"node registry unreadable: {e}")
+            return self._view
+        if self._costs is not None:
+            self._read_steps()
         return self._view
+
+    def _read_steps(self) -> None:
+        ids = [n.node_id for n in self._view.nodes if n.role == "prefill"]
+        try:
+            got = self._reader.read_steps({nid: self._step_cursor.get(nid, "0-0") for nid in ids})
+        except Exception as e:  # the fit keeps its last state; the reports stay in the stream
+            log.warning("step reports unreadable: %s", e)
+            return
+        for nid, (reports, last) in got.items():
+            self._step_cursor[nid] = last
+            for rep in reports:
+                self._costs.add_step(nid, rep)
 
     def start(self) -> None:
         self._thread.start()
@@ -133,6 +165,61 @@ class NodeRefresher:
                 except Exception as e:
                     log.warning("prune_dead failed: %s", e)
             self._stop.wait(self._refresh_s)
+
+
+# ----------------------------------------------------------------------------- bookkeeping
+class IndexAccuracy:
+    """Predicted cached tokens (from the index, at placement) vs the tokens the prefill node
+    actually reused, per request (the last ``keep``) and aggregated. Thread-safe."""
+
+    def __init__(self, keep: int = 1024) -> None:
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.exact = 0
+        self.predicted_tokens = 0
+        self.reused_tokens = 0
+        self.abs_error_tokens = 0
+        self.recent: dict[str, tuple[int, int]] = {}  # client request id -> (predicted, reused)
+        self._keep = keep
+
+    def record(self, request_id: str, predicted: int, reused: int) -> None:
+        with self._lock:
+            self.requests += 1
+            self.exact += predicted == reused
+            self.predicted_tokens += predicted
+            self.reused_tokens += reused
+            self.abs_error_tokens += abs(predicted - reused)
+            self.recent[request_id] = (predicted, reused)
+            if len(self.recent) > self._keep:
+                self.recent.pop(next(iter(self.recent)))
+
+    def summary(self) -> dict:
+        with self._lock:
+            return {"requests": self.requests, "exact_fraction": self.exact / self.requests if self.requests else 1.0,
+                    "predicted_tokens": self.predicted_tokens, "reused_tokens": self.reused_tokens,
+                    "mean_abs_error_tokens": self.abs_error_tokens / self.requests if self.requests else 0.0}
+
+
+class PrefillLedger:
+    """This router's own view of each prefill node's queue: predicted prefill seconds of the
+    requests it sent there and that have not returned. Another replica's requests show up only
+    through the nodes' heartbeats (the policy's fallback when a node is not in the ledger)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_node: dict[str, dict[str, float]] = {}
+
+    def add(self, node_id: str, request_id: str, seconds: float) -> None:
+        with self._lock:
+            self._by_node.setdefault(node_id, {})[request_id] = seconds
+
+    def done(self, node_id: str, request_id: str) -> None:
+        with self._lock:
+            self._by_node.get(node_id, {}).pop(request_id, None)
+
+    def backlog_s(self) -> dict[str, float]:
+        with self._lock:
+            return {nid: sum(v.values()) for nid, v in self._by_node.items()}
 
 
 # ----------------------------------------------------------------------------- per request
@@ -167,8 +254,11 @@ class Orchestrator:
     (tokenizing and the Redis lookup block)."""
 
     def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer, refresher: NodeRefresher,
-                 reader: IndexReader, policy: PlacementPolicy) -> None:
+                 reader: IndexReader, policy: PlacementPolicy, costs: CostBook | None = None) -> None:
         self.config = config
+        self.costs = costs
+        self.accuracy = IndexAccuracy()
+        self.ledger = PrefillLedger()
         self.tokenizer = tokenizer
         self.refresher = refresher
         self.reader = reader
@@ -183,6 +273,7 @@ class Orchestrator:
     # -- admission and validation ------------------------------------------------------------
     def _prepare(self, req: pb.GenerateRequest, client_id: str) -> Prepared:
         cfg = self.config
+        slo_class = _SLO_NAMES.get(req.slo_class, cfg.default_slo_class)
         if req.model and req.model != cfg.model_name:
             raise RouterError(grpc.StatusCode.NOT_FOUND,
                               f"model {req.model!r} is not served here; served models: [{cfg.model_name!r}]")
@@ -211,15 +302,20 @@ class Orchestrator:
                               view.error or f"no live decode node for model {cfg.model_name!r}; retry later")
         hashes = hash_prompt_blocks(prompt, view.block_size, view.fingerprint.encode())
         try:
-            matched = self.reader.match(hashes, [x.node_id for x in view.nodes])
+            matched = self.reader.match(hashes, [x.node_id for x in view.nodes]) if self.policy.uses_index else {}
         except Exception as e:  # the index is a hint: route without it rather than fail
             log.warning("index lookup failed, placing without prefix information: %s", e)
             matched = {}
         try:
             placement = self.policy.choose(
-                PlacementRequest(n, view.block_size, params.n, params.max_tokens), list(view.nodes), matched)
+                PlacementRequest(n, view.block_size, params.n, params.max_tokens, slo_class), list(view.nodes),
+                matched, self.ledger.backlog_s())
         except NoCapacityError as e:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        if placement.estimate is not None:
+            verdict = decide(placement.estimate, SLO_CLASSES[slo_class], n)
+            if not verdict.admit:
+                raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, verdict.reason, verdict.retry_after_ms)
         return Prepared(client_id, f"{client_id}-{uuid.uuid4().hex[:12]}", prompt, params,
                         sampling_to_proto(params), hashes, view.fingerprint, view.block_size, placement)
 
@@ -317,6 +413,8 @@ class Orchestrator:
             decode_address=decode.grpc_address, reservation=reservation,
         ), timeout=cfg.prefill_timeout_s)
         run.prefill_call = call
+        est = prep.placement.estimate
+        self.ledger.add(prefill.node_id, prep.node_id, est.prefill_s if est is not None else 0.0)
         try:
             resp = await call
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
@@ -330,6 +428,10 @@ class Orchestrator:
             return None
         finally:
             run.prefill_call = None
+            self.ledger.done(prefill.node_id, prep.node_id)
+        self.accuracy.record(prep.client_id, prep.placement.predicted_cached_tokens, resp.cached_tokens)
+        if self.costs is not None:
+            self.costs.add_transfer(prefill.node_id, decode.node_id, resp.bytes_sent, resp.transfer_s)
         run.timings["prefill_s"] = resp.prefill_s
         run.timings["transfer_s"] = resp.transfer_s
         run.timings["first_token_at"] = time.monotonic()
@@ -409,6 +511,19 @@ class Orchestrator:
         c.timings.total_s = time.monotonic() - arrival
         if first is not None:
             c.usage.cached_prompt_tokens = first.cached_tokens
+
+    # -- observability ---------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Index accuracy (predicted vs reused cached tokens) and freshness (age in seconds of
+        each node's newest applied event batch), plus the fitted prefill cost per node."""
+        view = self.refresher.view
+        out = {"index_accuracy": self.accuracy.summary(),
+               "index_freshness_s": index_freshness(view.nodes, time.time()),
+               "inflight": self.inflight}
+        if self.costs is not None:
+            out["prefill_cost"] = {n.node_id: self.costs.prefill(n.node_id).__repr__()
+                                   for n in view.nodes if n.role == "prefill"}
+        return out
 
     # -- abort -------------------------------------------------------------------------------------
     async def abort(self, client_id: str) -> bool:

@@ -8,9 +8,12 @@ index round trip. A policy is a hint like the index it reads: a wrong guess cost
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kv_transfer.kv_index import NodeInfo
+from router.admission import SLO_CLASSES, Estimate
+from router.cost_model import CostBook
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +22,7 @@ class PlacementRequest:
     block_size: int
     n: int = 1
     max_tokens: int = 16
+    slo_class: str = "relaxed"  # a key of router.admission.SLO_CLASSES
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +31,11 @@ class Placement:
     decode_node: NodeInfo
     predicted_cached_tokens: int  # prompt tokens expected from the chosen prefiller's cache
     reason: str  # one line for logs and traces: why this pair
+    estimate: Estimate | None = None  # predicted latency parts (policies with a cost model)
+    # Hot-block replication: fetch this many leading tokens' KV from fetch_from into the
+    # prefill node before computing the rest (None: recompute whatever it lacks).
+    fetch_from: str | None = None
+    fetch_tokens: int = 0
 
 
 class NoCapacityError(Exception):
@@ -37,10 +46,15 @@ class PlacementPolicy(ABC):
     """Chooses a (prefill, decode) pair. Implementations hold configuration only: ``choose``
     mutates nothing and may be called concurrently."""
 
+    # Whether choose() reads matched_blocks: a policy that does not needs no index lookup.
+    uses_index: bool = True
+
     @abstractmethod
     def choose(self, request: PlacementRequest, nodes: list[NodeInfo],
-               matched_blocks: dict[str, int]) -> Placement:
+               matched_blocks: dict[str, int], backlog_s: Mapping[str, float] | None = None) -> Placement:
         """``matched_blocks[node_id]`` = leading prompt blocks that node holds (absent = 0).
+        ``backlog_s[node_id]``, where known, is how long until the node could start this
+        request (a prefill node's queue, a decode node's wait for a free slot).
         Raises NoCapacityError when no decode node is live."""
 
 
@@ -76,7 +90,7 @@ class PrefixLoadPolicy(PlacementPolicy):
         self.max_n = max_n
 
     def choose(self, request: PlacementRequest, nodes: list[NodeInfo],
-               matched_blocks: dict[str, int]) -> Placement:
+               matched_blocks: dict[str, int], backlog_s: Mapping[str, float] | None = None) -> Placement:
         decoders = [n for n in nodes if n.role == "decode"]
         if not decoders:
             raise NoCapacityError("no live decode node")
@@ -108,3 +122,102 @@ class PrefixLoadPolicy(PlacementPolicy):
 def _reverse_id(node_id: str) -> tuple[int, ...]:
     # Deterministic tie-break for max(): the lexicographically smallest id wins.
     return tuple(-ord(c) for c in node_id) + (0,)
+
+
+class TtftPolicy(PlacementPolicy):
+    """pdserve's policy: the (prefill p, decode d) pair with the smallest predicted time to
+    first token, Mooncake-style::
+
+        ttft(p, d) = wait(p)                                    queue on p
+                   + prefill_p(uncached_p, cached_p)            p's own fitted cost model
+                   + (prompt - cached_d) * kv_bytes / bw(p, d)  KV transfer to d
+                   + wait(d)                                    a free decode slot on d
+
+    subject to tbt(d with this request) <= the request's SLO, where possible. A cached token
+    counts exactly as much as the compute it saves, and a queued second as much as a second of
+    compute, so cache affinity and balance are traded in one unit.
+
+    ``replicate``: when another node q holds a longer prefix than p, p may fetch the extra
+    blocks from q (at the q -> p bandwidth) instead of recomputing them, whichever the model
+    says is faster (Mooncake's hot-block replication); the placement then names q.
+
+    The pair is ranked by ``ttft + compute_weight * prefill_s``: the TTFT is this request's, the
+    second term prices what its compute costs everyone else. A second spent recomputing a prefix
+    that another node holds delays every request queued behind it on that node too, and the
+    recomputed blocks evict others from p's cache; at 0 the policy is greedy per request and
+    spreads conversations over the nodes (more duplicated blocks, a lower hit ratio).
+
+    Without ``backlog_s`` a node's queue is estimated from its reported backlog tokens.
+    """
+
+    def __init__(self, costs: CostBook, short_prompt_tokens: int = 64, max_n: int = 1,
+                 replicate: bool = False, compute_weight: float = 1.0) -> None:
+        self.costs = costs
+        self.compute_weight = compute_weight
+        self.short_prompt_tokens = short_prompt_tokens
+        self.max_n = max_n
+        self.replicate = replicate
+
+    def choose(self, request: PlacementRequest, nodes: list[NodeInfo],
+               matched_blocks: dict[str, int], backlog_s: Mapping[str, float] | None = None) -> Placement:
+        backlog_s = backlog_s or {}
+        decoders = [n for n in nodes if n.role == "decode"]
+        if not decoders:
+            raise NoCapacityError("no live decode node")
+        slo = SLO_CLASSES.get(request.slo_class, SLO_CLASSES["relaxed"])
+        prompt, bs = request.num_prompt_tokens, request.block_size
+
+        def cached(node_id: str) -> int:
+            return min(matched_blocks.get(node_id, 0) * bs, prompt)
+
+        def wait(node: NodeInfo) -> float:
+            if node.node_id in backlog_s:
+                return backlog_s[node.node_id]
+            return self.costs.prefill(node.node_id).predict(queued_tokens(node)) if node.role == "prefill" else 0.0
+
+        def tbt(d: NodeInfo) -> float:
+            return self.costs.decode.step_s(d.running + 1, d.running_tokens + prompt + request.max_tokens)
+
+        # Decode side: prefer nodes whose TBT with this request meets the SLO; if none does,
+        # every node is a candidate and admission will reject on the TBT estimate.
+        ok = [d for d in decoders if tbt(d) <= slo.tbt_s] or decoders
+
+        prefillers = [n for n in nodes if n.role == "prefill"]
+        local = (prompt < self.short_prompt_tokens or request.n > self.max_n or not prefillers)
+        if local:
+            d = min(ok, key=lambda d: (wait(d) + self.costs.prefill(d.node_id).predict(prompt - cached(d.node_id),
+                                                                                    cached(d.node_id)),
+                                       decode_load_key(d)))
+            why = ("short prompt" if prompt < self.short_prompt_tokens else
+                   f"n={request.n} > {self.max_n}" if request.n > self.max_n else "no live prefill node")
+            est = Estimate(queue_s=0.0, prefill_s=self.costs.prefill(d.node_id).predict(
+                prompt - cached(d.node_id), cached(d.node_id)), decode_wait_s=wait(d), tbt_s=tbt(d))
+            return Placement(None, d, cached(d.node_id), f"{why}: prefill on the decode node", est)
+
+        best_other = max(prefillers, key=lambda n: (cached(n.node_id), _reverse_id(n.node_id)))
+        best: tuple | None = None
+        for p in prefillers:
+            model = self.costs.prefill(p.node_id)
+            c = cached(p.node_id)
+            compute = model.predict(prompt - c, c)
+            fetch_from, fetch_tokens = None, 0
+            if self.replicate and best_other.node_id != p.node_id and cached(best_other.node_id) > c:
+                cq = cached(best_other.node_id)
+                with_fetch = (self.costs.transfer_s(best_other.node_id, p.node_id, cq - c)
+                              + model.predict(prompt - cq, cq))
+                if with_fetch < compute:
+                    compute, fetch_from, fetch_tokens = with_fetch, best_other.node_id, cq - c
+            q = wait(p)
+            for d in ok:
+                xfer = self.costs.transfer_s(p.node_id, d.node_id, prompt - cached(d.node_id))
+                est = Estimate(q, compute, xfer, wait(d), tbt(d))
+                key = (est.ttft_s + self.compute_weight * est.prefill_s, decode_load_key(d), p.node_id)
+                if best is None or key < best[0]:
+                    best = (key, p, d, est, fetch_from, fetch_tokens, c)
+        _, p, d, est, fetch_from, fetch_tokens, c = best
+        reason = (f"ttft {est.ttft_s * 1e3:.0f} ms: queue {est.queue_s * 1e3:.0f} + prefill "
+                  f"{est.prefill_s * 1e3:.0f} ({c} cached) + transfer {est.transfer_s * 1e3:.0f} + "
+                  f"decode wait {est.decode_wait_s * 1e3:.0f}")
+        if fetch_from is not None:
+            reason += f"; fetching {fetch_tokens} tokens from {fetch_from}"
+        return Placement(p, d, c + fetch_tokens if fetch_from else c, reason, est, fetch_from, fetch_tokens)

@@ -26,7 +26,8 @@ from protos.pdserve.v1 import serving_pb2 as pb
 from protos.pdserve.v1 import serving_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.orchestrator import NodeRefresher, Orchestrator, RouterError
-from router.placement import PrefixLoadPolicy
+from router.cost_model import CostBook
+from router.placement import PrefixLoadPolicy, TtftPolicy
 from router.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class RouterServer:
         self._started = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._thread_main, name="router-server", daemon=True)
+        self.orchestrator: Orchestrator | None = None  # set once started: stats(), accuracy
 
     def start(self) -> "RouterServer":
         self._thread.start()
@@ -96,9 +98,14 @@ class RouterServer:
         self._stopping = asyncio.Event()
         client = redis.Redis.from_url(cfg.redis_url)
         reader = IndexReader(client, cfg.namespace)
-        refresher = NodeRefresher(IndexReader(client, cfg.namespace), cfg.node_refresh_s, cfg.prune_every_s)
-        orch = Orchestrator(cfg, PromptTokenizer(cfg.tokenizer_dir), refresher, reader,
-                            PrefixLoadPolicy(cfg.load_alpha, cfg.short_prompt_tokens, cfg.max_n))
+        costs = CostBook(kv_bytes_per_token=cfg.kv_bytes_per_token) if cfg.kv_bytes_per_token else CostBook()
+        refresher = NodeRefresher(IndexReader(client, cfg.namespace), cfg.node_refresh_s, cfg.prune_every_s, costs)
+        if cfg.policy == "ttft":
+            policy = TtftPolicy(costs, cfg.short_prompt_tokens, cfg.max_n, compute_weight=cfg.compute_weight)
+        else:
+            policy = PrefixLoadPolicy(cfg.load_alpha, cfg.short_prompt_tokens, cfg.max_n)
+        orch = self.orchestrator = Orchestrator(cfg, PromptTokenizer(cfg.tokenizer_dir), refresher, reader,
+                                                policy, costs)
         opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes)]
         server = grpc.aio.server(options=opts)
@@ -158,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--short-prompt-tokens", type=int, default=64)
     p.add_argument("--max-inflight", type=int, default=256)
     p.add_argument("--node-refresh-s", type=float, default=0.5)
+    p.add_argument("--policy", choices=["ttft", "prefix_load"], default="ttft")
+    p.add_argument("--default-slo-class", default="relaxed")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = serve(RouterConfig(
@@ -165,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.max_model_len, host=args.host, port=args.port, namespace=args.namespace,
         max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
         short_prompt_tokens=args.short_prompt_tokens, max_inflight=args.max_inflight,
-        node_refresh_s=args.node_refresh_s,
+        node_refresh_s=args.node_refresh_s, policy=args.policy, default_slo_class=args.default_slo_class,
     ))
     print(f"router listening on {server.address}", flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):

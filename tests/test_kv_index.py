@@ -69,3 +69,127 @@ def test_reregistration_drops_what_a_restarted_node_published(r):
     assert IndexReader(r).match(h, ["n"]) == {"n": 0}
     p.deregister()
     assert not r.keys("pdserve:*")
+
+
+# ----------------------------------------------------------------------------- at scale
+import threading  # noqa: E402
+
+from engine.block_pool import BlockRemoved, BlockStored  # noqa: E402
+from kv_transfer.kv_index import (TIER_HOST, StepReport, index_freshness,  # noqa: E402
+                                  node_blocks_key)
+from kv_transfer.node_publisher import IndexPublisherThread  # noqa: E402
+
+
+def test_a_4k_token_prompt_is_one_round_trip_and_tiers_are_reported(r):
+    a = NodePublisher(r, node("a"))
+    b = NodePublisher(r, node("b", port=2), tier=TIER_HOST)
+    a.register()
+    b.register()
+    hashes = hash_prompt_blocks(list(range(4096)), 16, b"fp")  # 256 blocks
+    assert a.publish(stored=hashes[:200])
+    assert b.publish(stored=hashes)
+    reader = IndexReader(r)
+    reader.match(hashes[:1], ["a"])  # the first call per Redis lifetime also loads the script
+    before = reader.round_trips
+    r.config_resetstat()
+    assert reader.match(hashes, ["a", "b", "c"]) == {"a": 200, "b": 256, "c": 0}
+    assert reader.round_trips == before + 1
+    # exactly one client command reached the server: the script call
+    stats = r.info("commandstats")
+    assert stats["cmdstat_evalsha"]["calls"] == 1
+    assert "cmdstat_script" not in stats and "cmdstat_smembers" not in stats
+    assert reader.last_tiers == {"a": 0, "b": TIER_HOST}
+
+
+def test_concurrent_publishers_leave_each_node_exactly_its_blocks(r):
+    ids = [f"n{i}" for i in range(4)]
+    chains = {nid: hash_prompt_blocks([i] * 16 * 60, 16, b"fp") for i, nid in enumerate(ids)}
+    shared = hash_prompt_blocks([999] * 16 * 20, 16, b"fp")  # every node stores these too
+
+    def worker(nid):
+        client = redis.Redis(connection_pool=r.connection_pool)  # thread-safe pool, own connections
+        pub = NodePublisher(client, node(nid))
+        pub.register()
+        mine = chains[nid]
+        for i in range(0, 60, 5):  # interleaved stores and evictions in many small batches
+            assert pub.publish(stored=mine[i:i + 5] + shared[i // 3:i // 3 + 2])
+            if i >= 10:
+                assert pub.publish(removed=mine[i - 10:i - 8])
+
+    threads = [threading.Thread(target=worker, args=(nid,)) for nid in ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    reader = IndexReader(r)
+    for nid in ids:
+        held = set(chains[nid]) - {h for i in range(10, 60, 5) for h in chains[nid][i - 10:i - 8]}
+        held |= set(shared[:20])
+        got = {int(x, 16) for x in r.smembers(node_blocks_key("pdserve", nid))}
+        assert got == held
+        # block -> holders agrees with node -> blocks
+        for h in held:
+            assert r.hget(f"pdserve:blk:{h:016x}", nid) is not None
+    assert reader.match(shared, ids) == {nid: 20 for nid in ids}
+
+
+def test_event_gap_is_refused_and_resync_restores_the_snapshot(r):
+    p = NodePublisher(r, node("g"))
+    p.register()
+    h = hash_prompt_blocks(list(range(160)), 16, b"fp")
+    assert p.publish(stored=h[:4])
+    p.seq += 1  # a batch got lost on the way: the next one does not follow the last applied
+    assert not p.publish(stored=h[4:6])
+    reader = IndexReader(r)
+    assert reader.match(h, ["g"]) == {"g": 4}  # the refused batch changed nothing
+    p.resync(held=h[:8])
+    assert reader.match(h, ["g"]) == {"g": 8}
+    assert p.publish(removed=[h[7]])  # sequence continues after the resync
+    assert reader.match(h, ["g"]) == {"g": 7}
+    # Redis lost everything (restart): the node's next batch is a gap, its heartbeat says so
+    r.flushall()
+    assert not p.publish(stored=h[8:9])
+    assert p.heartbeat({"waiting": 0}) is False
+    p.resync(held=h[:3])
+    assert reader.match(h, ["g"]) == {"g": 3} and "g" in reader.live_nodes()
+
+
+def test_publisher_thread_resyncs_from_its_snapshot_after_redis_loses_the_index(r):
+    pub = NodePublisher(r, node("t"), lease_s=5.0)
+    thread = IndexPublisherThread(pub, lambda: {"waiting": 0}, heartbeat_s=0.05)
+    thread.start()
+    h = hash_prompt_blocks(list(range(160)), 16, b"fp")
+    thread.submit_events([BlockStored(tuple(h[:6]), None, ())])
+    thread.submit_events([BlockRemoved(tuple(h[5:6]))])
+    reader = IndexReader(r)
+    _eventually(lambda: reader.match(h, ["t"]) == {"t": 5})
+    r.flushall()  # a Redis restart
+    _eventually(lambda: reader.match(h, ["t"]) == {"t": 5} and "t" in reader.live_nodes())
+    assert thread.num_resyncs >= 1
+    thread.submit_step(StepReport(100, 300, 0.05))
+    _eventually(lambda: reader.read_steps({"t": "0-0"})["t"][0] == [StepReport(100, 300, 0.05)])
+    thread.stop()
+    assert "t" not in reader.live_nodes() and reader.match(h, ["t"]) == {"t": 0}
+
+
+def test_two_router_replicas_see_the_same_index_and_freshness(r):
+    p = NodePublisher(r, node("f"))
+    p.register()
+    h = hash_prompt_blocks(list(range(64)), 16, b"fp")
+    t0 = time.time()
+    p.publish(stored=h)
+    one, two = IndexReader(r), IndexReader(redis.Redis(connection_pool=r.connection_pool))
+    assert one.match(h, ["f"]) == two.match(h, ["f"]) == {"f": 4}
+    info = one.live_nodes()["f"]
+    assert info.index_seq == 1 and info.event_at >= t0 - 1
+    age = index_freshness([info], time.time() + 2.0)["f"]
+    assert 2.0 <= age < 4.0
+
+
+def _eventually(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    assert cond()

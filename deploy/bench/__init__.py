@@ -21,6 +21,8 @@ BENCHMARKS: dict[str, str] = {
     "kv-memory": "kv_memory",
     "engine": "engine_throughput",
     "transfer": "transfer",
+    "router": "router_replay",
+    "specdec": "specdec",
 }
 
 

@@ -1,0 +1,190 @@
+"""Speculative decoding through the engine on tiny random models: greedy outputs identical for
+every proposer and for mixed batches, stops inside an accepted run, rollback without leaks or
+hashes of unverified tokens, and the sampling distribution preserved (chi-square)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from scipy import stats
+
+from decode_node.spec import build_proposer
+from decode_node.spec.heads import save_tiny_heads
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine.engine import LLMEngine
+from engine.models.tiny import save_tiny_model
+from engine.sampler import SamplingRow, processed_probs
+from engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    return {
+        "target": save_tiny_model(root / "target", arch="llama", seed=3),
+        "draft": save_tiny_model(root / "draft", arch="llama", seed=4, num_hidden_layers=1),
+        "heads": save_tiny_heads(root / "heads", hidden_size=64, vocab_size=512),
+    }
+
+
+def make_engine(path, spec=SpeculativeConfig(), num_blocks=512, block_size=4, budget=256, max_seqs=16):
+    return LLMEngine(
+        EngineConfig(model=str(path), dtype="float32", device="cpu",
+                     cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                     scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs),
+                     speculative=spec),
+        load_tokenizer=False, proposer_factory=build_proposer,
+    )
+
+
+def prompts(n=6, seed=0):
+    rng = random.Random(seed)
+    ps = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 30))] for _ in range(n)]
+    return ps + [p * 3 for p in ps[:2]]  # repeated text: n-gram lookup finds matches
+
+
+def spec_configs(models):
+    return {
+        "ngram": SpeculativeConfig(method="ngram", adaptive=False),
+        "early_exit": SpeculativeConfig(method="early_exit", early_exit_layers=1, adaptive=False),
+        "draft": SpeculativeConfig(method="draft", draft_model=str(models["draft"]), draft_dtype="float32",
+                                   adaptive=False),
+        "low_precision": SpeculativeConfig(method="low_precision", adaptive=False, num_speculative_tokens=3),
+        "medusa": SpeculativeConfig(method="medusa", draft_model=str(models["heads"]), adaptive=False),
+        "ngram_adaptive": SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    return [o.outputs[0].token_ids for o in make_engine(models["target"]).generate(prompts(), GREEDY)]
+
+
+@pytest.mark.parametrize("method", ["ngram", "early_exit", "draft", "low_precision", "medusa", "ngram_adaptive"])
+def test_greedy_identical_with_and_without_speculation(models, reference, method):
+    eng = make_engine(models["target"], spec_configs(models)[method])
+    outs = eng.generate(prompts(), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    st = eng.stats()["speculative"]
+    assert st["drafts"] > 0 and st["draft_tokens"] >= st["accepted_tokens"]
+    assert eng.kv.num_free_blocks == eng.num_blocks  # every rollback and finish gave blocks back
+    spec = outs[0].outputs[0].spec
+    assert spec is not None and spec.num_drafts >= 0
+
+
+def test_mixed_batch_greedy_and_sampled_with_small_budget(models, reference):
+    """Greedy and random requests, different k per sequence (adaptive), chunked prefill
+    alongside verification, a KV pool small enough to preempt: greedy ones stay identical."""
+    ps = prompts()
+    sampled = SamplingParams(temperature=0.9, top_k=50, max_tokens=20, min_tokens=20, seed=7)
+    params = [GREEDY if i % 2 == 0 else sampled for i in range(len(ps))]
+    spec = SpeculativeConfig(method="draft", draft_model=str(models["draft"]), draft_dtype="float32",
+                             num_speculative_tokens=4)
+    eng = make_engine(models["target"], spec, num_blocks=48, budget=24)
+    outs = eng.generate(ps, params)
+    for i, o in enumerate(outs):
+        assert len(o.outputs[0].token_ids) == 20
+        if i % 2 == 0:
+            assert o.outputs[0].token_ids == reference[i]
+    assert eng.kv.num_free_blocks == eng.num_blocks
+    # Seeded sampling with speculation is reproducible.
+    again = make_engine(models["target"], spec, num_blocks=48, budget=24).generate(ps, params)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+
+
+def test_stop_inside_an_accepted_run_cuts_it(models, reference):
+    spec = SpeculativeConfig(method="low_precision", adaptive=False, num_speculative_tokens=5)
+    eng = make_engine(models["target"], spec)
+    want = reference[1]
+    stop_tok = want[7]
+    first = want.index(stop_tok)
+    out = eng.generate([prompts()[1]], SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=(stop_tok,)))[0]
+    assert out.outputs[0].token_ids == want[: first + 1] and out.outputs[0].finish_reason == "stop"
+    out = eng.generate([prompts()[1]], SamplingParams(temperature=0.0, max_tokens=9, min_tokens=9))[0]
+    assert out.outputs[0].token_ids == want[:9] and out.outputs[0].finish_reason == "length"
+    assert eng.kv.num_free_blocks == eng.num_blocks
+
+
+def test_rollback_registers_no_hash_for_unverified_tokens(models):
+    """Every cached block's tokens are the true tokens of some sequence: a rejected draft's
+    tokens never end up hashed in the prefix cache (nor in a BlockStored event)."""
+    spec = SpeculativeConfig(method="draft", draft_model=str(models["draft"]), draft_dtype="float32",
+                             adaptive=False, num_speculative_tokens=5)
+    eng = make_engine(models["target"], spec)
+    ps = prompts()
+    outs = eng.generate(ps, GREEDY)
+    assert eng.stats()["speculative"]["draft_tokens"] > eng.stats()["speculative"]["accepted_tokens"]
+    bs = eng.block_size
+    true_blocks = set()
+    for p, o in zip(ps, outs):
+        full = p + o.outputs[0].token_ids
+        true_blocks |= {tuple(full[i : i + bs]) for i in range(0, len(full) - bs + 1, bs)}
+    stored = [e for e in eng.take_kv_events() if type(e).__name__ == "BlockStored"]
+    assert stored
+    for e in stored:
+        for toks in e.token_ids:
+            assert tuple(toks) in true_blocks
+
+
+@pytest.mark.parametrize("setting", [dict(temperature=0.8), dict(temperature=1.0, top_k=3),
+                                     dict(temperature=1.0, top_p=0.7)])
+def test_sampling_distribution_is_preserved(tmp_path_factory, setting):
+    """Tiny vocabulary (8 tokens): 10^4 samples of tokens 2 and 3 (those produced by
+    verification with a real draft distribution q != p) match their exact marginals."""
+    root = tmp_path_factory.mktemp("chi")
+    kw = dict(vocab_size=8, bos_token_id=0, eos_token_id=1, initializer_range=0.3)
+    target = save_tiny_model(root / "t", arch="llama", seed=11, **kw)
+    # Same seed, one layer: shares the target's embedding and first layer, so q is close to p
+    # but not equal (both accepted drafts and recovered tokens occur).
+    draft = save_tiny_model(root / "d", arch="llama", seed=11, num_hidden_layers=1, **kw)
+    # A batch of 1000 speculates only with the per-step budget lifted (it shrinks to 0 at 64).
+    spec = SpeculativeConfig(method="draft", draft_model=str(draft), draft_dtype="float32", adaptive=False,
+                             num_speculative_tokens=2, max_tokens_per_step=4096, max_batch_size=4096)
+    eng = make_engine(target, spec, num_blocks=4096, budget=4096, max_seqs=1024)
+    prompt = [3, 5, 2, 7]
+    params = SamplingParams(max_tokens=3, min_tokens=3, **setting)
+    trials = 10_000
+    outs = []
+    for _ in range(trials // 1000):
+        outs += eng.generate([prompt] * 1000, params)
+    st = eng.stats()["speculative"]
+    assert 0 < st["accepted_tokens"] < st["draft_tokens"]
+    toks = torch.tensor([o.outputs[0].token_ids for o in outs])  # [trials, 3]
+
+    # Exact marginals from the target alone: P(t2) = sum_t1 P(t1) P(t2 | t1), etc.
+    base = make_engine(target)
+    model = base.loaded.model
+
+    def dist(history):  # the sampler's distribution after prompt + history: [8]
+        ids = torch.tensor(prompt + history)
+        logits = _full_logits(base, ids)
+        row = SamplingRow(params=params, prompt_token_ids=prompt, output_token_ids=history)
+        return processed_probs(logits[None], [row], base.eos_token_ids)[0].double()
+
+    p1 = dist([])
+    p12 = torch.stack([dist([a]) for a in range(8)])  # [8, 8]
+    p2 = p1 @ p12
+    p3 = sum(p1[a] * p12[a, b] * dist([a, b]) for a in range(8) for b in range(8))
+    for col, exact in ((1, p2), (2, p3)):
+        counts = torch.bincount(toks[:, col], minlength=8).double()
+        keep = exact * trials >= 5  # chi-square needs expected counts >= 5 per cell
+        assert counts[~keep].sum() <= max(20, 5 * (~keep).sum())  # near-impossible tokens stay rare
+        obs, exp = counts[keep], exact[keep] / exact[keep].sum() * counts[keep].sum()
+        assert stats.chisquare(obs.numpy(), exp.numpy()).pvalue > 0.001
+    del model
+
+
+def _full_logits(eng, ids):
+    """Last-position logits of a one-off forward over ``ids`` through a scratch sequence."""
+    from engine.attention.metadata import AttentionMetadata
+
+    n = len(ids)
+    blocks = list(range((n + eng.block_size - 1) // eng.block_size))
+    meta = AttentionMetadata.build([n], [n], [blocks], eng.block_size, "cpu")
+    eng.runner.backend.begin_step(meta)
+    with torch.inference_mode():
+        h = eng.loaded.model(ids, torch.arange(n), eng.kv_cache, eng.runner.backend)
+        return eng.loaded.model.compute_logits(h[-1:])[0]
