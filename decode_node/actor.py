@@ -1,39 +1,21 @@
-"""The decode node as a Ray actor in the decode pool.
-
-Ray places, restarts and names the node; gRPC carries everything else (no tensors through
-Ray). A restarted actor builds a fresh engine and registers again, which drops whatever its
-previous life published to the index (NodePublisher.register).
-"""
+"""The decode node as a Ray actor in the decode pool (the body is kv_transfer/node_actor.py)."""
 from __future__ import annotations
-
-import os
 
 import ray
 
-from kv_transfer.node_config import NodeConfig, ray_actor_options
+from kv_transfer.node_actor import NodeActorBody, spawn_node
+from kv_transfer.node_config import NodeConfig
 
 
 @ray.remote
-class DecodeNodeActor:
-    def __init__(self, config: NodeConfig) -> None:
+class DecodeNodeActor(NodeActorBody):
+    role = "decode"
+
+    @staticmethod
+    def make_server(config: NodeConfig):
         from decode_node.server import DecodeServer  # torch loads in the worker only
 
-        self._server = DecodeServer(config)
-        self._address = self._server.start()
-
-    def address(self) -> str:
-        return self._address
-
-    def ready(self) -> bool:
-        return self._server.aengine is not None and self._server.aengine.alive
-
-    def stats(self) -> dict:
-        # The pid tells restarts apart (a restarted actor is a new process).
-        return {**self._server.stats(), "pid": os.getpid()}
-
-    def stop(self) -> None:
-        """Leave the index and stop serving (then end the actor with ray.kill)."""
-        self._server.stop()
+        return DecodeServer(config)
 
 
 def spawn_decode_node(
@@ -42,5 +24,4 @@ def spawn_decode_node(
     """Start a decode node actor named ``config.node_id`` in the decode pool; returns its handle."""
     if config.role != "decode":
         raise ValueError(f"spawn_decode_node needs a decode-role config, got role={config.role!r}")
-    opts = ray_actor_options(config, gpu=gpu, accelerator_type=accelerator_type, num_cpus=num_cpus)
-    return DecodeNodeActor.options(**opts).remote(config)
+    return spawn_node(DecodeNodeActor, config, gpu=gpu, accelerator_type=accelerator_type, num_cpus=num_cpus)

@@ -272,7 +272,7 @@ class LLMEngine:
         seq.first_token_time = now
         self.scheduler.add_sequence(seq)
         # The prefill node's token may already end the request (EOS, a stop token, max_tokens=1).
-        self.scheduler._check_stop(seq)
+        self.scheduler.check_stop(seq)
         delta = "".join(self._append_text(req, seq, t, final=seq.is_finished and i == len(outs) - 1)[0]
                         for i, t in enumerate(outs))
         done = self.scheduler.request_finished(request_id)

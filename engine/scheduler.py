@@ -243,7 +243,7 @@ class Scheduler:
                 s.token_ids.append(tok)
                 if s.first_token_time is None:
                     s.first_token_time = now
-                self._check_stop(s)
+                self.check_stop(s)
                 touched.append(s)
         for seq in touched:
             if seq.is_finished:
@@ -262,7 +262,7 @@ class Scheduler:
             seq.token_ids.append(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            self._check_stop(seq)
+            self.check_stop(seq)
             if seq.is_finished:
                 break
         seq.num_computed_tokens = seq.num_tokens - 1
@@ -296,7 +296,10 @@ class Scheduler:
             children.append(child)
         return children
 
-    def _check_stop(self, seq: Sequence) -> None:
+    def check_stop(self, seq: Sequence) -> None:
+        """Finish ``seq`` when its last token ends it: EOS or a stop token id (once min_tokens
+        are out), max_tokens or the context length. The engine also calls it for tokens that
+        arrive already sampled (a prefill node's first token)."""
         p = seq.params
         last = seq.token_ids[-1]
         n_out = seq.num_output_tokens

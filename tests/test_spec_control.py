@@ -37,3 +37,41 @@ def test_non_adaptive_always_uses_k():
     for _ in range(5):
         ctl.observe("a", 3, 0)
     assert ctl.plan(["a", "b"], 2) == {"a": 3, "b": 3}
+
+
+def test_a_costly_drafter_that_never_pays_probes_rarely_with_one_token():
+    # Early exit through half the layers: every draft token costs half a step.
+    ctl = SpecController(SpeculativeConfig(method="early_exit", num_speculative_tokens=5), draft_cost=0.5)
+    probes = []
+    for _ in range(1000):
+        plan = ctl.plan(["a"], 1)
+        if plan:
+            probes.append(plan["a"])
+            ctl.observe("a", plan["a"], 0)
+    assert probes and set(probes) == {1}
+    # Waits double from 16 to 256 steps: a handful of probes in 1000 steps, not 60.
+    assert len(probes) <= 9
+
+
+def test_new_sequences_start_from_the_node_wide_acceptance():
+    ctl = SpecController(SpeculativeConfig(method="early_exit", num_speculative_tokens=5), draft_cost=0.5)
+    for i in range(20):  # earlier requests: every draft rejected
+        ctl.observe(f"old{i}", 1, 0)
+    assert ctl.plan(["new"], 1) == {}  # no losing first probe for the next request
+    good = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4), draft_cost=0.0)
+    for i in range(20):
+        good.observe(f"old{i}", 4, 4)
+    assert good.plan(["new"], 1) == {"new": 4}
+
+
+def test_new_sequences_continue_the_node_probe_back_off():
+    ctl = SpecController(SpeculativeConfig(method="early_exit", num_speculative_tokens=5), draft_cost=0.5)
+    probes = 0
+    for r in range(8):  # eight 128-token requests in a row, drafts always rejected
+        for _ in range(128):
+            plan = ctl.plan([f"r{r}"], 1)
+            if plan:
+                probes += 1
+                ctl.observe(f"r{r}", plan[f"r{r}"], 0)
+        ctl.forget(f"r{r}")
+    assert probes <= 8  # ~1024 steps: first probe, then waits of 32, 64, 128, 256, 256 ...

@@ -110,6 +110,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests in flight at once (1 = one request at a time, the latency regime)")
     p.add_argument("--spec-tokens", type=int, default=5)
     p.add_argument("--early-exit-layers", type=int, default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="target dtype for every engine of the run (the baseline too)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--plot", default=None, metavar="FILE.png", help="bar chart of tokens/s per engine")
 
@@ -125,13 +127,13 @@ def run(args: argparse.Namespace, report) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     report.progress(f"loading {args.model}")
-    loaded = load_model(args.model, torch_dtype("float32"), "cpu", progress=report.progress)
+    loaded = load_model(args.model, torch_dtype(args.dtype), "cpu", progress=report.progress)
     tok = load_hf_tokenizer(loaded.tokenizer_path)
     sets = {
         "grounded": [encode_chat(tok, [{"role": "user", "content": p}]) for p in GROUNDED[: args.num_grounded]],
         "open": [encode_chat(tok, [{"role": "user", "content": p}]) for p in OPEN[: args.num_open]],
     }
-    base_cfg = EngineConfig(model=args.model, dtype="float32", device="cpu",
+    base_cfg = EngineConfig(model=args.model, dtype=args.dtype, device="cpu",
                             cache=CacheConfig(num_blocks=1024),
                             scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=max(1, args.batch)))
 
