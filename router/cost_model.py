@@ -175,9 +175,15 @@ class CostBook:
     def prefill(self, node_id: str) -> PrefillCost:
         return self._models.get(node_id) or self._pooled.model
 
-    def add_transfer(self, src: str, dst: str, num_bytes: int, seconds: float) -> None:
+    def add_transfer(self, src: str, dst: str, num_bytes: int, seconds: float, num_tokens: int = 0) -> None:
+        """A measured transfer. With ``num_tokens`` (the token slots the bytes covered) it also
+        teaches the book the served model's KV bytes per token: bandwidths are measured in the
+        model's bytes, so predictions must count tokens in the same bytes (a tiny test model
+        moves ~1 KB a token, a 7B model ~0.5 MB)."""
         if num_bytes <= 0 or seconds <= 0:
             return
+        if num_tokens > 0:
+            self.kv_bytes_per_token = max(1, round(num_bytes / num_tokens))
         bw = num_bytes / seconds
         old = self._bw.get((src, dst))
         self._bw[(src, dst)] = bw if old is None else old + self.bandwidth_alpha * (bw - old)

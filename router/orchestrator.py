@@ -431,7 +431,8 @@ class Orchestrator:
             self.ledger.done(prefill.node_id, prep.node_id)
         self.accuracy.record(prep.client_id, prep.placement.predicted_cached_tokens, resp.cached_tokens)
         if self.costs is not None:
-            self.costs.add_transfer(prefill.node_id, decode.node_id, resp.bytes_sent, resp.transfer_s)
+            self.costs.add_transfer(prefill.node_id, decode.node_id, resp.bytes_sent, resp.transfer_s,
+                                    num_tokens=resp.blocks_sent * prep.block_size)
         run.timings["prefill_s"] = resp.prefill_s
         run.timings["transfer_s"] = resp.transfer_s
         run.timings["first_token_at"] = time.monotonic()
@@ -479,6 +480,8 @@ class Orchestrator:
                 kind = resp.WhichOneof("kind")
                 if kind == "chunk" and resp.chunk.index not in first_token_s:
                     first_token_s[resp.chunk.index] = time.monotonic() - arrival
+                    if first is not None and first.first_logprobs:
+                        _prepend_first_logprobs(resp.chunk, first)
                 elif kind == "complete":
                     self._fill_complete(resp.complete, run, first, first_token_s, arrival)
                 sent += 1
@@ -584,3 +587,15 @@ def _retry_after(e: grpc.aio.AioRpcError) -> int | None:
             except ValueError:
                 return None
     return None
+
+
+def _prepend_first_logprobs(chunk: pb.Chunk, first: kv_pb2.PrefillResponse) -> None:
+    """The decode node's first chunk starts with the prefill node's token(s) but cannot know
+    their logprobs (the prefill node computed them): put them in front, so every streamed token
+    has its logprob."""
+    n = len(first.first_logprobs)
+    if (list(chunk.token_ids[:n]) == list(first.first_token_ids)
+            and len(chunk.logprobs) == len(chunk.token_ids) - n):
+        merged = list(first.first_logprobs) + list(chunk.logprobs)
+        del chunk.logprobs[:]
+        chunk.logprobs.extend(merged)

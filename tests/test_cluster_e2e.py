@@ -103,6 +103,17 @@ def test_repeated_prefix_goes_to_the_prefill_node_that_holds_it(cluster):
     assert out.usage.cached_prompt_tokens >= matched[holder] * prefill[0].block_size
 
 
+def test_every_token_has_its_logprob_on_the_disaggregated_path(cluster, reference):
+    with pdserve.Client(cluster.address, timeout=120) as client:
+        out = client.complete(chat(QUESTIONS[0]), max_tokens=8, temperature=0.0, logprobs=2)
+    assert out.timings.prefill_s > 0  # the first token came from a prefill node
+    assert len(out.logprobs) == len(out.token_ids) == 8
+    assert [lp.token_id for lp in out.logprobs] == list(out.token_ids)
+    want = reference.generate([reference.encode(QUESTIONS[0], chat=True)],
+                              SamplingParams(temperature=0.0, max_tokens=8, logprobs=2))[0].outputs[0]
+    assert [lp.logprob for lp in out.logprobs] == pytest.approx(want.logprobs, abs=1e-4)
+
+
 def test_index_entries_appear_after_prefill(cluster):
     r = redis.Redis.from_url(cluster.redis_url)
     assert r.keys(f"{cluster.config.namespace}:blk:*")

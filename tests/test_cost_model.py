@@ -83,3 +83,11 @@ def test_cost_book_per_node_models_and_pair_bandwidth():
         book.add_step("p0", StepReport(1000, 1000, 5.0))
     book.add_step("p2", StepReport(1000, 1000, 0.5))  # a faster peer moves the pooled fit only
     assert book.prefill("p0").predict(1000) > book.prefill("p1").predict(1000) == book.prefill("p2").predict(1000)
+
+
+def test_transfer_predictions_use_the_measured_model_bytes_per_token():
+    book = CostBook(kv_bytes_per_token=131072)
+    # A small model: 64 token slots moved in 64 KiB at 1 GB/s.
+    book.add_transfer("a", "b", 65536, 65536 / 1e9, num_tokens=64)
+    assert book.kv_bytes_per_token == 1024
+    assert book.transfer_s("a", "b", 1000) == pytest.approx(1000 * 1024 / 1e9)

@@ -171,6 +171,14 @@ def _wait_for_blocks(cluster, ids, node_id, blocks):
     while reader.match(hashes, [node_id])[node_id] < blocks:
         assert time.monotonic() < deadline, "prefix blocks never appeared in the index"
         time.sleep(0.05)
+    # The warm-up must also be gone from the node's reported load (heartbeats lag by up to
+    # heartbeat_s), or placement rightly sees a busy node and sends the request elsewhere.
+    while True:
+        info = reader.live_nodes()[node_id]
+        if info.waiting == 0 and info.running == 0:
+            break
+        assert time.monotonic() < deadline, "node never reported idle"
+        time.sleep(0.05)
 
 
 def test_repeated_prefix_goes_to_the_prefill_node_holding_it(cluster, reference):
