@@ -9,8 +9,6 @@ from kv_transfer.node_config import NodeConfig
 
 @ray.remote
 class DecodeNodeActor(NodeActorBody):
-    role = "decode"
-
     @staticmethod
     def make_server(config: NodeConfig):
         from decode_node.server import DecodeServer  # torch loads in the worker only

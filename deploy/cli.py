@@ -1,7 +1,8 @@
-"""`pdserve` command line: generate, bench (and, with the cluster, up / status / chaos)."""
+"""`pdserve` command line: generate, up, status, bench."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -174,8 +175,7 @@ def cmd_status(a: argparse.Namespace) -> int:
         print(f"error: cannot read {url}: {e}", file=sys.stderr)
         return 2
     if a.json:
-        print(json.dumps({"cluster": state, "nodes": {k: v.__class__.__name__ and {
-            f: getattr(v, f) for f in v.__dataclass_fields__} for k, v in nodes.items()}}))
+        print(json.dumps({"cluster": state, "nodes": {k: dataclasses.asdict(v) for k, v in nodes.items()}}))
         return 0
     if state:
         print(f"router grpc={state.get('grpc')}  dashboard={state.get('dashboard')}  redis={url}")

@@ -48,8 +48,9 @@ class ClusterConfig:
 
 
 def state_file() -> Path:
-    base = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
-    return base / "cluster.json"
+    from engine.models.builtin import cache_dir
+
+    return cache_dir() / "cluster.json"
 
 
 class LocalCluster:

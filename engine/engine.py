@@ -543,8 +543,8 @@ class LLMEngine:
             "running": self.scheduler.num_running,
             "waiting": self.scheduler.num_waiting,
             "preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_queries": getattr(pool, "num_queries", None),
-            "prefix_cache_hits": getattr(pool, "num_hits", None),
+            "prefix_cache_query_tokens": pool.prefix_query_tokens,
+            "prefix_cache_hit_tokens": pool.prefix_hit_tokens,
             "speculative": self.spec_stats.as_dict() if self.proposer is not None else None,
         }
 

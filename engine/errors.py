@@ -4,7 +4,3 @@ from __future__ import annotations
 
 class InvalidRequestError(ValueError):
     """The request can never be served as asked (too long, bad parameter); the message names the limit."""
-
-
-class UnknownRequestError(KeyError):
-    """An id that the engine does not know (already finished or never added)."""

@@ -39,6 +39,11 @@ class PrefixHit(NamedTuple):
 _NO_HIT = PrefixHit([], 0)
 
 
+def _needed(to_touch: list[KVBlock], table, cow: list[int], grow: int) -> int:
+    """Free-queue blocks a plan takes: revived hit blocks (ref 0), copies, growth."""
+    return sum(1 for b in to_touch if b.ref_cnt == 0) + len(cow) + grow
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -183,9 +188,7 @@ class KVCacheManager:
     ) -> int:
         """Blocks ``allocate_slots`` would take out of the free queue: fresh ones for growth,
         copy-on-write copies, and hit blocks that are evictable (ref 0) right now."""
-        to_touch, _, cow, grow = self._plan(seq_id, num_computed_tokens, total_tokens, hit)
-        revived = sum(1 for b in to_touch if b.ref_cnt == 0)
-        return revived + len(cow) + grow
+        return _needed(*self._plan(seq_id, num_computed_tokens, total_tokens, hit))
 
     def can_allocate(
         self,
@@ -201,7 +204,12 @@ class KVCacheManager:
         return self.pool.num_free_blocks - needed >= reserve_blocks
 
     def allocate_slots(
-        self, seq_id: str, num_computed_tokens: int, total_tokens: int, hit: PrefixHit | None = None
+        self,
+        seq_id: str,
+        num_computed_tokens: int,
+        total_tokens: int,
+        hit: PrefixHit | None = None,
+        reserve_blocks: int = 0,
     ) -> bool:
         """Make ``seq_id``'s table cover positions ``[0, total_tokens)`` so the new tokens can be
         written at ``[num_computed_tokens, total_tokens)``::
@@ -212,11 +220,12 @@ class KVCacheManager:
 
         Existing blocks in the write range that are shared (after ``fork``) or cached are
         replaced by fresh copies; the ``(src, dst)`` pairs wait in ``take_copies``.
-        Returns False and changes nothing when the pool has too few free blocks.
+        Returns False and changes nothing when the pool has too few free blocks, or would keep
+        fewer than ``reserve_blocks`` free (the scheduler's watermark for new requests).
         """
-        to_touch, table, cow, grow = self._plan(seq_id, num_computed_tokens, total_tokens, hit)
-        revived = sum(1 for b in to_touch if b.ref_cnt == 0)
-        if revived + len(cow) + grow > self.pool.num_free_blocks:
+        plan = self._plan(seq_id, num_computed_tokens, total_tokens, hit)
+        to_touch, table, cow, grow = plan
+        if self.pool.num_free_blocks - _needed(*plan) < reserve_blocks:
             return False
         # Touch the hit first: allocate() pops the free queue's head, which may be a hit block.
         self.pool.touch(to_touch)

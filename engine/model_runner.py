@@ -25,6 +25,14 @@ from engine.sampler import Sampler, SamplingRow, apply_penalties, probs_from_pen
 from engine.scheduler import SampledTokens, ScheduledSeq, SchedulerOutput
 
 
+def seeded_generator(device: torch.device, *key: int, person: bytes = b"") -> torch.Generator:
+    """A generator seeded from a tuple of ints (a request's seed plus positions), the same in
+    every process: what makes seeded sampling independent of batching and of which node runs
+    which step."""
+    digest = hashlib.blake2b(struct.pack(f"<{len(key)}q", *key), digest_size=8, person=person).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -58,8 +66,7 @@ class ModelRunner:
         """
         if seed is None:
             return None
-        digest = hashlib.blake2b(struct.pack("<qqq", seed, index, step), digest_size=8).digest()
-        return torch.Generator(device=self.device).manual_seed(int.from_bytes(digest, "little") >> 1)
+        return seeded_generator(self.device, seed, index, step)
 
     @torch.inference_mode()
     def execute(

@@ -40,7 +40,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    # Per-request generator, seeded from params.seed by the engine and kept across steps;
+    # Seeded requests: derived per step from (seed, sample index, step) by the model runner;
     # None -> the sampler's own generator (batched draw).
     generator: torch.Generator | None = None
 
@@ -221,18 +221,11 @@ class Sampler:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def _generator(self, device: torch.device) -> torch.Generator:
+    def default_generator(self, device: torch.device) -> torch.Generator:
+        """The generator unseeded rows draw from (speculative verification shares it)."""
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device).manual_seed(self._seed)
         return self._generators[device]
-
-    def default_generator(self, device: torch.device) -> torch.Generator:
-        """The generator unseeded rows draw from (speculative verification shares it)."""
-        return self._generator(device)
-
-    def processed_probs(self, logits: Tensor, rows: list[SamplingRow]) -> Tensor:
-        """The distribution [N, V] this sampler draws from (for rejection sampling)."""
-        return processed_probs(logits, rows, self.eos_token_ids)
 
     def __call__(self, logits: Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits [N, V] float32, one SamplingRow per row -> one token per row."""
@@ -250,7 +243,7 @@ class Sampler:
             if shared:
                 # One batched draw for all unseeded rows.
                 draw = torch.empty_like(probs[: len(shared)])  # [S, V]
-                draw.exponential_(generator=self._generator(probs.device))
+                draw.exponential_(generator=self.default_generator(probs.device))
                 noise[torch.tensor(shared, device=probs.device)] = draw
             for j, i in enumerate(random_rows):
                 # Seeded rows draw from their own generator, so the token depends only on

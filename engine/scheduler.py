@@ -176,11 +176,8 @@ class Scheduler:
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
                 break
-            if not self.kv.can_allocate(
-                seq.seq_id, computed, computed + n, hit, reserve_blocks=self.watermark_blocks
-            ):
-                break
-            if not self.kv.allocate_slots(seq.seq_id, computed, computed + n, hit):
+            if not self.kv.allocate_slots(seq.seq_id, computed, computed + n, hit,
+                                          reserve_blocks=self.watermark_blocks):
                 break
             self.waiting.popleft()
             if seq.first_scheduled_time is None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
 
@@ -55,7 +55,6 @@ class Sequence:
     hold_kv: bool = False
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    stats: dict = field(default_factory=dict)
 
     @property
     def seq_id(self) -> str:

@@ -91,16 +91,6 @@ class SpecStats:
         _add_ones(self.proposed_per_position, num_drafted)
         _add_ones(self.accepted_per_position, num_accepted)
 
-    def merge(self, other: "SpecStats") -> None:
-        self.num_drafts += other.num_drafts
-        self.num_draft_tokens += other.num_draft_tokens
-        self.num_accepted_tokens += other.num_accepted_tokens
-        for mine, theirs in ((self.proposed_per_position, other.proposed_per_position),
-                             (self.accepted_per_position, other.accepted_per_position)):
-            mine.extend([0] * (len(theirs) - len(mine)))
-            for j, v in enumerate(theirs):
-                mine[j] += v
-
     @property
     def acceptance_per_position(self) -> list[float]:
         """P(draft token j accepted | a draft proposed a token at j)."""

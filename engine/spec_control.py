@@ -142,9 +142,5 @@ class SpecController:
         self._node_accepted = NODE_DECAY * self._node_accepted + num_accepted
         self._node_rejected = NODE_DECAY * self._node_rejected + rejected
 
-    def acceptance(self, seq_id: str) -> float:
-        st = self._seqs.get(seq_id)
-        return st.acceptance if st else PRIOR_ACCEPTED / (PRIOR_ACCEPTED + PRIOR_REJECTED)
-
     def forget(self, seq_id: str) -> None:
         self._seqs.pop(seq_id, None)

@@ -130,8 +130,8 @@ def _status(err: KVValidationError) -> grpc.StatusCode:
 
 
 class KVReceiver(kv_pb2_grpc.KVTransferServicer):
-    """PushBlocks into one KV pool. The decode node subclasses it (or delegates to it) and adds
-    ReserveBlocks / ReleaseReservation, which own the reservations ``reservation_for`` reads.
+    """PushBlocks into one KV pool. The decode node delegates PushBlocks to it and serves
+    ReserveBlocks / ReleaseReservation itself, which own the reservations ``reservation_for`` reads.
 
     ``on_received`` runs on the gRPC worker thread after the blocks are in the pool and before
     the sender is answered; an exception there fails the RPC with INTERNAL.

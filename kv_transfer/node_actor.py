@@ -15,11 +15,8 @@ from kv_transfer.node_config import NodeConfig, ray_actor_options
 class NodeActorBody:
     """Starts the role's server in the actor process; its methods are idempotent reads."""
 
-    role: str  # "prefill" | "decode", set by the role's actor class
 
     def __init__(self, config: NodeConfig) -> None:
-        if config.role != self.role:
-            raise ValueError(f"a {self.role} node actor needs a {self.role}-role config, got {config.role!r}")
         self._server = self.make_server(config)
         self._address = self._server.start()
 

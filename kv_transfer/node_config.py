@@ -1,8 +1,8 @@
 """Frozen configuration of one serving node (prefill or decode role).
 
 Torch-free (``engine.config`` is plain data) so that launchers, the CLI and Ray drivers can
-build it without loading the engine. CLI flags and Helm values map onto these fields one to
-one; the engine's own settings stay in the nested ``EngineConfig``.
+build it without loading the engine (``pdserve up`` builds one per node from its flags); the
+engine's own settings stay in the nested ``EngineConfig``.
 """
 from __future__ import annotations
 

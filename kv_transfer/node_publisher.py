@@ -77,8 +77,6 @@ class IndexPublisherThread:
         self._held: set[int] = set()  # the snapshot; only the publisher thread touches it
         self._steps: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"index-{publisher.info.node_id}", daemon=True)
-        self.num_published = 0
-        self.num_errors = 0
         self.num_resyncs = 0
 
     def start(self) -> None:
@@ -114,10 +112,9 @@ class IndexPublisherThread:
                 if batches:
                     stored, removed, cleared = fold_kv_events(ev for b in batches for ev in b)
                     self._apply_to_snapshot(stored, removed, cleared)
-                    if not self._needs_resync and (stored or removed or cleared):
+                    if not self._needs_resync:
                         self._needs_resync = not self.publisher.publish(stored=stored, removed=removed,
                                                                         cleared=cleared)
-                        self.num_published += 1
                 if time.monotonic() >= next_beat:
                     if not self.publisher.heartbeat(self._load()):
                         self._needs_resync = True
@@ -128,7 +125,6 @@ class IndexPublisherThread:
                     self.num_resyncs += 1
                 self._flush_steps()
             except redis.RedisError as err:
-                self.num_errors += 1
                 self._needs_resync = True
                 log.warning("index publish for %s failed (will resync): %s",
                             self.publisher.info.node_id, err)

@@ -10,38 +10,15 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve import errors
-from pdserve.client import (SERVICE_NAME, TLS, Backoff, Deadline, Metadata, ResponseAccumulator,
-                            _deadline_error, build_request, channel_options)
+from pdserve.client import (SERVICE_NAME, TLS, Backoff, Deadline, Metadata, StreamState, _deadline_error,
+                            build_request, channel_options)
 from pdserve.types import Chunk, Completion, ModelInfo
 from protos.pdserve.v1 import serving_pb2 as pb
 from protos.pdserve.v1 import serving_pb2_grpc as pb_grpc
 
 
-class AsyncStream:
+class AsyncStream(StreamState):
     """Async iterator of Chunks; ``completions`` / ``completion`` once it is exhausted."""
-
-    def __init__(self, client: "AsyncClient", request: pb.GenerateRequest, timeout: float | None,
-                 metadata: Metadata) -> None:
-        self._client = client
-        self._request = request
-        self._deadline = Deadline(timeout)
-        self._metadata = metadata
-        self._acc = ResponseAccumulator()
-        self._call = None
-        self.attempts = 0
-        self.request_id = request.request_id
-
-    @property
-    def completions(self) -> list[Completion]:
-        return [self._acc.completions[i] for i in sorted(self._acc.completions)]
-
-    @property
-    def completion(self) -> Completion | None:
-        return self._acc.completions.get(0)
-
-    def cancel(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
 
     async def __aenter__(self) -> "AsyncStream":
         return self

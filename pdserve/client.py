@@ -207,12 +207,10 @@ def _deadline_error() -> errors.DeadlineExceededError:
     return errors.DeadlineExceededError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded while retrying")
 
 
-class Stream:
-    """Iterator of Chunks of one Generate call. After iteration, ``completions`` holds one
-    Completion per sample and ``completion`` the first. Use as a context manager (or call
-    ``cancel()``) to stop the request early; the server then aborts it."""
+class StreamState:
+    """What a sync or async Generate stream keeps: the request, its deadline, the completions."""
 
-    def __init__(self, client: "Client", request: pb.GenerateRequest, timeout: float | None,
+    def __init__(self, client, request: pb.GenerateRequest, timeout: float | None,
                  metadata: Metadata) -> None:
         self._client = client
         self._request = request
@@ -234,6 +232,12 @@ class Stream:
     def cancel(self) -> None:
         if self._call is not None:
             self._call.cancel()
+
+
+class Stream(StreamState):
+    """Iterator of Chunks of one Generate call. After iteration, ``completions`` holds one
+    Completion per sample and ``completion`` the first. Use as a context manager (or call
+    ``cancel()``) to stop the request early; the server then aborts it."""
 
     def __enter__(self) -> "Stream":
         return self
@@ -296,7 +300,7 @@ class Client:
         time.sleep(delay)
         return True
 
-    def _unary(self, method, request, timeout: float | None, metadata: Metadata | None):
+    def _unary(self, method, request, timeout: float | None):
         deadline = Deadline(self.timeout if timeout is None else timeout)
         attempts = 0
         while True:
@@ -304,7 +308,7 @@ class Client:
                 raise _deadline_error()
             attempts += 1
             try:
-                return method(request, timeout=deadline.remaining(), metadata=self._md(metadata))
+                return method(request, timeout=deadline.remaining(), metadata=self._md(None))
             except grpc.RpcError as e:
                 if self._should_retry(e, attempts, deadline):
                     continue
@@ -337,15 +341,15 @@ class Client:
 
     def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
         """Stop a running request; False when none had this id."""
-        return self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout, None).found
+        return self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout).found
 
     def models(self, *, timeout: float | None = None) -> list[ModelInfo]:
-        resp = self._unary(self._stub.ListModels, pb.ListModelsRequest(), timeout, None)
+        resp = self._unary(self._stub.ListModels, pb.ListModelsRequest(), timeout)
         return [ModelInfo(m.id, m.max_context_length) for m in resp.models]
 
     def health(self, *, timeout: float | None = None) -> bool:
         """True when the router reports SERVING (it has a live decode node)."""
-        resp = self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout, None)
+        resp = self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout)
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
     def close(self) -> None:

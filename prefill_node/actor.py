@@ -9,8 +9,6 @@ from kv_transfer.node_config import NodeConfig
 
 @ray.remote
 class PrefillNodeActor(NodeActorBody):
-    role = "prefill"
-
     @staticmethod
     def make_server(config: NodeConfig):
         from prefill_node.server import PrefillServer  # torch loads in the worker only

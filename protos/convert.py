@@ -16,7 +16,6 @@ FINISH_TO_PROTO = {
     "abort": pb.FINISH_REASON_ABORT,
     "error": pb.FINISH_REASON_ERROR,
 }
-FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
 
 
 def _f(x: float) -> float:

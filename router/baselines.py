@@ -14,11 +14,10 @@ Ties go to the less loaded node, then the smaller node id, so runs are reproduci
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
 
 from kv_transfer.kv_index import NodeInfo
-from router.placement import (NoCapacityError, Placement, PlacementPolicy, PlacementRequest,
-                              decode_load_key, queued_tokens)
+from router.placement import (NoCapacityError, Placement, PlacementPolicy, cached_tokens, decode_load_key,
+                              queued_tokens)
 
 
 def _split(nodes: list[NodeInfo]) -> tuple[list[NodeInfo], NodeInfo]:
@@ -35,12 +34,8 @@ def _requests(n: NodeInfo) -> int:
     return n.running + n.waiting
 
 
-def _cached(request: PlacementRequest, matched: Mapping[str, int], node_id: str) -> int:
-    return min(matched.get(node_id, 0) * request.block_size, request.num_prompt_tokens)
-
-
 def _place(request, matched, p: NodeInfo, d: NodeInfo, reason: str) -> Placement:
-    return Placement(p, d, _cached(request, matched, p.node_id), reason)
+    return Placement(p, d, cached_tokens(request, matched, p.node_id), reason)
 
 
 class RoundRobin(PlacementPolicy):
@@ -106,7 +101,7 @@ class SglangCacheAware(PlacementPolicy):
         if max(loads) - min(loads) > self.balance_abs and max(loads) > self.balance_rel * min(loads):
             p = min(prefillers, key=lambda n: (_requests(n), n.node_id))
             return _place(request, matched_blocks, p, d, "imbalanced: least loaded")
-        rate = {n.node_id: _cached(request, matched_blocks, n.node_id) / max(1, request.num_prompt_tokens)
+        rate = {n.node_id: cached_tokens(request, matched_blocks, n.node_id) / max(1, request.num_prompt_tokens)
                 for n in prefillers}
         p = max(prefillers, key=lambda n: (rate[n.node_id], -_requests(n), _neg_id(n.node_id)))
         if rate[p.node_id] > self.cache_threshold:

@@ -1,5 +1,5 @@
-"""Router configuration: one frozen dataclass; the CLI flags of ``python -m router.server``
-map onto its fields one to one."""
+"""Router configuration: one frozen dataclass; each flag of ``python -m router.server`` sets
+the field of the same name (the rest keep their defaults)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -146,8 +146,9 @@ class CostBook:
     than ``min_reports`` reports gets the pooled fit of all nodes' reports (the prior before
     any): judging it by the prior while its peers are judged by their measurements would make a
     node that never reported look faster (or slower) than it is and draw (or lose) all traffic.
-    Mutated only by whoever feeds reports (the router's refresher thread); readers get immutable
-    ``PrefillCost`` values, so a lookup never sees a half-updated fit."""
+    Step reports come from the router's refresher thread and transfer measurements from its
+    event loop; readers get immutable ``PrefillCost`` values and single-attribute reads, so a
+    lookup never sees a half-updated fit."""
 
     def __init__(self, prior: PrefillCost = PrefillCost(), decode: DecodeCost = DecodeCost(),
                  default_bandwidth: float = 25e9, kv_bytes_per_token: int = 131072,

@@ -72,7 +72,6 @@ class NodeView:
     nodes: tuple[NodeInfo, ...] = ()
     fingerprint: str | None = None
     block_size: int | None = None
-    refreshed_at: float = 0.0
     error: str | None = None  # why the registry could not be read, if it could not
 
     @property
@@ -80,12 +79,12 @@ class NodeView:
         return any(n.role == "decode" for n in self.nodes)
 
 
-def build_view(nodes: dict[str, NodeInfo], now: float) -> NodeView:
+def build_view(nodes: dict[str, NodeInfo]) -> NodeView:
     """Keep the nodes of one model. Mixed fingerprints mean a misconfigured cluster (KV of one
     model is garbage to another): the fingerprint with the most decode nodes wins, the rest
     are excluded and logged."""
     if not nodes:
-        return NodeView(refreshed_at=now)
+        return NodeView()
     groups = Counter((n.fingerprint, n.block_size) for n in nodes.values() if n.role == "decode")
     if not groups:
         groups = Counter((n.fingerprint, n.block_size) for n in nodes.values())
@@ -96,7 +95,7 @@ def build_view(nodes: dict[str, NodeInfo], now: float) -> NodeView:
                      for n in nodes.values() if (n.fingerprint, n.block_size) != (fp, bs))
         log.error("nodes with a different model fingerprint or block size are excluded from routing "
                   "(serving %s, block_size %d): %s", fp, bs, ", ".join(odd))
-    return NodeView(keep, fp, bs, now)
+    return NodeView(keep, fp, bs)
 
 
 class NodeRefresher:
@@ -121,10 +120,10 @@ class NodeRefresher:
 
     def refresh_once(self) -> NodeView:
         try:
-            self._view = build_view(self._reader.live_nodes(), time.monotonic())
+            self._view = build_view(self._reader.live_nodes())
         except Exception as e:  # redis down: keep serving from nothing rather than stale leases
             log.warning("node registry unreadable: %s", e)
-            self._view = NodeView(refreshed_at=time.monotonic(), error=f"node registry unreadable: {e}")
+            self._view = NodeView(error=f"node registry unreadable: {e}")
             return self._view
         if self._costs is not None:
             self._read_steps()
@@ -446,9 +445,12 @@ class Orchestrator:
             return False
         if p.max_tokens == 1:
             return True
-        tok = first.first_token_ids[0]
         if p.min_tokens > 1:
             return False
+        return self._stops_on(p, first.first_token_ids[0])
+
+    def _stops_on(self, p, tok: int) -> bool:
+        """Whether ``tok`` is a stop token for these params (EOS unless ignored, stop ids)."""
         return tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)
 
     def _complete_here(self, prep: Prepared, first: kv_pb2.PrefillResponse, arrival: float):
@@ -458,8 +460,7 @@ class Orchestrator:
         chunk = pb.Chunk(index=0, token_ids=[tok], text=text)
         if first.first_logprobs:
             chunk.logprobs.append(first.first_logprobs[0])
-        reason = pb.FINISH_REASON_LENGTH if p.max_tokens == 1 and not (
-            tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)) else pb.FINISH_REASON_STOP
+        reason = pb.FINISH_REASON_STOP if self._stops_on(p, tok) else pb.FINISH_REASON_LENGTH
         now = time.monotonic()
         yield pb.GenerateResponse(chunk=chunk)
         yield pb.GenerateResponse(complete=pb.Complete(

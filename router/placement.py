@@ -58,6 +58,12 @@ class PlacementPolicy(ABC):
         Raises NoCapacityError when no decode node is live."""
 
 
+def cached_tokens(request: PlacementRequest, matched_blocks: Mapping[str, int], node_id: str) -> int:
+    """Prompt tokens a node's matched leading blocks cover (a match never exceeds the prompt,
+    but the cap keeps the arithmetic honest)."""
+    return min(matched_blocks.get(node_id, 0) * request.block_size, request.num_prompt_tokens)
+
+
 def decode_load_key(node: NodeInfo) -> tuple:
     # Fewest running sequences first, then the emptiest KV pool; node id keeps it deterministic.
     return (node.running + node.waiting, node.kv_usage, node.node_id)
@@ -97,8 +103,7 @@ class PrefixLoadPolicy(PlacementPolicy):
         decode = min(decoders, key=decode_load_key)
 
         def cached(node: NodeInfo) -> int:
-            # A block match beyond the prompt cannot happen, but the cap keeps the arithmetic honest.
-            return min(matched_blocks.get(node.node_id, 0) * request.block_size, request.num_prompt_tokens)
+            return cached_tokens(request, matched_blocks, node.node_id)
 
         if request.num_prompt_tokens < self.short_prompt_tokens:
             return Placement(None, decode, cached(decode),
@@ -165,10 +170,10 @@ class TtftPolicy(PlacementPolicy):
         if not decoders:
             raise NoCapacityError("no live decode node")
         slo = SLO_CLASSES.get(request.slo_class, SLO_CLASSES["relaxed"])
-        prompt, bs = request.num_prompt_tokens, request.block_size
+        prompt = request.num_prompt_tokens
 
         def cached(node_id: str) -> int:
-            return min(matched_blocks.get(node_id, 0) * bs, prompt)
+            return cached_tokens(request, matched_blocks, node_id)
 
         def wait(node: NodeInfo) -> float:
             if node.node_id in backlog_s:
@@ -180,20 +185,22 @@ class TtftPolicy(PlacementPolicy):
 
         # Decode side: prefer nodes whose TBT with this request meets the SLO; if none does,
         # every node is a candidate and admission will reject on the TBT estimate.
-        ok = [d for d in decoders if tbt(d) <= slo.tbt_s] or decoders
+        tbt_of = {d.node_id: tbt(d) for d in decoders}
+        ok = [d for d in decoders if tbt_of[d.node_id] <= slo.tbt_s] or decoders
 
         prefillers = [n for n in nodes if n.role == "prefill"]
         local = (prompt < self.short_prompt_tokens or request.n > self.max_n or not prefillers)
         if local:
-            d = min(ok, key=lambda d: (wait(d) + self.costs.prefill(d.node_id).predict(prompt - cached(d.node_id),
-                                                                                    cached(d.node_id)),
-                                       decode_load_key(d)))
+            local_prefill = {d.node_id: self.costs.prefill(d.node_id).predict(prompt - cached(d.node_id),
+                                                                              cached(d.node_id)) for d in ok}
+            d = min(ok, key=lambda d: (wait(d) + local_prefill[d.node_id], decode_load_key(d)))
             why = ("short prompt" if prompt < self.short_prompt_tokens else
                    f"n={request.n} > {self.max_n}" if request.n > self.max_n else "no live prefill node")
-            est = Estimate(queue_s=0.0, prefill_s=self.costs.prefill(d.node_id).predict(
-                prompt - cached(d.node_id), cached(d.node_id)), decode_wait_s=wait(d), tbt_s=tbt(d))
+            est = Estimate(queue_s=0.0, prefill_s=local_prefill[d.node_id], decode_wait_s=wait(d),
+                           tbt_s=tbt_of[d.node_id])
             return Placement(None, d, cached(d.node_id), f"{why}: prefill on the decode node", est)
 
+        decode_wait = {d.node_id: wait(d) for d in ok}
         best_other = max(prefillers, key=lambda n: (cached(n.node_id), _reverse_id(n.node_id)))
         best: tuple | None = None
         for p in prefillers:
@@ -210,7 +217,7 @@ class TtftPolicy(PlacementPolicy):
             q = wait(p)
             for d in ok:
                 xfer = self.costs.transfer_s(p.node_id, d.node_id, prompt - cached(d.node_id))
-                est = Estimate(q, compute, xfer, wait(d), tbt(d))
+                est = Estimate(q, compute, xfer, decode_wait[d.node_id], tbt_of[d.node_id])
                 key = (est.ttft_s + self.compute_weight * est.prefill_s, decode_load_key(d), p.node_id)
                 if best is None or key < best[0]:
                     best = (key, p, d, est, fetch_from, fetch_tokens, c)

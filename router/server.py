@@ -99,7 +99,7 @@ class RouterServer:
         client = redis.Redis.from_url(cfg.redis_url)
         reader = IndexReader(client, cfg.namespace)
         costs = CostBook(kv_bytes_per_token=cfg.kv_bytes_per_token) if cfg.kv_bytes_per_token else CostBook()
-        refresher = NodeRefresher(IndexReader(client, cfg.namespace), cfg.node_refresh_s, cfg.prune_every_s, costs)
+        refresher = NodeRefresher(reader, cfg.node_refresh_s, cfg.prune_every_s, costs)
         if cfg.policy == "ttft":
             policy = TtftPolicy(costs, cfg.short_prompt_tokens, cfg.max_n, compute_weight=cfg.compute_weight)
         else:

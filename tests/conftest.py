@@ -1,19 +1,16 @@
 """Shared fixtures: tiny random-weight Hugging Face models built from a config, saved locally.
 
 Builders return ``transformers`` config objects so a test can tweak fields before building;
-``save_tiny_model`` writes one into a directory that ``engine.models.loader.load_model`` reads.
+``save_hf_model`` writes one into a directory that ``engine.models.loader.load_model`` reads.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-# Nothing in the test suite may reach the Hugging Face hub.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from engine.models.tiny import tiny_hf_config
 
 TINY_VOCAB = 96
 
@@ -39,28 +36,20 @@ def _common(**overrides) -> dict:
 
 
 def tiny_llama_config(**overrides):
-    import transformers
-
-    return transformers.LlamaConfig(**_common(**overrides))
+    return tiny_hf_config("llama", **_common(**overrides))
 
 
 def tiny_qwen2_config(**overrides):
-    import transformers
-
-    return transformers.Qwen2Config(**_common(**overrides))
+    return tiny_hf_config("qwen2", **_common(**overrides))
 
 
 def tiny_qwen3_config(**overrides):
-    import transformers
-
-    # Qwen3 carries an explicit head_dim that need not be hidden / heads.
-    return transformers.Qwen3Config(**_common(head_dim=16, **overrides))
+    # Qwen3 carries an explicit head_dim (here hidden / heads = 16).
+    return tiny_hf_config("qwen3", **_common(**overrides))
 
 
 def tiny_mistral_config(**overrides):
-    import transformers
-
-    return transformers.MistralConfig(**_common(sliding_window=None, **overrides))
+    return tiny_hf_config("mistral", **_common(**overrides))
 
 
 def build_hf_model(config, seed: int = 0):
@@ -78,7 +67,7 @@ def build_hf_model(config, seed: int = 0):
     return model.eval()
 
 
-def save_tiny_model(config, directory: Path, seed: int = 0):
+def save_hf_model(config, directory: Path, seed: int = 0):
     """Build a random HF model from ``config`` and save it (config.json + safetensors)."""
     model = build_hf_model(config, seed)
     model.save_pretrained(directory)
@@ -87,5 +76,5 @@ def save_tiny_model(config, directory: Path, seed: int = 0):
 
 @pytest.fixture
 def tiny_llama_dir(tmp_path: Path) -> Path:
-    save_tiny_model(tiny_llama_config(), tmp_path / "tiny-llama")
+    save_hf_model(tiny_llama_config(), tmp_path / "tiny-llama")
     return tmp_path / "tiny-llama"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import save_tiny_model, tiny_llama_config
+from conftest import save_hf_model, tiny_llama_config
 from engine.models.config import ModelConfig, UnsupportedModelError
 from engine.models.loader import ModelLoadError, load_model
 
@@ -138,8 +138,8 @@ def _fingerprint_in_subprocess(directory: Path) -> str:
 
 
 def test_fingerprint_stable_and_weight_sensitive(tmp_path):
-    save_tiny_model(tiny_llama_config(), tmp_path / "a", seed=0)
-    save_tiny_model(tiny_llama_config(), tmp_path / "b", seed=1)
+    save_hf_model(tiny_llama_config(), tmp_path / "a", seed=0)
+    save_hf_model(tiny_llama_config(), tmp_path / "b", seed=1)
     a1 = load_model(str(tmp_path / "a"), torch.float32, "cpu").fingerprint
     a2 = load_model(str(tmp_path / "a"), torch.float32, "cpu").fingerprint
     b = load_model(str(tmp_path / "b"), torch.float32, "cpu").fingerprint
@@ -149,7 +149,7 @@ def test_fingerprint_stable_and_weight_sensitive(tmp_path):
 
 
 def test_sharded_checkpoint_loads_identically(tmp_path):
-    hf = save_tiny_model(tiny_llama_config(), tmp_path / "one", seed=3)
+    hf = save_hf_model(tiny_llama_config(), tmp_path / "one", seed=3)
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     one = load_model(str(tmp_path / "one"), torch.float32, "cpu")
@@ -161,7 +161,7 @@ def test_sharded_checkpoint_loads_identically(tmp_path):
 
 
 def test_missing_shard_is_reported(tmp_path):
-    save_tiny_model(tiny_llama_config(), tmp_path / "m").save_pretrained(tmp_path / "m", max_shard_size="40KB")
+    save_hf_model(tiny_llama_config(), tmp_path / "m").save_pretrained(tmp_path / "m", max_shard_size="40KB")
     (tmp_path / "m" / "model.safetensors").unlink(missing_ok=True)
     shard = sorted((tmp_path / "m").glob("model-*.safetensors"))[0]
     shard.unlink()

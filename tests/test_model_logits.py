@@ -13,7 +13,7 @@ import torch
 
 from conftest import (
     TINY_VOCAB,
-    save_tiny_model,
+    save_hf_model,
     tiny_llama_config,
     tiny_mistral_config,
     tiny_qwen2_config,
@@ -104,7 +104,7 @@ def models(tmp_path_factory):
     out = {}
     root = tmp_path_factory.mktemp("tiny-models")
     for i, (name, build) in enumerate(CASES.items()):
-        hf = save_tiny_model(build(), root / name, seed=i)
+        hf = save_hf_model(build(), root / name, seed=i)
         out[name] = (hf, load_model(str(root / name), torch.float32, "cpu"))
     return out
 
@@ -196,7 +196,7 @@ def test_early_exit_returns_normed_hidden_of_first_layers(models):
 def test_length_dependent_rope_matches_hf_token_by_token(tmp_path, rope):
     """Past the threshold each position keeps its own frequencies, as in HF's cached decoding."""
     max_pos = 16 if rope["rope_type"] == "dynamic" else 64
-    hf = save_tiny_model(tiny_llama_config(max_position_embeddings=max_pos, rope_scaling=rope), tmp_path / "m")
+    hf = save_hf_model(tiny_llama_config(max_position_embeddings=max_pos, rope_scaling=rope), tmp_path / "m")
     runner = PagedRunner(load_model(str(tmp_path / "m"), torch.float32, "cpu"))
     tokens = _prompt(10, 12)
     ours = runner.step({0: tokens})[0]

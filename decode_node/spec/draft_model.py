@@ -22,8 +22,6 @@ those layers is valid for every computed position.
 """
 from __future__ import annotations
 
-import hashlib
-import struct
 
 import torch
 
@@ -31,6 +29,7 @@ from engine.attention import get_attention_backend
 from engine.attention.kv_cache import allocate_kv_cache, copy_blocks
 from engine.attention.metadata import AttentionMetadata
 from engine.engine import torch_dtype
+from engine.model_runner import seeded_generator
 from engine.models.loader import load_model
 from engine.rejection_sampler import sample_inverse_cdf
 from engine.sampler import SamplingRow, processed_probs
@@ -59,7 +58,6 @@ class ModelDrafter:
         self.num_layers = num_layers
         self.shares_target_kv = shares_target_kv
         self.eos_token_ids = eos_token_ids
-        self.seed = seed
         self.backend = get_attention_backend(device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kv_cache.dtype)
         self._gen = torch.Generator(device=device).manual_seed(seed + 1)
         # seq id -> (num_preemptions when written, positions [0, n) written by the draft)
@@ -130,7 +128,9 @@ class ModelDrafter:
         rows = []
         for i in active:
             seq = requests[i].seq
-            rows.append(SamplingRow(params=seq.params, prompt_token_ids=seq.prompt_token_ids,
+            # The prompt only matters to the repetition penalty: don't copy it every round.
+            prompt = seq.prompt_token_ids if seq.params.repetition_penalty != 1.0 else ()
+            rows.append(SamplingRow(params=seq.params, prompt_token_ids=prompt,
                                     output_token_ids=seq.output_token_ids + drafts[i]))
         q = processed_probs(logits, rows, self.eos_token_ids)  # [S, V]
         for row, i in enumerate(active):
@@ -146,9 +146,8 @@ class ModelDrafter:
         if seq.params.seed is None:
             return self._gen
         # Seeded requests draft deterministically too: (seed, sample, output step, draft slot).
-        key = struct.pack("<qqqq", seq.params.seed, seq.index, seq.num_output_tokens, j)
-        digest = hashlib.blake2b(key, digest_size=8, person=b"pdserve-draft").digest()
-        return torch.Generator(device=self.device).manual_seed(int.from_bytes(digest, "little") >> 1)
+        return seeded_generator(self.device, seq.params.seed, seq.index, seq.num_output_tokens, j,
+                                person=b"pdserve-draft")
 
 
 def check_vocab(draft_vocab: int, target_vocab: int) -> None:

@@ -47,14 +47,14 @@ def run(args: argparse.Namespace, report) -> dict:
     import transformers
 
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from engine.engine import LLMEngine
-    from engine.models.builtin import BUILTIN_MODELS, resolve_builtin
+    from engine.engine import LLMEngine, torch_dtype
+    from engine.models.loader import resolve_source
     from engine.sampling_params import SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    model_dir = resolve_builtin(args.model, progress=report.progress) if args.model in BUILTIN_MODELS else args.model
+    model_dir = resolve_source(args.model, progress=report.progress)
     prange = tuple(int(x) for x in args.prompt_len.split(","))
     orange = tuple(int(x) for x in args.output_len.split(","))
 
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace, report) -> dict:
         return result
 
     report.progress("loading transformers reference")
-    dtype = getattr(torch, args.dtype)
+    dtype = torch_dtype(args.dtype)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     pad = 0
     t0 = time.perf_counter()

@@ -81,19 +81,17 @@ def _run_model(name: str, tmp: Path, args, report) -> dict:
     import transformers
 
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from engine.engine import LLMEngine, encode_chat
-    from engine.models.builtin import BUILTIN_MODELS, resolve_builtin
+    from engine.engine import LLMEngine, encode_chat, torch_dtype
+    from engine.models.loader import resolve_source
     from engine.models.tiny import save_tiny_model
     from engine.sampling_params import SamplingParams
 
-    dtype = getattr(torch, args.dtype)
+    dtype = torch_dtype(args.dtype)
     tiny = name.startswith("tiny-")
     if tiny:
         model_dir = save_tiny_model(tmp / name, arch=name.removeprefix("tiny-"), seed=0)
-    elif name in BUILTIN_MODELS:
-        model_dir = resolve_builtin(name, progress=report.progress)
     else:
-        model_dir = Path(name)
+        model_dir = resolve_source(name, progress=report.progress)
     report.progress(f"{name}: loading engine and reference ({args.dtype})")
     cfg = EngineConfig(
         model=str(model_dir), dtype=args.dtype, device="cpu",
@@ -141,12 +139,10 @@ def _run_model(name: str, tmp: Path, args, report) -> dict:
     for i, (prompt, out) in enumerate(zip(wave1 + wave2, outs1 + outs2)):
         got = out.outputs[0].token_ids
         ids = torch.tensor([prompt])
-        gen_kwargs = dict(max_new_tokens=args.max_tokens, do_sample=False,
+        gen_kwargs = dict(max_new_tokens=args.max_tokens, do_sample=False, eos_token_id=eos,
                           attention_mask=torch.ones_like(ids), pad_token_id=eos[0] if eos else 0)
         if tiny:
-            gen_kwargs.update(min_new_tokens=args.max_tokens, eos_token_id=eos)
-        else:
-            gen_kwargs.update(eos_token_id=eos)
+            gen_kwargs["min_new_tokens"] = args.max_tokens
         with torch.inference_mode():
             ref = hf.generate(ids, **gen_kwargs)[0, len(prompt):].tolist()
             full = torch.tensor([prompt + got[:-1]])

@@ -23,8 +23,6 @@ Prefix caching is off: the traces carry lengths, not token contents.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import math
 import time
 from collections import deque
@@ -58,25 +56,11 @@ class Request(NamedTuple):
     output_len: int
 
 
-def _load_azure(path: Path) -> list[tuple[str, Request]]:
-    with path.open(newline="") as f:
-        return [
-            (row["TIMESTAMP"], Request(int(row["ContextTokens"]), int(row["GeneratedTokens"])))
-            for row in csv.DictReader(f)
-        ]
-
-
-def _load_mooncake(path: Path) -> list[tuple[float, Request]]:
-    with path.open() as f:
-        rows = (json.loads(line) for line in f if line.strip())
-        return [(r["timestamp"], Request(r["input_length"], r["output_length"])) for r in rows]
-
-
 def load_trace(path: Path, limit: int) -> list[Request]:
-    """The first ``limit`` requests in arrival order (a stable sort keeps ties in file order)."""
-    rows = _load_mooncake(path) if path.suffix == ".jsonl" else _load_azure(path)
-    rows.sort(key=lambda r: r[0])  # Azure timestamps are zero-padded ISO strings: sortable as text
-    return [r for _, r in rows[:limit]]
+    """The first ``limit`` requests in arrival order, read by the router simulator's loader."""
+    from router.sim import load_trace as read_trace
+
+    return [Request(r.input_tokens, r.output_tokens) for r in read_trace(str(path), limit)]
 
 
 # ---- the two allocators under test ---------------------------------------------------------

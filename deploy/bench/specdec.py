@@ -15,6 +15,7 @@ sets with greedy decoding and exactly ``--max-tokens`` output tokens per prompt:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 _CODE_A = '''def load_users(path):
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace, report) -> dict:
     def engine(method: str) -> LLMEngine:
         spec = SpeculativeConfig(method=method, num_speculative_tokens=args.spec_tokens,
                                  early_exit_layers=args.early_exit_layers)
-        cfg = EngineConfig(**{**{f: getattr(base_cfg, f) for f in base_cfg.__dataclass_fields__}, "speculative": spec})
+        cfg = dataclasses.replace(base_cfg, speculative=spec)
         return LLMEngine(cfg, loaded=loaded, tokenizer=tok, proposer_factory=build_proposer)
 
     from engine.sampling_params import SamplingParams

@@ -2,9 +2,10 @@
 
 All paths move the same bytes in the same run on 127.0.0.1, their repeats interleaved so they
 see the same machine load:
-  grpc:       kv_transfer.push_blocks (chunks joined from the pool, CRC32) -> KVReceiver
-              (header validation, buffering, CRC32, one index_copy_ into the destination pool),
-              answered after the write. This is the figure the project claims.
+  grpc:       kv_transfer.push_blocks (chunks joined from the pool, checksummed) -> KVReceiver
+              (header validation, buffering, checksum, one index_copy_ into the destination
+              pool), answered after the write; --checksum picks the payload checksum
+              (default XXH3-64, what nodes use). This is the figure the project claims.
   socket:     the same payload bytes, sendall -> recv_into a preallocated buffer in a thread;
               no gather, checksum, validation or scatter: what a byte-moving transport can reach.
   grpc_bytes: diagnostic. The same serialized KVBlockMessages into a handler that only reads

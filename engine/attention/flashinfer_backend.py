@@ -54,11 +54,8 @@ class FlashInferBackend:
         cols = torch.arange(width, device=device)
         used = cols[None, :] < torch.tensor(pages, device=device)[:, None]  # [S, W]
         kv_indices = meta.block_tables[used].to(torch.int32)  # row-major: per sequence, in order
-        qo_indptr = [0]
-        for q in meta.q_lens:
-            qo_indptr.append(qo_indptr[-1] + q)
         self._wrapper.plan(
-            torch.tensor(qo_indptr, dtype=torch.int32),
+            torch.tensor(meta.query_start, dtype=torch.int32),
             torch.tensor(kv_indptr, dtype=torch.int32),
             kv_indices,
             torch.tensor(last_len, dtype=torch.int32),

@@ -24,22 +24,9 @@ class AttentionMetadata:
     q_lens: list[int]  # [S] host copy, new tokens per sequence
     seq_lens: list[int]  # [S] host copy, context + new
     block_size: int
-    query_start_loc: torch.Tensor  # [S + 1] int32, cumulative q_lens
-    seq_lens_t: torch.Tensor  # [S] int32
+    query_start: list[int]  # [S + 1] host, cumulative q_lens: sequence s's tokens start here
     block_tables: torch.Tensor  # [S, max_blocks] int32, rows padded with 0 past their length
     slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset of each new token
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.q_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.slot_mapping.shape[0])
-
-    @property
-    def context_lens(self) -> list[int]:
-        return [s - q for s, q in zip(self.seq_lens, self.q_lens)]
 
     @staticmethod
     def build(
@@ -63,8 +50,7 @@ class AttentionMetadata:
             q_lens=list(q_lens),
             seq_lens=list(seq_lens),
             block_size=block_size,
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start=qsl,
             block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         )

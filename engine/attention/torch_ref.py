@@ -67,9 +67,7 @@ class TorchRefBackend:
         device = meta.slot_mapping.device
         self._meta = meta
         self._k_rows = slot_rows(meta.slot_mapping, bs)
-        starts = [0]
-        for q in meta.q_lens:
-            starts.append(starts[-1] + q)
+        starts = meta.query_start
         short = [s for s, q in enumerate(meta.q_lens) if q <= self.short_q_max]
         self._shorts = [self._build_short(meta, group, starts, device)
                         for group in split_by_length(short, meta.seq_lens, self.group_cost_cells)]
