@@ -61,13 +61,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--spec-method", default="off",
-                   choices=["off", "ngram", "draft", "early_exit", "low_precision", "medusa"],
+                   choices=["off", "ngram", "draft", "early_exit", "low_precision", "medusa", "eagle"],
                    help="speculative decoding on decode nodes (docs/speculative.md)")
-    p.add_argument("--spec-tokens", type=int, default=5, help="most draft tokens per sequence and step")
-    p.add_argument("--spec-draft-model", default=None, help="draft: model dir or builtin; medusa: heads dir")
+    p.add_argument("--spec-tokens", type=int, default=8, help="most draft tokens per sequence and step")
+    p.add_argument("--spec-draft-model", default=None, help="draft: model dir or builtin; medusa, eagle: checkpoint dir")
     p.add_argument("--spec-draft-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--spec-early-exit-layers", type=int, default=None)
-    p.add_argument("--spec-ngram-max", type=int, default=4)
+    p.add_argument("--spec-ngram-max", type=int, default=8)
     p.add_argument("--no-spec-adaptive", action="store_true", help="always draft spec-tokens tokens")
 
 

@@ -48,12 +48,12 @@ class SpeculativeConfig:
     """Speculative decoding (decode role). The engine only runs the mechanism; the proposer
     named by ``method`` is built by whoever constructs the engine (``decode_node.spec``)."""
 
-    # off | ngram | draft | early_exit | low_precision | medusa (see docs/speculative.md)
+    # off | ngram | draft | early_exit | low_precision | medusa | eagle (see docs/speculative.md)
     method: str = "off"
-    num_speculative_tokens: int = 5  # k: most draft tokens one sequence verifies per step
+    num_speculative_tokens: int = 8  # k: most draft tokens one sequence verifies per step
     ngram_min: int = 1  # n-gram prompt lookup: shortest / longest suffix matched
-    ngram_max: int = 4
-    draft_model: str | None = None  # draft: a model dir / builtin; medusa: the heads' dir
+    ngram_max: int = 8
+    draft_model: str | None = None  # draft: a model dir / builtin; medusa / eagle: the checkpoint dir
     draft_dtype: str = "bfloat16"  # draft and low_precision: dtype of the draft's weights and KV
     early_exit_layers: int | None = None  # early_exit: target layers the draft runs (None: half)
     adaptive: bool = True  # k per request from observed acceptance; off when it does not pay
@@ -92,6 +92,13 @@ class EngineConfig:
     device: str = "auto"  # auto -> cuda when available else cpu
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
+    # CPU matmul kernels: "auto" measures the candidates once per machine and model shapes
+    # (cached; see engine/models/cpu_linear.py), "torch" keeps F.linear everywhere.
+    cpu_kernels: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def __post_init__(self) -> None:
+        if self.cpu_kernels not in ("auto", "torch"):
+            raise ValueError(f"cpu_kernels must be 'auto' or 'torch', got {self.cpu_kernels!r}")

@@ -29,14 +29,16 @@ from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
+from engine.models.builtin import cache_dir
 from engine.models.config import ModelConfig
+from engine.models.cpu_linear import load_or_tune
 from engine.models.loader import LoadedModel, load_model
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledTokens, Scheduler
 from engine.sequence import FinishReason, Sequence, seq_id_of
 from engine.spec import DraftRequest, Proposer, SpecStats
-from engine.spec_control import SpecController
+from engine.spec_control import SpecController, StepCost
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -135,6 +137,10 @@ class LLMEngine:
             loaded = load_model(config.model, self.dtype, self.device, progress=progress)
         self.loaded = loaded
         self.model_config: ModelConfig = loaded.config
+        self.linear_plan = None
+        if self.device.type == "cpu" and config.cpu_kernels == "auto":
+            self.linear_plan = load_or_tune(loaded.model.matmul_weights(), cache_dir() / "kernels", progress)
+        loaded.model.set_linear_plan(self.linear_plan)
         # KV of the same weights in another dtype is different KV: the dtype is part of the
         # key that seeds block hashes and that KV transfers are checked against.
         self.fingerprint: str = f"{loaded.fingerprint}-{config.dtype}"
@@ -165,6 +171,7 @@ class LLMEngine:
                                   Sampler(eos_token_ids=eos, seed=config.seed))
         self.proposer: Proposer | None = None
         self.spec_controller: SpecController | None = None
+        self.step_cost: StepCost | None = None
         self.spec_stats = SpecStats()  # node totals
         self._seq_spec: dict[str, SpecStats] = {}
         if config.speculative.enabled:
@@ -173,7 +180,9 @@ class LLMEngine:
                     f"speculative method {config.speculative.method!r} is configured but no proposer "
                     "factory was passed (decode nodes pass decode_node.spec.build_proposer)")
             self.proposer = proposer_factory(self)
-            self.spec_controller = SpecController(config.speculative, self.proposer.draft_cost)
+            gemm = self.linear_plan.gemm_ms if self.linear_plan is not None else None
+            self.step_cost = StepCost(config.speculative, gemm)
+            self.spec_controller = SpecController(config.speculative, self.proposer.draft_cost, self.step_cost)
         self._requests: dict[str, _Request] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._ids = itertools.count()
@@ -352,7 +361,12 @@ class LLMEngine:
                 self.proposer.copy_blocks(sched.block_copies)
             self._propose(sched)
         before = {item.seq.seq_id: item.seq.num_tokens for item in sched.scheduled}
+        t0 = time.perf_counter()
         sampled = self.runner.execute(sched, self.kv.get_block_table)
+        if self.spec_controller is not None and all(it.num_new_tokens == 1 for it in sched.scheduled):
+            # Decode / verification steps teach the cost model what k + 1 query rows cost here.
+            rows = sum(1 + len(it.draft_token_ids) for it in sched.scheduled)
+            self.step_cost.observe(rows, (time.perf_counter() - t0) * 1e3)
         touched = self.scheduler.update_from_output(sched, sampled)
         self._observe_speculation(sched, sampled)
 
@@ -386,10 +400,19 @@ class LLMEngine:
         if not items:
             return
         reqs = [DraftRequest(it.seq, it.num_lookahead, self.kv.get_block_table(it.seq.seq_id)) for it in items]
-        for it, prop in zip(items, self.proposer.propose(reqs)):
-            n = min(len(prop.token_ids), it.num_lookahead)
+        t0 = time.perf_counter()
+        proposals = self.proposer.propose(reqs)
+        # The proposer's own estimate of its cost is a guess; what it took here is not.
+        self.spec_controller.observe_draft(max(r.k for r in reqs), (time.perf_counter() - t0) * 1e3)
+        lengths = [min(len(p.token_ids), it.num_lookahead) for it, p in zip(items, proposals)]
+        if any(p.bucket is not None for p in proposals):
+            lengths = self.spec_controller.trim(
+                [(it.seq.seq_id, n, p.bucket) for it, n, p in zip(items, lengths, proposals)],
+                self.scheduler.num_running)
+        for it, prop, n in zip(items, proposals, lengths):
             it.draft_token_ids = [int(t) for t in prop.token_ids[:n]]
             it.draft_probs = None if prop.probs is None or n == 0 else prop.probs[:n]
+            it.draft_bucket = prop.bucket if n else None
 
     def _observe_speculation(self, sched, sampled: dict) -> None:
         for it in sched.scheduled:
@@ -397,7 +420,7 @@ class LLMEngine:
                 continue
             sid = it.seq.seq_id
             drafted, accepted = len(it.draft_token_ids), len(sampled[sid].token_ids) - 1
-            self.spec_controller.observe(sid, drafted, accepted)
+            self.spec_controller.observe(sid, drafted, accepted, it.draft_bucket)
             self._seq_spec.setdefault(sid, SpecStats()).record(drafted, accepted)
             self.spec_stats.record(drafted, accepted)
 
@@ -405,6 +428,7 @@ class LLMEngine:
         for seq in self.scheduler.sequences(request_id):
             self._seq_spec.pop(seq.seq_id, None)
             self.runner.last_hidden.pop(seq.seq_id, None)
+            self.runner.features.pop(seq.seq_id, None)
             if self.proposer is not None:
                 self.spec_controller.forget(seq.seq_id)
                 self.proposer.forget(seq.seq_id)
@@ -545,8 +569,14 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "prefix_cache_query_tokens": pool.prefix_query_tokens,
             "prefix_cache_hit_tokens": pool.prefix_hit_tokens,
-            "speculative": self.spec_stats.as_dict() if self.proposer is not None else None,
+            "speculative": self._spec_stats() if self.proposer is not None else None,
         }
+
+    def _spec_stats(self) -> dict:
+        # The counters plus what the controller currently believes a step and a draft cost:
+        # the numbers to look at when speculation switches itself off.
+        return {**self.spec_stats.as_dict(), "step_cost_ms": self.step_cost.snapshot(),
+                "draft_round_ms": round(self.spec_controller.draft_round_ms, 3)}
 
 
 def _pick_logprobs(

@@ -20,8 +20,8 @@ import torch
 
 from engine.attention.kv_cache import copy_blocks
 from engine.attention.metadata import AttentionMetadata
-from engine.rejection_sampler import verify_drafts
-from engine.sampler import Sampler, SamplingRow, apply_penalties, probs_from_penalized
+from engine.rejection_sampler import verify_by_target_samples, verify_drafts
+from engine.sampler import Sampler, SamplingRow, apply_penalties, exponential_race, probs_from_penalized
 from engine.scheduler import SampledTokens, ScheduledSeq, SchedulerOutput
 
 
@@ -56,6 +56,12 @@ class ModelRunner:
         # seq id -> [hidden] final-normed state of the position that produced its last token.
         self.keep_hidden = False
         self.last_hidden: dict[str, torch.Tensor] = {}
+        # Proposers that need the target's features of every verified position (EAGLE) turn
+        # this on: seq id -> [(first position, [n, hidden] final-normed states)], in step order,
+        # for positions whose input tokens are final (prefill chunks, decodes, accepted runs).
+        # The proposer pops what it consumes; the engine drops the rest when a request ends.
+        self.keep_features = False
+        self.features: dict[str, list[tuple[int, torch.Tensor]]] = {}
 
     def _generator(self, seed: int | None, index: int, step: int) -> torch.Generator | None:
         """A seeded sample's generator for its ``step``-th output token.
@@ -83,7 +89,9 @@ class ModelRunner:
         sample_rows: list[int] = []  # index into the flattened tokens of each sampled slice end
         verify_rows: list[int] = []  # flat index of the first of the k + 1 rows of each verification
         verifying: list[ScheduledSeq] = []
+        flat_starts: list[int] = []  # flat index of each scheduled item's first token
         for item in out.scheduled:
+            flat_starts.append(len(input_ids))
             end = item.start + item.num_new_tokens
             drafts = item.draft_token_ids
             input_ids.extend(item.seq.token_ids[item.start : end])
@@ -103,6 +111,11 @@ class ModelRunner:
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
         hidden = self.model(ids_t, pos_t, self.kv_cache, self.backend)  # [T, hidden]
+        if self.keep_features:
+            for item, first in zip(out.scheduled, flat_starts):
+                if not item.draft_token_ids:  # verifications log their accepted run in _verify
+                    rows = hidden[first : first + item.num_new_tokens].clone()  # [n, hidden]
+                    self.features.setdefault(item.seq.seq_id, []).append((item.start, rows))
         results: dict[str, SampledTokens] = {}
         if verifying:
             results.update(self._verify(verifying, verify_rows, hidden))
@@ -181,9 +194,17 @@ class ModelRunner:
         for item, first in zip(items, first_rows):
             seq, p = item.seq, item.seq.params
             k = len(item.draft_token_ids)
-            uniform = self._uniforms(p.seed, seq.index, len(seq.output_token_ids), k + 1)  # [2, k + 1]
-            draft_probs = None if item.draft_probs is None else item.draft_probs.to(probs.device)
-            n_acc, nxt = verify_drafts(item.draft_token_ids, probs[r : r + k + 1], draft_probs, uniform, p.greedy)
+            step = len(seq.output_token_ids)
+            if item.draft_probs is None and not p.greedy:
+                # One-hot drafts: emit the target's own samples (what plain decoding would
+                # draw at these steps) and accept the drafts they agree with.
+                own = self._target_samples(probs[r : r + k + 1], p.seed, seq.index, step)
+                n_acc, nxt = verify_by_target_samples(item.draft_token_ids, own)
+            else:
+                uniform = self._uniforms(p.seed, seq.index, step, k + 1)  # [2, k + 1]
+                draft_probs = None if item.draft_probs is None else item.draft_probs.to(probs.device)
+                n_acc, nxt = verify_drafts(item.draft_token_ids, probs[r : r + k + 1], draft_probs, uniform,
+                                           p.greedy)
             emitted = item.draft_token_ids[:n_acc] + [nxt]
             st = SampledTokens(token_ids=emitted)
             if p.logprobs is not None:
@@ -193,8 +214,22 @@ class ModelRunner:
             results[seq.seq_id] = st
             if self.keep_hidden:
                 self.last_hidden[seq.seq_id] = hidden[first + n_acc].clone()
+            if self.keep_features:  # positions start .. start + n_acc had accepted inputs
+                self.features.setdefault(seq.seq_id, []).append((item.start, hidden[first : first + n_acc + 1].clone()))
             r += k + 1
         return results
+
+    def _target_samples(self, probs: torch.Tensor, seed: int | None, index: int, step: int) -> list[int]:
+        """One token per row of ``probs`` [n, V], drawn as the plain sampler draws output
+        token ``step + j`` (exponential race; a seeded request's noise from the generator of
+        that step), so the draw is the one plain decoding would make from the same p."""
+        noise = torch.empty_like(probs)  # [n, V]
+        if seed is None:
+            noise.exponential_(generator=self.sampler.default_generator(probs.device))
+        else:
+            for j in range(probs.shape[0]):
+                noise[j].exponential_(generator=self._generator(seed, index, step + j))
+        return exponential_race(probs, noise).tolist()
 
     def _uniforms(self, seed: int | None, index: int, step: int, n: int) -> torch.Tensor:  # [2, n]
         """Uniforms for a verification of n positions, the first emitting output token ``step``.

@@ -53,6 +53,24 @@ def verify_drafts(
     return k, sample_inverse_cdf(target_probs[k], float(uniform[1, k]))
 
 
+def verify_by_target_samples(draft_ids: list[int], target_samples: list[int]) -> tuple[int, int]:
+    """Deterministic drafts (q one-hot): accept while the target's own sample equals the draft.
+
+    ``target_samples[j]`` is a token drawn from p_j exactly as plain decoding would draw it at
+    that step (same distribution, same generator). Draft d_{j+1} is accepted iff
+    ``target_samples[j] == d_{j+1}``, which happens with probability p_j(d_{j+1}), the same
+    acceptance as ``verify_drafts`` with one-hot q; at the first mismatch, or after all k, the
+    emitted token is the target's sample itself. Every emitted token is therefore the token
+    plain decoding would have drawn: the output is exactly p-distributed, and a seeded request
+    gets the same tokens with and without speculation, whatever k the controller picked.
+    Greedy is the special case where the samples are argmaxes.
+    """
+    n = 0
+    while n < len(draft_ids) and draft_ids[n] == target_samples[n]:
+        n += 1
+    return n, target_samples[n]
+
+
 def sample_inverse_cdf(weights: Tensor, u: float) -> int:
     """The token whose CDF interval holds ``u`` (weights [V] >= 0, need not sum to 1).
 

@@ -41,6 +41,10 @@ class Proposal(NamedTuple):
     # exact rejection sampling; None for deterministic proposers (n-gram, argmax heads): q is
     # one-hot at the draft token then.
     probs: Any | None = None
+    # Drafts in one bucket are alike in how often the target accepts them (n-gram: the length
+    # of the matched suffix, 1 being a weak guess and n_max a strong one); the controller keeps
+    # acceptance per bucket and trims each draft to what its bucket says pays. None: no signal.
+    bucket: int | None = None
 
 
 class Proposer(Protocol):

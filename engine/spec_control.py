@@ -3,23 +3,41 @@
 Per sequence, acceptance is tracked as a decayed count of accepted vs rejected draft tokens,
 giving an estimate ``a`` of the chance that a draft token is accepted given the one before it
 was. Verifying k draft tokens then yields, in expectation, ``E(k) = 1 + a + ... + a^k`` tokens
-(the 1 is the recovered/bonus token every verification produces) and costs, relative to a
-plain decode step, ``C(k) = 1 + verify_fixed_cost + k * (verify_token_cost + draft_cost)``. The controller picks the
-k in ``0 .. k_max`` with the best ``E(k) / C(k)``; k = 0 (ratio 1) means speculation does not
-pay for this sequence now. A sequence switched off is probed again after ``PROBE_EVERY`` steps
-(k = half of k_max when drafting is free, k = 1 when it costs), so a request whose text turns
-repetitive later is not stuck off; a new sequence probes on its first step. Every probe that
-leaves it off doubles the wait before the next one (up to ``MAX_PROBE_EVERY``): with a drafter
-that never pays (an early exit whose drafts the target rejects), probes cost a few percent
-instead of one expensive step in every ``PROBE_EVERY``.
+(the 1 is the recovered/bonus token every verification produces).
 
-Batch: the step's speculative tokens are capped at ``max_tokens_per_step * (1 - (B - 1) /
-max_batch_size)`` for B running sequences, handed out to the sequences with the best
-acceptance first.
+What verification costs comes from ``StepCost``: the predicted time of one forward over T
+query tokens. On CPU it starts from the matmul times the kernel plan measured for every row
+count (engine/models/cpu_linear.py) and learns the rest (attention, sampling, Python) from the
+steps the engine actually runs; elsewhere it starts from the linear prior in the config
+(``1 + verify_fixed_cost + k * verify_token_cost`` plain decode steps) and learns the same way.
+
+The controller hands out drafts greedily, best acceptance first: sequence i gets the k in
+``0 .. k_max`` that maximizes the whole step's expected tokens per unit of time,
+``(tokens so far + E(k) - 1) / (cost(T so far + k) + draft time)``. A step of B decoding
+sequences starts at T = B and B tokens, so the same rule that picks k at batch 1 shrinks
+speculation as the batch grows: once the forward is compute-bound, an extra row costs about
+as much as the tokens it is expected to add. k = 0 means speculation does not pay for this
+sequence now. A sequence switched off is probed again after ``PROBE_EVERY`` steps (k = half of
+k_max when drafting is free, k = 1 when it costs), so a request whose text turns repetitive
+later is not stuck off; a new sequence probes on its first step. Every probe that leaves it
+off doubles the wait before the next one (up to ``MAX_PROBE_EVERY``): with a drafter that never
+pays (an early exit whose drafts the target rejects), probes cost a few percent instead of one
+expensive step in every ``PROBE_EVERY``.
+
+Confidence buckets: a proposal may say which bucket its draft falls in (n-gram: the matched
+suffix length). Acceptance is also kept per bucket, node-wide, and once the drafts of a step
+are known, ``trim`` runs the same greedy with each draft's bucket acceptance and cuts it to the
+length that pays (possibly 0): a weak 1-token n-gram match is dropped while a long match in
+the same request drafts k_max tokens. ``plan`` then only reserves room: for a free drafter it
+plans with the best of the request's and the best bucket's acceptance.
+
+Hard cap: the step's speculative tokens never exceed ``max_tokens_per_step * (1 - (B - 1) /
+max_batch_size)`` for B running sequences.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from engine.config import SpeculativeConfig
 
@@ -47,14 +65,57 @@ def expected_tokens(a: float, k: int) -> float:
     return sum(a**i for i in range(k + 1))
 
 
-def best_k(a: float, k_max: int, token_cost: float, fixed_cost: float = 0.0) -> int:
-    """The k in 0 .. k_max maximizing expected tokens per unit of step cost."""
-    best, best_ratio = 0, 1.0
-    for k in range(1, k_max + 1):
-        ratio = expected_tokens(a, k) / (1.0 + fixed_cost + k * token_cost)
-        if ratio > best_ratio + 1e-9:
-            best, best_ratio = k, ratio
-    return best
+class StepCost:
+    """Predicted time (ms) of one decode/verification forward over ``t`` query tokens.
+
+    ``cost(t) = prior(t) + correction``, where the prior is the measured matmul curve plus a
+    residual (everything that is not a matmul), or, without a curve, ``base * linear prior``.
+    Observed steps (no prefill chunk in them) update an exponential average per t; a t seen
+    ``MIN_SEEN`` times is predicted from its own average, any other from the prior, whose
+    residual (or base) is refitted from every observation. So the controller can weigh a k it
+    has not tried yet and still converges on what this machine really does.
+    """
+
+    DECAY = 0.9
+    MIN_SEEN = 3
+
+    def __init__(self, cfg: SpeculativeConfig, gemm_ms: Callable[[int], float] | None = None) -> None:
+        self.cfg = cfg
+        self.gemm_ms = gemm_ms
+        # Without a curve the unit is one plain decode step until one is observed.
+        self._base = gemm_ms(1) * 0.3 if gemm_ms is not None else 1.0
+        self._base_seen = False
+        self._avg: dict[int, float] = {}
+        self._seen: dict[int, int] = {}
+
+    def prior(self, t: int) -> float:
+        if self.gemm_ms is not None:
+            return self.gemm_ms(t) + self._base  # _base: the non-matmul residual
+        extra = 0.0 if t <= 1 else self.cfg.verify_fixed_cost + (t - 1) * self.cfg.verify_token_cost
+        return self._base * (1.0 + extra)
+
+    def cost(self, t: int) -> float:
+        if self._seen.get(t, 0) >= self.MIN_SEEN:
+            return self._avg[t]
+        return self.prior(t)
+
+    def observe(self, t: int, ms: float) -> None:
+        if t < 1 or ms <= 0:
+            return
+        self._avg[t] = ms if t not in self._avg else self.DECAY * self._avg[t] + (1 - self.DECAY) * ms
+        self._seen[t] = self._seen.get(t, 0) + 1
+        if self.gemm_ms is not None:
+            fit = max(0.0, ms - self.gemm_ms(t))
+        else:
+            fit = ms / (self.prior(t) / self._base)
+        if not self._base_seen:
+            self._base, self._base_seen = fit, True
+        else:
+            self._base = self.DECAY * self._base + (1 - self.DECAY) * fit
+
+    def snapshot(self) -> dict[int, float]:
+        """t -> predicted ms for the t the engine has observed (for stats and docs)."""
+        return {t: round(self.cost(t), 3) for t in sorted(self._avg)}
 
 
 def step_budget(cfg: SpeculativeConfig, batch_size: int) -> int:
@@ -64,6 +125,11 @@ def step_budget(cfg: SpeculativeConfig, batch_size: int) -> int:
 
 
 NODE_DECAY = 0.99  # the node-wide estimate remembers a few hundred verifications
+# Speculating must beat not speculating by this factor in expected tokens per ms: the cost
+# model is an estimate, and a choice inside its error (a bf16 draft that costs nearly what it
+# saves) measured 0.91x on the open set of `pdserve bench specdec` before this margin.
+MIN_GAIN = 1.04
+BUCKET_MIN_WEIGHT = 4.0  # decayed verifications a bucket needs before its acceptance is used
 
 
 class SpecController:
@@ -71,9 +137,10 @@ class SpecController:
     acceptance of recent sequences (the optimistic prior only until there is any), so a drafter
     that rarely pays on this node does not cost every new request a losing first probe."""
 
-    def __init__(self, cfg: SpeculativeConfig, draft_cost: float) -> None:
+    def __init__(self, cfg: SpeculativeConfig, draft_cost: float, step_cost: StepCost | None = None) -> None:
         self.cfg = cfg
-        self.token_cost = cfg.verify_token_cost + draft_cost
+        self.draft_cost = draft_cost
+        self.step_cost = step_cost if step_cost is not None else StepCost(cfg)
         # A free drafter (n-gram) probes with several tokens to measure acceptance; a costly one
         # with a single token, the cheapest verification that still tells.
         self.probe_k = 1 if draft_cost > 0 else max(1, (cfg.num_speculative_tokens + 1) // 2)
@@ -83,6 +150,35 @@ class SpecController:
         # How long switched-off sequences on this node currently wait between probes: a new
         # sequence continues the node's back-off instead of starting it over.
         self._node_probe_every = PROBE_EVERY
+        self._buckets: dict[int, list[float]] = {}  # bucket -> [accepted, rejected, weight]
+        self._draft_round_ms: float | None = None  # measured time of one drafting round
+
+    def observe_draft(self, rounds: int, ms: float) -> None:
+        """A proposal call that ran ``rounds`` sequential drafting rounds took ``ms``."""
+        if rounds < 1 or ms < 0:
+            return
+        # Averaged from the proposer's own estimate rather than started at the first sample:
+        # a model drafter's first call also catches up over the prompt (a draft prefill).
+        prev = self.draft_round_ms
+        self._draft_round_ms = DECAY * prev + (1 - DECAY) * ms / rounds
+
+    @property
+    def draft_round_ms(self) -> float:
+        """What one more drafting round costs: measured once proposals have run, before that
+        the proposer's own estimate (``draft_cost`` batch-1 decode steps)."""
+        if self._draft_round_ms is not None:
+            return self._draft_round_ms
+        return self.draft_cost * self.step_cost.cost(1)
+
+    def bucket_acceptance(self, bucket: int | None) -> float | None:
+        b = self._buckets.get(bucket) if bucket is not None else None
+        if b is None or b[2] < BUCKET_MIN_WEIGHT:
+            return None
+        return b[0] / (b[0] + b[1]) if b[0] + b[1] > 0 else 0.0
+
+    def _best_bucket_acceptance(self) -> float:
+        known = [a for a in (self.bucket_acceptance(b) for b in self._buckets) if a is not None]
+        return max(known, default=0.0)
 
     def _new_state(self) -> _SeqState:
         total = self._node_accepted + self._node_rejected
@@ -99,40 +195,70 @@ class SpecController:
         """seq ids that could speculate now -> k (only entries with k > 0)."""
         budget = step_budget(self.cfg, batch_size)
         k_max = self.cfg.num_speculative_tokens
-        wanted: list[tuple[float, str, int]] = []
+        states = []
         for sid in candidates:
             st = self._seqs.get(sid)
             if st is None:
                 st = self._seqs[sid] = self._new_state()
-            if not self.cfg.adaptive:
-                wanted.append((1.0, sid, k_max))
-                continue
-            k = best_k(st.acceptance, k_max, self.token_cost, self.cfg.verify_fixed_cost)
-            if k == 0:
-                st.off_steps += 1
-                if st.off_steps < st.probe_every:
-                    continue
-                st.off_steps, k = 0, self.probe_k
-                st.probe_every = min(MAX_PROBE_EVERY, 2 * st.probe_every)
-                self._node_probe_every = max(self._node_probe_every, st.probe_every)
-            else:
-                st.off_steps, st.probe_every = 0, PROBE_EVERY
-                self._node_probe_every = PROBE_EVERY
-            wanted.append((st.acceptance, sid, k))
-        wanted.sort(key=lambda w: -w[0])
+            a = st.acceptance
+            if self.draft_cost == 0:  # reserving room is free: trim() decides per draft
+                a = max(a, self._best_bucket_acceptance())
+            states.append((a, sid, st))
+        states.sort(key=lambda e: -e[0])
+        greedy = _StepGreedy(self.step_cost.cost, self.draft_round_ms, batch_size)
         plan: dict[str, int] = {}
-        for _, sid, k in wanted:
-            k = min(k, budget)
+        for a, sid, st in states:
+            if not self.cfg.adaptive:
+                k = min(k_max, budget)
+            else:
+                k = greedy.best(a, min(k_max, budget))
+                if k == 0:
+                    st.off_steps += 1
+                    if st.off_steps < st.probe_every or budget <= 0:
+                        continue
+                    st.off_steps, k = 0, min(self.probe_k, budget)
+                    st.probe_every = min(MAX_PROBE_EVERY, 2 * st.probe_every)
+                    self._node_probe_every = max(self._node_probe_every, st.probe_every)
+                else:
+                    st.off_steps, st.probe_every = 0, PROBE_EVERY
+                    self._node_probe_every = PROBE_EVERY
             if k <= 0:
-                break
+                continue
             plan[sid] = k
             budget -= k
+            greedy.add(a, k)
         return plan
 
-    def observe(self, seq_id: str, num_drafted: int, num_accepted: int) -> None:
+    def trim(self, drafts: list[tuple[str, int, int | None]], batch_size: int) -> list[int]:
+        """How many tokens of each proposed draft to verify: ``drafts`` holds (seq id, drafted
+        length, bucket). A draft whose bucket has enough history is cut to the length its
+        bucket's acceptance pays for in this step; any other keeps its planned length."""
+        if not self.cfg.adaptive:
+            return [n for _, n, _ in drafts]
+        greedy = _StepGreedy(self.step_cost.cost, 0.0, batch_size)  # drafting is already paid
+        keep = [n for _, n, _ in drafts]
+        rated = []
+        for i, (sid, n, bucket) in enumerate(drafts):
+            a = self.bucket_acceptance(bucket)
+            if a is None:
+                st = self._seqs.get(sid)
+                greedy.add(st.acceptance if st is not None else 0.0, n)
+            else:
+                rated.append((a, i))
+        for a, i in sorted(rated, reverse=True):
+            keep[i] = greedy.best(a, drafts[i][1])
+            greedy.add(a, keep[i])
+        return keep
+
+    def observe(self, seq_id: str, num_drafted: int, num_accepted: int, bucket: int | None = None) -> None:
         """A verification of ``num_drafted`` tokens accepted the first ``num_accepted``."""
         if num_drafted == 0:
             return
+        if bucket is not None:
+            b = self._buckets.setdefault(bucket, [0.0, 0.0, 0.0])
+            b[0] = NODE_DECAY * b[0] + num_accepted
+            b[1] = NODE_DECAY * b[1] + (1 if num_accepted < num_drafted else 0)
+            b[2] = NODE_DECAY * b[2] + 1
         st = self._seqs.get(seq_id)
         if st is None:
             st = self._seqs[seq_id] = self._new_state()
@@ -144,3 +270,32 @@ class SpecController:
 
     def forget(self, seq_id: str) -> None:
         self._seqs.pop(seq_id, None)
+
+
+class _StepGreedy:
+    """One step's running totals for handing out drafts: rows so far, expected tokens so far
+    and drafting rounds so far; ``best`` is the k that maximizes expected tokens per ms.
+
+    Drafters draft every sequence of a step together, one batched round per draft position,
+    so the step's drafting time is ``round_ms * max k``, not a sum over sequences."""
+
+    def __init__(self, cost: Callable[[int], float], round_ms: float, batch_size: int) -> None:
+        self.cost = cost
+        self.round_ms = round_ms
+        self.rows = max(1, batch_size)
+        self.tokens = float(self.rows)
+        self.rounds = 0
+
+    def best(self, a: float, k_max: int) -> int:
+        k, best = 0, self.tokens / (self.cost(self.rows) + self.rounds * self.round_ms) * MIN_GAIN
+        for kk in range(1, k_max + 1):
+            r = (self.tokens + expected_tokens(a, kk) - 1) / (
+                self.cost(self.rows + kk) + max(self.rounds, kk) * self.round_ms)
+            if r > best * (1 + 1e-9):
+                k, best = kk, r
+        return k
+
+    def add(self, a: float, k: int) -> None:
+        self.rows += k
+        self.tokens += expected_tokens(a, k) - 1
+        self.rounds = max(self.rounds, k)

@@ -28,3 +28,12 @@ def test_unknown_bench_is_refused():
     r = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "nope"], cwd=REPO,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "known:" in r.stderr
+
+
+def test_verify_cost_bench_reports_a_ratio_per_batch_and_k():
+    out = run_bench("verify-cost", "--device", "cpu", "--batches", "1,2", "--ks", "1,3", "--context", "24",
+                    "--repeats", "1")
+    assert out["device"] == "cpu" and out["backend"] == "TorchRefBackend"
+    assert [(c["batch"], c["k"]) for c in out["cells"]] == [(1, 1), (1, 3), (2, 1), (2, 3)]
+    assert all(c["ms"] > 0 and c["decode_ms"] > 0 and abs(c["ratio"] - c["ms"] / c["decode_ms"]) < 0.01
+               for c in out["cells"])

@@ -20,3 +20,12 @@ def test_no_match_and_short_inputs():
     assert ngram_propose([], 4, 1, 3) == []
     assert ngram_propose([4, 4], 3, 1, 2) == [4]
     assert ngram_propose([1, 2, 1, 2], 3, 2, 2) == [1, 2]
+
+
+def test_match_reports_the_matched_length_as_confidence():
+    from decode_node.spec.ngram import ngram_match
+
+    toks = [5, 6, 7, 8, 1, 7, 2, 5, 6, 7]
+    assert ngram_match(toks, 2, 1, 3) == (3, [8, 1])
+    assert ngram_match(toks, 2, 1, 1) == (1, [2, 5])
+    assert ngram_match([1, 2, 3], 2, 1, 3) == (0, [])

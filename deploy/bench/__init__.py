@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "transfer": "transfer",
     "router": "router_replay",
     "specdec": "specdec",
+    "verify-cost": "verify_cost",
 }
 
 

@@ -109,7 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-open", type=int, default=len(OPEN))
     p.add_argument("--batch", type=int, default=1,
                    help="requests in flight at once (1 = one request at a time, the latency regime)")
-    p.add_argument("--spec-tokens", type=int, default=5)
+    p.add_argument("--spec-tokens", type=int, default=12,
+                   help="most draft tokens per sequence and step (the controller trims each draft)")
     p.add_argument("--early-exit-layers", type=int, default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="target dtype for every engine of the run (the baseline too)")

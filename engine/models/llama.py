@@ -27,6 +27,7 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.models.config import ModelConfig
+from engine.models.cpu_linear import LinearPlan
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:  # [dim / 2] float32
@@ -145,15 +146,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class Linear(nn.Module):
     """y = x W^T (+ b) with uninitialized parameters: load_weights fills every one of them, so
-    nn.Linear's random init (seconds for a real model) would be wasted."""
+    nn.Linear's random init (seconds for a real model) would be wasted. With a kernel plan set
+    (CPU), the matmul kernel is the one measured fastest for this shape and row count."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.plan: LinearPlan | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.plan is None:
+            return F.linear(x, self.weight, self.bias)
+        return self.plan.kernel(tuple(self.weight.shape), x.shape[0])(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):
@@ -254,6 +259,22 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         # Tied models read the embedding matrix for logits; no second copy.
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.linear_plan: LinearPlan | None = None
+
+    def matmul_weights(self) -> list[torch.Tensor]:
+        """Every matrix one forward multiplies by, in the order it reads them (logits last)."""
+        out = [m.weight for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
+        return out + [self._logits_weight()]
+
+    def set_linear_plan(self, plan: LinearPlan | None) -> None:
+        """Use ``plan``'s kernels in every matmul (None: torch's defaults)."""
+        self.linear_plan = plan
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.plan = plan
+
+    def _logits_weight(self) -> torch.Tensor:  # [vocab, hidden]
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(
         self,
@@ -274,8 +295,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] f32
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        weight = self._logits_weight()
+        if self.linear_plan is None:
+            return F.linear(hidden, weight).float()
+        return self.linear_plan.kernel(tuple(weight.shape), hidden.shape[0])(hidden, weight, None).float()
 
     # ------------------------------------------------------------------ weights
 
