@@ -182,7 +182,8 @@ class LLMEngine:
             self.proposer = proposer_factory(self)
             gemm = self.linear_plan.gemm_ms if self.linear_plan is not None else None
             self.step_cost = StepCost(config.speculative, gemm)
-            self.spec_controller = SpecController(config.speculative, self.proposer.draft_cost, self.step_cost)
+            self.spec_controller = SpecController(config.speculative, self.proposer.draft_cost, self.step_cost,
+                                                  batched=self.proposer.batched)
         self._requests: dict[str, _Request] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._ids = itertools.count()
@@ -366,7 +367,8 @@ class LLMEngine:
         if self.spec_controller is not None and all(it.num_new_tokens == 1 for it in sched.scheduled):
             # Decode / verification steps teach the cost model what k + 1 query rows cost here.
             rows = sum(1 + len(it.draft_token_ids) for it in sched.scheduled)
-            self.step_cost.observe(rows, (time.perf_counter() - t0) * 1e3)
+            verifying = any(it.draft_token_ids for it in sched.scheduled)
+            self.step_cost.observe(rows, (time.perf_counter() - t0) * 1e3, verifying)
         touched = self.scheduler.update_from_output(sched, sampled)
         self._observe_speculation(sched, sampled)
 
@@ -403,7 +405,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         proposals = self.proposer.propose(reqs)
         # The proposer's own estimate of its cost is a guess; what it took here is not.
-        self.spec_controller.observe_draft(max(r.k for r in reqs), (time.perf_counter() - t0) * 1e3)
+        rounds = max(r.k for r in reqs) if self.proposer.batched else sum(r.k for r in reqs)
+        self.spec_controller.observe_draft(rounds, (time.perf_counter() - t0) * 1e3)
         lengths = [min(len(p.token_ids), it.num_lookahead) for it, p in zip(items, proposals)]
         if any(p.bucket is not None for p in proposals):
             lengths = self.spec_controller.trim(

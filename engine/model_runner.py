@@ -116,13 +116,20 @@ class ModelRunner:
                 if not item.draft_token_ids:  # verifications log their accepted run in _verify
                     rows = hidden[first : first + item.num_new_tokens].clone()  # [n, hidden]
                     self.features.setdefault(item.seq.seq_id, []).append((item.start, rows))
+        if not sample_rows and not verifying:
+            return {}  # prefill chunks that end short of their prompt's last token
+        # Every row that needs logits, sampled and verified, through the LM head at once: the
+        # head is the largest matrix, and a second pass would read it twice in mixed steps.
+        verified = [first + j for item, first in zip(verifying, verify_rows)
+                    for j in range(len(item.draft_token_ids) + 1)]
+        idx = torch.tensor(sample_rows + verified, dtype=torch.long, device=self.device)
+        all_logits = self.model.compute_logits(hidden.index_select(0, idx))  # [S + R, V] fp32
+        logits = all_logits[: len(sample_rows)]  # [S_sample, V]
         results: dict[str, SampledTokens] = {}
         if verifying:
-            results.update(self._verify(verifying, verify_rows, hidden))
+            results.update(self._verify(verifying, verify_rows, hidden, all_logits[len(sample_rows):]))
         if not sample_rows:
             return results
-        idx = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))  # [S_sample, V] fp32
         if self.logits_hook is not None:
             self.logits_hook([it.seq.seq_id for it in out.scheduled if it.sample], logits)
 
@@ -168,22 +175,22 @@ class ModelRunner:
         return results
 
     def _verify(
-        self, items: list[ScheduledSeq], first_rows: list[int], hidden: torch.Tensor  # [T, hidden]
+        self,
+        items: list[ScheduledSeq],
+        first_rows: list[int],
+        hidden: torch.Tensor,  # [T, hidden]
+        logits: torch.Tensor,  # [R, V] fp32: every verified position, sequence by sequence
     ) -> dict[str, SampledTokens]:
-        """Rejection-sample every verifying sequence's k + 1 positions."""
-        flat: list[int] = []  # hidden row of every verified position, all sequences
+        """Verify every speculating sequence's k + 1 positions."""
         rows: list[SamplingRow] = []
         for item, first in zip(items, first_rows):
             seq, p = item.seq, item.seq.params
             prompt = seq.prompt_token_ids if p.repetition_penalty != 1.0 else ()
             output = seq.output_token_ids
             for j in range(len(item.draft_token_ids) + 1):
-                flat.append(first + j)
                 # Position j comes after drafts d_1 .. d_j: penalties and min_tokens see them.
                 rows.append(SamplingRow(params=p, prompt_token_ids=prompt,
                                         output_token_ids=output + item.draft_token_ids[:j]))
-        idx = torch.tensor(flat, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))  # [R, V] fp32
         if self.logits_hook is not None:
             self.logits_hook([it.seq.seq_id for it in items for _ in range(len(it.draft_token_ids) + 1)], logits)
         penalized = apply_penalties(logits, rows, self.sampler.eos_token_ids)  # [R, V]
@@ -221,8 +228,9 @@ class ModelRunner:
 
     def _target_samples(self, probs: torch.Tensor, seed: int | None, index: int, step: int) -> list[int]:
         """One token per row of ``probs`` [n, V], drawn as the plain sampler draws output
-        token ``step + j`` (exponential race; a seeded request's noise from the generator of
-        that step), so the draw is the one plain decoding would make from the same p."""
+        token ``step + j``: an exponential race, a seeded request's noise from the generator of
+        that step (the very draw plain decoding makes from the same p), an unseeded one's from
+        the shared default generator (the same distribution, not the same draw)."""
         noise = torch.empty_like(probs)  # [n, V]
         if seed is None:
             noise.exponential_(generator=self.sampler.default_generator(probs.device))

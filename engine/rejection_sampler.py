@@ -56,14 +56,14 @@ def verify_drafts(
 def verify_by_target_samples(draft_ids: list[int], target_samples: list[int]) -> tuple[int, int]:
     """Deterministic drafts (q one-hot): accept while the target's own sample equals the draft.
 
-    ``target_samples[j]`` is a token drawn from p_j exactly as plain decoding would draw it at
-    that step (same distribution, same generator). Draft d_{j+1} is accepted iff
-    ``target_samples[j] == d_{j+1}``, which happens with probability p_j(d_{j+1}), the same
-    acceptance as ``verify_drafts`` with one-hot q; at the first mismatch, or after all k, the
-    emitted token is the target's sample itself. Every emitted token is therefore the token
-    plain decoding would have drawn: the output is exactly p-distributed, and a seeded request
-    gets the same tokens with and without speculation, whatever k the controller picked.
-    Greedy is the special case where the samples are argmaxes.
+    ``target_samples[j]`` is a token drawn from p_j the way plain decoding draws (for a seeded
+    request: from that step's own generator, i.e. the very token plain decoding would draw).
+    Draft d_{j+1} is accepted iff ``target_samples[j] == d_{j+1}``, which happens with
+    probability p_j(d_{j+1}), the same acceptance as ``verify_drafts`` with one-hot q; at the
+    first mismatch, or after all k, the emitted token is the target's sample itself. So every
+    emitted token is a draw from p: the output is exactly p-distributed, and a seeded request
+    gets the tokens of a run without speculation whatever k the controller picked (up to float
+    rounding of p between the two forwards). Greedy is the case where the samples are argmaxes.
     """
     n = 0
     while n < len(draft_ids) and draft_ids[n] == target_samples[n]:

@@ -140,6 +140,9 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             k = self._lookahead(seq, n, budget, lookahead)
             scheduled_self = True
+            if k and not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens,
+                                                seq.num_computed_tokens + n + k):
+                k = 0  # speculation never preempts anyone: decode plainly this step
             while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens,
                                              seq.num_computed_tokens + n + k):
                 victim = self.running.pop()

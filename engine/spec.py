@@ -55,8 +55,11 @@ class Proposer(Protocol):
     """
 
     # Time of one draft token relative to one target decode step at batch 1 (n-gram ~0,
-    # early exit L / num_layers): what the adaptive controller weighs acceptance against.
+    # early exit L / num_layers): the adaptive controller's prior, until propose is timed.
     draft_cost: float
+    # True: one drafting round drafts every sequence of the step (batched), so a step's
+    # drafting time follows its largest k; False: sequences draft one after another.
+    batched: bool
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]: ...
 

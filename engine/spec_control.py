@@ -66,14 +66,19 @@ def expected_tokens(a: float, k: int) -> float:
 
 
 class StepCost:
-    """Predicted time (ms) of one decode/verification forward over ``t`` query tokens.
+    """Predicted time (ms) of one decode/verification forward over ``t`` query rows.
 
-    ``cost(t) = prior(t) + correction``, where the prior is the measured matmul curve plus a
-    residual (everything that is not a matmul), or, without a curve, ``base * linear prior``.
-    Observed steps (no prefill chunk in them) update an exponential average per t; a t seen
-    ``MIN_SEEN`` times is predicted from its own average, any other from the prior, whose
-    residual (or base) is refitted from every observation. So the controller can weigh a k it
-    has not tried yet and still converges on what this machine really does.
+    Kept apart for steps with and without a verification in them: a verifying step pays a
+    fixed extra (the verification's own logits, probabilities and sampling; at batch 8 on
+    the dev VM the first verifying sequence added ~11 ms to a 38 ms step, each further one
+    ~3 ms), which a plain decode step of the same row count does not.
+
+    ``cost(t, v) = prior(t, v)`` until (t, v) has been observed ``MIN_SEEN`` times, then its
+    own exponential average. The prior is the measured matmul curve plus a residual
+    (everything that is not a matmul) refitted from every observation of the same kind (v);
+    without a curve it is ``base * linear prior`` (``verify_fixed_cost``, ``verify_token_cost``)
+    with ``base`` refitted the same way. So the controller can weigh a k it has not tried yet
+    and still converges on what this machine really does.
     """
 
     DECAY = 0.9
@@ -83,39 +88,47 @@ class StepCost:
         self.cfg = cfg
         self.gemm_ms = gemm_ms
         # Without a curve the unit is one plain decode step until one is observed.
-        self._base = gemm_ms(1) * 0.3 if gemm_ms is not None else 1.0
-        self._base_seen = False
-        self._avg: dict[int, float] = {}
-        self._seen: dict[int, int] = {}
+        start = gemm_ms(1) * 0.3 if gemm_ms is not None else 1.0
+        self._base = {False: start, True: start}  # residual (or unit) per kind of step
+        self._base_seen = {False: False, True: False}
+        self._avg: dict[tuple[int, bool], float] = {}
+        self._seen: dict[tuple[int, bool], int] = {}
 
-    def prior(self, t: int) -> float:
+    def prior(self, t: int, verifying: bool | None = None) -> float:
+        v = t > 1 if verifying is None else verifying
         if self.gemm_ms is not None:
-            return self.gemm_ms(t) + self._base  # _base: the non-matmul residual
-        extra = 0.0 if t <= 1 else self.cfg.verify_fixed_cost + (t - 1) * self.cfg.verify_token_cost
-        return self._base * (1.0 + extra)
+            return self.gemm_ms(t) + self._base[v]  # _base: the non-matmul residual
+        extra = (self.cfg.verify_fixed_cost if v else 0.0) + max(0, t - 1) * self.cfg.verify_token_cost
+        return self._base[v] * (1.0 + extra)
 
-    def cost(self, t: int) -> float:
-        if self._seen.get(t, 0) >= self.MIN_SEEN:
-            return self._avg[t]
-        return self.prior(t)
+    def cost(self, t: int, verifying: bool | None = None) -> float:
+        """``verifying`` None: a batch-1 view (a step of t > 1 rows is a verification)."""
+        key = (t, t > 1 if verifying is None else verifying)
+        if self._seen.get(key, 0) >= self.MIN_SEEN:
+            return self._avg[key]
+        return self.prior(*key)
 
-    def observe(self, t: int, ms: float) -> None:
+    def observe(self, t: int, ms: float, verifying: bool | None = None) -> None:
         if t < 1 or ms <= 0:
             return
-        self._avg[t] = ms if t not in self._avg else self.DECAY * self._avg[t] + (1 - self.DECAY) * ms
-        self._seen[t] = self._seen.get(t, 0) + 1
+        v = t > 1 if verifying is None else verifying
+        key = (t, v)
+        self._avg[key] = ms if key not in self._avg else self.DECAY * self._avg[key] + (1 - self.DECAY) * ms
+        self._seen[key] = self._seen.get(key, 0) + 1
         if self.gemm_ms is not None:
             fit = max(0.0, ms - self.gemm_ms(t))
         else:
-            fit = ms / (self.prior(t) / self._base)
-        if not self._base_seen:
-            self._base, self._base_seen = fit, True
+            fit = ms / (self.prior(t, v) / self._base[v])
+        if not self._base_seen[v]:
+            self._base[v], self._base_seen[v] = fit, True
+            if not self._base_seen[not v]:  # the other kind starts from here, not from a guess
+                self._base[not v] = fit
         else:
-            self._base = self.DECAY * self._base + (1 - self.DECAY) * fit
+            self._base[v] = self.DECAY * self._base[v] + (1 - self.DECAY) * fit
 
-    def snapshot(self) -> dict[int, float]:
-        """t -> predicted ms for the t the engine has observed (for stats and docs)."""
-        return {t: round(self.cost(t), 3) for t in sorted(self._avg)}
+    def snapshot(self) -> dict[str, float]:
+        """"t" (plain) or "t+v" (verifying) -> predicted ms, for the kinds observed."""
+        return {f"{t}{'+v' if v else ''}": round(self.cost(t, v), 3) for t, v in sorted(self._avg)}
 
 
 def step_budget(cfg: SpeculativeConfig, batch_size: int) -> int:
@@ -137,9 +150,11 @@ class SpecController:
     acceptance of recent sequences (the optimistic prior only until there is any), so a drafter
     that rarely pays on this node does not cost every new request a losing first probe."""
 
-    def __init__(self, cfg: SpeculativeConfig, draft_cost: float, step_cost: StepCost | None = None) -> None:
+    def __init__(self, cfg: SpeculativeConfig, draft_cost: float, step_cost: StepCost | None = None,
+                 batched: bool = True) -> None:
         self.cfg = cfg
         self.draft_cost = draft_cost
+        self.batched = batched  # the proposer drafts all sequences of a step in shared rounds
         self.step_cost = step_cost if step_cost is not None else StepCost(cfg)
         # A free drafter (n-gram) probes with several tokens to measure acceptance; a costly one
         # with a single token, the cheapest verification that still tells.
@@ -151,16 +166,19 @@ class SpecController:
         # sequence continues the node's back-off instead of starting it over.
         self._node_probe_every = PROBE_EVERY
         self._buckets: dict[int, list[float]] = {}  # bucket -> [accepted, rejected, weight]
+        self._bucket_skips: dict[int, int] = {}  # bucket -> drafts trimmed to 0 since its last probe
         self._draft_round_ms: float | None = None  # measured time of one drafting round
 
     def observe_draft(self, rounds: int, ms: float) -> None:
         """A proposal call that ran ``rounds`` sequential drafting rounds took ``ms``."""
         if rounds < 1 or ms < 0:
             return
-        # Averaged from the proposer's own estimate rather than started at the first sample:
-        # a model drafter's first call also catches up over the prompt (a draft prefill).
+        # Averaged from the proposer's own estimate rather than started at the first sample,
+        # and one sample moves it at most 4x: a model drafter's first call for a request also
+        # catches up over its prompt (a draft prefill), which is not a round's cost.
         prev = self.draft_round_ms
-        self._draft_round_ms = DECAY * prev + (1 - DECAY) * ms / rounds
+        per = min(ms / rounds, 4 * prev) if prev > 0 else ms / rounds
+        self._draft_round_ms = DECAY * prev + (1 - DECAY) * per
 
     @property
     def draft_round_ms(self) -> float:
@@ -205,7 +223,7 @@ class SpecController:
                 a = max(a, self._best_bucket_acceptance())
             states.append((a, sid, st))
         states.sort(key=lambda e: -e[0])
-        greedy = _StepGreedy(self.step_cost.cost, self.draft_round_ms, batch_size)
+        greedy = _StepGreedy(self.step_cost.cost, self.draft_round_ms, batch_size, self.batched)
         plan: dict[str, int] = {}
         for a, sid, st in states:
             if not self.cfg.adaptive:
@@ -235,7 +253,7 @@ class SpecController:
         bucket's acceptance pays for in this step; any other keeps its planned length."""
         if not self.cfg.adaptive:
             return [n for _, n, _ in drafts]
-        greedy = _StepGreedy(self.step_cost.cost, 0.0, batch_size)  # drafting is already paid
+        greedy = _StepGreedy(self.step_cost.cost, 0.0, batch_size, True)  # drafting is already paid
         keep = [n for _, n, _ in drafts]
         rated = []
         for i, (sid, n, bucket) in enumerate(drafts):
@@ -247,6 +265,14 @@ class SpecController:
                 rated.append((a, i))
         for a, i in sorted(rated, reverse=True):
             keep[i] = greedy.best(a, drafts[i][1])
+            bucket = drafts[i][2]
+            if keep[i] == 0:
+                # A bucket that is always trimmed is never observed again: verify one of its
+                # drafts now and then, so a bucket judged on early luck can recover.
+                skips = self._bucket_skips.get(bucket, 0) + 1
+                if skips >= PROBE_EVERY:
+                    skips, keep[i] = 0, min(drafts[i][1], self.probe_k)
+                self._bucket_skips[bucket] = skips
             greedy.add(a, keep[i])
         return keep
 
@@ -276,21 +302,27 @@ class _StepGreedy:
     """One step's running totals for handing out drafts: rows so far, expected tokens so far
     and drafting rounds so far; ``best`` is the k that maximizes expected tokens per ms.
 
-    Drafters draft every sequence of a step together, one batched round per draft position,
-    so the step's drafting time is ``round_ms * max k``, not a sum over sequences."""
+    A batched drafter drafts every sequence of a step together, one round per draft position,
+    so the step's drafting time is ``round_ms * max k``; a sequential one (EAGLE) pays
+    ``round_ms * sum k``."""
 
-    def __init__(self, cost: Callable[[int], float], round_ms: float, batch_size: int) -> None:
+    def __init__(self, cost: Callable[[int, bool], float], round_ms: float, batch_size: int, batched: bool) -> None:
         self.cost = cost
         self.round_ms = round_ms
-        self.rows = max(1, batch_size)
+        self.batched = batched
+        self.rows = self.batch = max(1, batch_size)
         self.tokens = float(self.rows)
         self.rounds = 0
 
+    def _rounds(self, k: int) -> int:
+        return max(self.rounds, k) if self.batched else self.rounds + k
+
     def best(self, a: float, k_max: int) -> int:
-        k, best = 0, self.tokens / (self.cost(self.rows) + self.rounds * self.round_ms) * MIN_GAIN
+        now = self.cost(self.rows, self.rows > self.batch) + self.rounds * self.round_ms
+        k, best = 0, self.tokens / now * MIN_GAIN
         for kk in range(1, k_max + 1):
             r = (self.tokens + expected_tokens(a, kk) - 1) / (
-                self.cost(self.rows + kk) + max(self.rounds, kk) * self.round_ms)
+                self.cost(self.rows + kk, True) + self._rounds(kk) * self.round_ms)
             if r > best * (1 + 1e-9):
                 k, best = kk, r
         return k
@@ -298,4 +330,4 @@ class _StepGreedy:
     def add(self, a: float, k: int) -> None:
         self.rows += k
         self.tokens += expected_tokens(a, k) - 1
-        self.rounds = max(self.rounds, k)
+        self.rounds = self._rounds(k)

@@ -179,3 +179,17 @@ def test_many_requests_leave_no_block_behind(caching):
         add(sched, f"r{i}", [(i + j) % 40 + 3 for j in range(3 + i % 9)], max_tokens=4 + i % 5, n=1 + i % 3)
     run_all(sched)
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_lookahead_slots_never_preempt_another_sequence():
+    """Two decoding sequences fill the pool; asking for draft slots that do not fit drops the
+    drafts (plain decode this step) instead of preempting the other sequence."""
+    sched, kv = make(num_blocks=4, block_size=4, budget=64)
+    a = add(sched, "a", list(range(7)), max_tokens=20)
+    b = add(sched, "b", list(range(10, 17)), max_tokens=20)
+    step(sched)  # both prefilled: 7 tokens + 1 sampled = 2 blocks each, pool full
+    assert kv.num_free_blocks == 0
+    out = sched.schedule({a.seq_id: 6, b.seq_id: 6})
+    assert not out.preempted
+    assert [it.num_lookahead for it in out.scheduled] == [0, 0]
+    assert {it.seq.seq_id for it in out.scheduled} == {a.seq_id, b.seq_id}

@@ -41,7 +41,11 @@ def test_step_cost_starts_from_the_matmul_curve_and_learns_the_rest():
     for _ in range(3):
         cost.observe(6, 30.0)
     assert cost.cost(6) == pytest.approx(30.0)  # seen often enough: its own average
-    assert cost.snapshot() == {1: 15.0, 6: 30.0}
+    assert cost.snapshot() == {"1": 15.0, "6+v": 30.0}
+    # At batch 8 a plain step and a verifying one are different kinds: the verifying residual
+    # (6 + 30 - 18 = 12 ms) is learned apart from the plain one (5 ms).
+    assert cost.cost(8, verifying=False) == pytest.approx(26.0 + 5.0)
+    assert cost.cost(8, verifying=True) == pytest.approx(26.0 + 0.9 * 12.0 + 0.1 * 12.0, rel=0.2)
 
 
 def test_step_cost_without_a_curve_scales_the_linear_prior_to_what_it_measures():
@@ -179,3 +183,35 @@ def test_a_drafter_slower_than_it_claims_is_switched_off_by_its_measured_cost():
         ctl.observe_draft(5, 5 * 19.0)  # measured: each round costs nearly a whole step
     assert ctl.draft_round_ms == pytest.approx(19.0, rel=0.05)
     assert ctl.plan(["b"], 1) == {}
+
+
+def test_an_always_trimmed_bucket_is_probed_now_and_then():
+    cost = StepCost(SpeculativeConfig(method="ngram"), _Curve())
+    ctl = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=8), 0.0, cost)
+    for _ in range(20):
+        ctl.observe("x", 4, 0, bucket=1)
+    kept = [ctl.trim([("a", 4, 1)], 1)[0] for _ in range(3 * PROBE_EVERY)]
+    assert kept.count(0) == 3 * PROBE_EVERY - 3 and set(kept) == {0, ctl.probe_k}
+
+
+def test_sequential_drafters_pay_for_every_sequences_rounds():
+    cost = StepCost(SpeculativeConfig(method="eagle"), lambda rows: 15.0 + 0.1 * rows)
+    for _ in range(3):
+        cost.observe(1, 20.0)
+
+    def planned(batched):
+        ctl = SpecController(SpeculativeConfig(method="eagle", num_speculative_tokens=4), 0.1, cost, batched=batched)
+        for _ in range(20):
+            ctl.observe("old", 4, 4)
+        return sum(ctl.plan([f"s{i}" for i in range(6)], 6).values())
+
+    # Six sequences at 2 ms a round: batched rounds are shared and all six draft 4 tokens;
+    # sequential rounds add up, and only half of them still pay.
+    assert (planned(True), planned(False)) == (24, 12)
+
+
+def test_one_slow_first_call_moves_the_draft_cost_estimate_at_most_4x():
+    ctl = SpecController(SpeculativeConfig(method="draft"), 0.5, StepCost(SpeculativeConfig(method="draft")))
+    before = ctl.draft_round_ms  # 0.5 of a (unit) decode step
+    ctl.observe_draft(1, 1000.0)  # a draft prefill over a long prompt
+    assert ctl.draft_round_ms == pytest.approx(0.9 * before + 0.1 * 4 * before)

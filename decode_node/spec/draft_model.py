@@ -37,6 +37,7 @@ from engine.spec import DraftRequest, Proposal
 
 
 class ModelDrafter:
+    batched = True  # one drafting round covers every sequence of the step
     def __init__(
         self,
         model,  # LlamaForCausalLM

@@ -90,7 +90,8 @@ class _DenseAttention:
         vals = v if self.past_v is None else torch.cat((self.past_v, v))
         n, total = q.shape[0], keys.shape[0]
         # Query i sits at past + i and sees every key up to it.
-        mask = torch.arange(total)[None, :] <= torch.arange(total - n, total)[:, None]  # [n, P + n]
+        ar = torch.arange(total, device=q.device)
+        mask = ar[None, :] <= ar[total - n :, None]  # [n, P + n]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1).repeat_interleave(self.group, 0),
             vals.transpose(0, 1).repeat_interleave(self.group, 0), attn_mask=mask)  # [H_q, n, D]
@@ -187,7 +188,14 @@ def save_tiny_eagle(path: str | Path, target_cfg: ModelConfig, seed: int = 0, sc
     return path
 
 
+CATCH_UP_CHUNK = 256  # positions per catch-up forward: bounds the dense [n, P + n] scores
+
+
 class EagleProposer:
+    # Sequences draft one after another (each has its own dense KV): a step's drafting time
+    # grows with the sum of the k's, not their maximum.
+    batched = False
+
     def __init__(self, layer: EagleLayer, target, features: dict[str, list[tuple[int, torch.Tensor]]],
                  draft_cost: float) -> None:
         self.layer = layer
@@ -195,6 +203,7 @@ class EagleProposer:
         self.features = features  # the runner's log, consumed here
         self.draft_cost = draft_cost
         cfg = layer.cfg
+        self.device = layer.fc.weight.device
         self.attn = _DenseAttention(cfg.num_heads, cfg.num_kv_heads)
         self._seqs: dict[str, _SeqState] = {}
 
@@ -230,24 +239,26 @@ class EagleProposer:
         if st.k is None or not lo + 1 <= st.end <= t:
             st.k = st.v = None  # no cache yet, or a gap: the context starts after the gap
             st.start = lo + 1
-        todo = list(range(st.end, t + 1))  # positions whose draft KV is built now, t last
-        toks = torch.tensor([seq.token_ids[p] for p in todo], dtype=torch.long)
-        feats = torch.stack([feat_of[p - 1] for p in todo])  # [n, H]
-        last_g = self._run(st, toks, feats, todo[0], keep=True)[-1:]  # [1, H]: g(t)
+        # Positions whose draft KV is built now, t last, in chunks (a long local prompt).
+        for c in range(st.end, t + 1, CATCH_UP_CHUNK):
+            todo = range(c, min(c + CATCH_UP_CHUNK, t + 1))
+            toks = torch.tensor([seq.token_ids[p] for p in todo], dtype=torch.long, device=self.device)
+            feats = torch.stack([feat_of[p - 1] for p in todo])  # [n, H]
+            last_g = self._run(st, toks, feats, todo[0], keep=True)[-1:]  # [1, H]: g(t) at the end
         saved = (st.k, st.v)
         drafts: list[int] = []
         for j in range(r.k):
             tok = int(self.target.compute_logits(last_g).argmax(dim=-1))
             drafts.append(tok)
             if j + 1 < r.k:
-                last_g = self._run(st, torch.tensor([tok]), last_g, t + 1 + j, keep=True)
+                last_g = self._run(st, torch.tensor([tok], device=self.device), last_g, t + 1 + j, keep=True)
         st.k, st.v = saved  # draft positions' KV is dropped: their tokens are not verified yet
         return drafts
 
     def _run(self, st: _SeqState, toks: torch.Tensor, feats: torch.Tensor, first: int, keep: bool) -> torch.Tensor:
         dtype = next(self.layer.parameters()).dtype
         n = toks.shape[0]
-        pos = torch.arange(first, first + n)
+        pos = torch.arange(first, first + n, device=self.device)
         cos, sin = self.target.rope(pos, first + n, dtype)
         emb = self.target.embed_tokens(toks).to(dtype)
         self.attn.past_k, self.attn.past_v = st.k, st.v

@@ -81,6 +81,7 @@ def load_heads(path: str | Path, dtype: torch.dtype, device: torch.device) -> Me
 
 
 class MedusaProposer:
+    batched = True  # one drafting round covers every sequence of the step
     def __init__(self, heads: MedusaHeads, last_hidden: dict[str, torch.Tensor], draft_cost: float) -> None:
         self.heads = heads
         self.last_hidden = last_hidden  # the runner's dict, read at each proposal

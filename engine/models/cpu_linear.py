@@ -146,8 +146,8 @@ def _interp(xs: tuple[int, ...], ys: tuple[float, ...], x: int) -> float:
 
 def available_kernels(dtype: torch.dtype) -> list[str]:
     """Kernels that run and agree with ``F.linear`` for this dtype on this build."""
-    torch.manual_seed(0)
-    x, w, b = torch.randn(3, 64, dtype=dtype), torch.randn(48, 64, dtype=dtype), torch.randn(48, dtype=dtype)
+    g = torch.Generator().manual_seed(0)  # not the global RNG: callers' seeds stay untouched
+    x, w, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((3, 64), (48, 64), (48,)))
     ref = F.linear(x.double(), w.double(), b.double())
     tol = 1e-3 if dtype == torch.float32 else 0.5
     names = []
@@ -187,7 +187,8 @@ def tune(
     for w in weights:
         s = (w.shape[0], w.shape[1])
         counts[s] = counts.get(s, 0) + 1
-    inputs = {k: torch.randn(max(rows), k, dtype=dtype) for k in {s[1] for s in counts}}
+    g = torch.Generator().manual_seed(0)
+    inputs = {k: torch.randn(max(rows), k, generator=g).to(dtype) for k in {s[1] for s in counts}}
     for name in names:  # first calls allocate scratch and start thread pools
         for w in weights[: len(counts)]:
             kernels[name](inputs[w.shape[1]][:1], w, None)
@@ -252,24 +253,31 @@ def load_or_tune(
 ) -> LinearPlan:
     """The cached plan for these weights on this machine, tuning (and caching) it if missing.
 
-    Processes starting together (a prefill and a decode node on one machine) serialize on a
-    file lock: timing kernels while another process does the same would measure contention.
+    Processes starting together (a prefill and a decode node on one machine) serialize on one
+    lock for the whole cache directory, whatever their model or thread count: timing kernels
+    while another process does the same would measure contention. (A node already serving
+    beside a tuning one still disturbs it; the plan is a start, not a guarantee.) An unusable
+    cache directory (read-only, full) only costs the caching: the plan is measured in memory.
     """
-    cache_dir.mkdir(parents=True, exist_ok=True)
     key = plan_key(weights)
     path = cache_dir / f"{key}.json"
-    with open(cache_dir / f"{key}.lock", "w") as lock:
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(cache_dir / "tune.lock", "w")
+    except OSError:
+        return tune(weights, progress=progress)
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            try:
+                return LinearPlan.from_json(json.loads(path.read_text()))
+            except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+                pass  # a plan from another version or a damaged file: measure again
+        plan = tune(weights, progress=progress)
         try:
-            if path.exists():
-                try:
-                    return LinearPlan.from_json(json.loads(path.read_text()))
-                except (ValueError, KeyError, TypeError, json.JSONDecodeError):
-                    pass  # a plan from another version or a torn file: measure again
-            plan = tune(weights, progress=progress)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(plan.to_json()))
             os.replace(tmp, path)
-            return plan
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        except OSError:
+            pass  # not cached; measured again next time
+        return plan
