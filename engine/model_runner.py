@@ -21,7 +21,14 @@ import torch
 from engine.attention.kv_cache import copy_blocks
 from engine.attention.metadata import AttentionMetadata
 from engine.rejection_sampler import verify_by_target_samples, verify_drafts
-from engine.sampler import Sampler, SamplingRow, apply_penalties, exponential_race, probs_from_penalized
+from engine.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_penalties,
+    exponential_noise,
+    exponential_race,
+    probs_from_penalized,
+)
 from engine.scheduler import SampledTokens, ScheduledSeq, SchedulerOutput
 
 
@@ -231,12 +238,8 @@ class ModelRunner:
         token ``step + j``: an exponential race, a seeded request's noise from the generator of
         that step (the very draw plain decoding makes from the same p), an unseeded one's from
         the shared default generator (the same distribution, not the same draw)."""
-        noise = torch.empty_like(probs)  # [n, V]
-        if seed is None:
-            noise.exponential_(generator=self.sampler.default_generator(probs.device))
-        else:
-            for j in range(probs.shape[0]):
-                noise[j].exponential_(generator=self._generator(seed, index, step + j))
+        gens = [self._generator(seed, index, step + j) for j in range(probs.shape[0])]
+        noise = exponential_noise(probs, gens, self.sampler.default_generator(probs.device))  # [n, V]
         return exponential_race(probs, noise).tolist()
 
     def _uniforms(self, seed: int | None, index: int, step: int, n: int) -> torch.Tensor:  # [2, n]

@@ -196,6 +196,23 @@ def processed_probs(
     return probs_from_penalized(apply_penalties(logits, rows, eos_token_ids), rows)
 
 
+def exponential_noise(like: Tensor, generators: list[torch.Generator | None],
+                      default: torch.Generator) -> Tensor:
+    """Exp(1) noise shaped like ``like`` [N, V] for an exponential race: row j from its own
+    generator when it has one (a seeded request: the draw depends only on seed and step), the
+    rows without one from one batched draw of ``default``."""
+    noise = torch.empty_like(like)  # [N, V]
+    shared = [j for j, g in enumerate(generators) if g is None]
+    if shared:
+        draw = torch.empty_like(like[: len(shared)])  # [S, V]
+        draw.exponential_(generator=default)
+        noise[torch.tensor(shared, device=like.device)] = draw
+    for j, g in enumerate(generators):
+        if g is not None:
+            noise[j].exponential_(generator=g)
+    return noise
+
+
 def exponential_race(probs: Tensor, noise: Tensor) -> Tensor:
     """Draw one token per row: argmax(probs / noise) with noise ~ Exp(1), i.i.d.
 
@@ -238,18 +255,10 @@ class Sampler:
         if random_rows:
             idx = torch.tensor(random_rows, device=logits.device)
             probs = probs_from_penalized(penalized[idx], [rows[i] for i in random_rows])
-            noise = torch.empty_like(probs)  # [R, V]
-            shared = [j for j, i in enumerate(random_rows) if rows[i].generator is None]
-            if shared:
-                # One batched draw for all unseeded rows.
-                draw = torch.empty_like(probs[: len(shared)])  # [S, V]
-                draw.exponential_(generator=self.default_generator(probs.device))
-                noise[torch.tensor(shared, device=probs.device)] = draw
-            for j, i in enumerate(random_rows):
-                # Seeded rows draw from their own generator, so the token depends only on
-                # the seed, the step and the row's logits, not on its batch neighbours.
-                if rows[i].generator is not None:
-                    noise[j].exponential_(generator=rows[i].generator)
+            # Seeded rows draw from their own generator, so the token depends only on the
+            # seed, the step and the row's logits, not on its batch neighbours.
+            noise = exponential_noise(probs, [rows[i].generator for i in random_rows],
+                                      self.default_generator(probs.device))  # [R, V]
             tokens[idx] = exponential_race(probs, noise)
 
         return SamplerOutput(tokens.tolist(), *self._logprobs(penalized, tokens, rows))

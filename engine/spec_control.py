@@ -214,14 +214,14 @@ class SpecController:
         budget = step_budget(self.cfg, batch_size)
         k_max = self.cfg.num_speculative_tokens
         states = []
+        # Reserving room is free for a free drafter: trim() decides per draft, so plan with the
+        # best bucket's acceptance when it beats the request's own.
+        floor = self._best_bucket_acceptance() if self.draft_cost == 0 else 0.0
         for sid in candidates:
             st = self._seqs.get(sid)
             if st is None:
                 st = self._seqs[sid] = self._new_state()
-            a = st.acceptance
-            if self.draft_cost == 0:  # reserving room is free: trim() decides per draft
-                a = max(a, self._best_bucket_acceptance())
-            states.append((a, sid, st))
+            states.append((max(st.acceptance, floor), sid, st))
         states.sort(key=lambda e: -e[0])
         greedy = _StepGreedy(self.step_cost.cost, self.draft_round_ms, batch_size, self.batched)
         plan: dict[str, int] = {}

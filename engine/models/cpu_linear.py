@@ -85,14 +85,11 @@ class LinearPlan:
 
     def kernel(self, shape: tuple[int, int], rows: int) -> Kernel:
         plan = self.shapes.get(shape)
-        if plan is None:
-            return _aten
-        i = min(bisect.bisect_left(plan.rows, rows), len(plan.rows) - 1)
-        return self._fns[shape][i]
+        return _aten if plan is None else self._fns[shape][_bucket(plan, rows)]
 
     def kernel_name(self, shape: tuple[int, int], rows: int) -> str:
         plan = self.shapes[shape]
-        return plan.kernels[min(bisect.bisect_left(plan.rows, rows), len(plan.rows) - 1)]
+        return plan.kernels[_bucket(plan, rows)]
 
     def gemm_ms(self, rows: int) -> float:
         """Predicted milliseconds of one forward's matmuls with ``rows`` rows through every
@@ -131,6 +128,11 @@ class LinearPlan:
                     lo = r + 1
             out.append(f"{s[0]}x{s[1]} x{self.counts[s]}  " + " ".join(runs))
         return "\n".join(out)
+
+
+def _bucket(plan: ShapePlan, rows: int) -> int:
+    """The measured row count whose kernel serves ``rows``: the next larger, or the last."""
+    return min(bisect.bisect_left(plan.rows, rows), len(plan.rows) - 1)
 
 
 def _interp(xs: tuple[int, ...], ys: tuple[float, ...], x: int) -> float:

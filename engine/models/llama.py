@@ -158,7 +158,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.plan is None:
             return F.linear(x, self.weight, self.bias)
-        return self.plan.kernel(tuple(self.weight.shape), x.shape[0])(x, self.weight, self.bias)
+        return self.plan.kernel(self.weight.shape, x.shape[0])(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):
@@ -298,7 +298,7 @@ class LlamaForCausalLM(nn.Module):
         weight = self._logits_weight()
         if self.linear_plan is None:
             return F.linear(hidden, weight).float()
-        return self.linear_plan.kernel(tuple(weight.shape), hidden.shape[0])(hidden, weight, None).float()
+        return self.linear_plan.kernel(weight.shape, hidden.shape[0])(hidden, weight, None).float()
 
     # ------------------------------------------------------------------ weights
 
