@@ -10,22 +10,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from engine.engine import CompletionOutput, RequestOutput
-from protos.convert import FINISH_TO_PROTO
+from engine.engine import RequestOutput
+from protos.convert import finish_reason_to_proto, token_logprobs_to_proto
 from protos.pdserve.v1 import serving_pb2 as pb
-
-
-def token_logprobs(c: CompletionOutput) -> list[pb.TokenLogprobs]:
-    if c.new_logprobs is None or len(c.new_logprobs) != len(c.new_token_ids):
-        return []
-    tops = c.new_top_logprobs or [None] * len(c.new_token_ids)
-    return [
-        pb.TokenLogprobs(
-            token_id=tok, logprob=lp,
-            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in (top or [])],
-        )
-        for tok, lp, top in zip(c.new_token_ids, c.new_logprobs, tops)
-    ]
 
 
 class ResponseBuilder:
@@ -41,7 +28,8 @@ class ResponseBuilder:
         for c in out.outputs:
             if c.new_token_ids or c.text_delta:
                 yield self._msg(chunk=pb.Chunk(index=c.index, token_ids=c.new_token_ids, text=c.text_delta,
-                                               logprobs=token_logprobs(c)))
+                                               logprobs=token_logprobs_to_proto(c.new_token_ids, c.new_logprobs,
+                                                                                 c.new_top_logprobs)))
             if c.finish_reason is not None and c.index not in self.completed:
                 yield self._complete(out, c.index, c.finish_reason, len(c.token_ids))
         if out.finished:
@@ -75,7 +63,7 @@ class ResponseBuilder:
             usage.spec_accepted_tokens = spec.num_accepted_tokens
             usage.spec_acceptance_per_position.extend(spec.acceptance_per_position)
             usage.spec_mean_accepted_length = spec.mean_accepted_length
-        return self._msg(complete=pb.Complete(index=index, finish_reason=FINISH_TO_PROTO[reason],
+        return self._msg(complete=pb.Complete(index=index, finish_reason=finish_reason_to_proto(reason),
                                               usage=usage, timings=timings))
 
     def _msg(self, **kind) -> pb.GenerateResponse:

@@ -1,5 +1,5 @@
-"""The decode node's gRPC server: KVTransfer (reserve, receive, release) and DecodeNode
-(Decode stream, AbortDecode), plus health, over one engine.
+"""The decode node's server: KVTransfer (reserve, receive, release) and DecodeNode (Decode
+stream, AbortDecode) on the shared node base (node/server.py).
 
 A disaggregated request, as seen from here::
 
@@ -26,65 +26,55 @@ import grpc
 from decode_node.reservations import NotReadyError, ReservationTable
 from decode_node.responses import ResponseBuilder
 from decode_node.spec import build_proposer
-from engine.async_engine import EngineStoppedError, OutputStream, RequestFailedError
-from engine.block_hash import hash_prompt_blocks
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
+from kv_index.nodes import Role
 from kv_transfer.grpc_transport import KVReceiver, ReceivedBlocks
-from kv_transfer.node_config import NodeConfig
-from kv_transfer.node_runtime import NodeRuntime
 from kv_transfer.validate import Reservation
+from node.config import NodeConfig
+from node.engine_thread import EngineStoppedError, OutputStream, RequestFailedError
+from node.server import NodeServer
+from protos.conventions import retry_after_metadata
 from protos.convert import sampling_from_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc, serving_pb2
+from tokens.block_hash import hash_prompt_blocks
 
 log = logging.getLogger(__name__)
 
-SERVICES = tuple(kv_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("KVTransfer", "DecodeNode"))
 # Told to a router whose ReserveBlocks found the pool full: blocks free up as requests finish.
 RETRY_AFTER_MS = 200
 
 
-class DecodeServer:
+class DecodeServer(NodeServer):
+    role = Role.DECODE
+    services = tuple(kv_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("KVTransfer", "DecodeNode"))
+
     def __init__(self, config: NodeConfig, engine: LLMEngine | None = None) -> None:
-        if config.role != "decode":
-            raise ValueError(f"DecodeServer needs a decode-role config, got role={config.role!r}")
-        self.config = config
         # Speculation lives with the decode role: the engine gets its proposer from here.
-        self.engine = engine or LLMEngine(config.engine, load_tokenizer=config.load_tokenizer,
-                                          proposer_factory=build_proposer)
-        self.runtime = NodeRuntime(config, self.engine, SERVICES)
+        super().__init__(config, engine or LLMEngine(config.engine, load_tokenizer=config.load_tokenizer,
+                                                     proposer_factory=build_proposer))
         self.reservations = ReservationTable(self.engine.model_config.num_layers, config.reservation_lease_s)
         self.receiver = KVReceiver(self.engine.kv_cache, self.engine.fingerprint, self._on_received,
                                    self.reservations.get)
-        kv_pb2_grpc.add_KVTransferServicer_to_server(_KVTransferService(self), self.runtime.server)
-        kv_pb2_grpc.add_DecodeNodeServicer_to_server(_DecodeService(self), self.runtime.server)
+        kv_pb2_grpc.add_KVTransferServicer_to_server(_KVTransferService(self), self.grpc_server)
+        kv_pb2_grpc.add_DecodeNodeServicer_to_server(_DecodeService(self), self.grpc_server)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._expire_reservations, name=f"reaper-{config.node_id}",
                                         daemon=True)
 
-    @property
-    def aengine(self):
-        return self.runtime.aengine
-
-    @property
-    def address(self) -> str | None:
-        return self.runtime.address
-
     def start(self) -> str:
-        address = self.runtime.start()
+        address = super().start()
         self._reaper.start()
         return address
 
-    def stop(self, deregister: bool = True) -> None:
+    def stop(self, deregister: bool = True, grace_s: float = 1.0) -> None:
         self._stop.set()
         if self._reaper.is_alive():
             self._reaper.join()
-        self.runtime.stop(deregister=deregister)
+        super().stop(deregister=deregister, grace_s=grace_s)
 
-    def stats(self) -> dict:
-        load = self.aengine.load.as_dict() if self.aengine else {}
-        return {"node_id": self.config.node_id, "role": "decode", "address": self.address,
-                "reservations": len(self.reservations), "speculative": self.engine.stats()["speculative"], **load}
+    def role_stats(self) -> dict:
+        return {"reservations": len(self.reservations), "speculative": self.engine.stats()["speculative"]}
 
     # ---- reservation plumbing (gRPC threads)
     def _on_received(self, r: ReceivedBlocks) -> None:
@@ -137,7 +127,7 @@ class _KVTransferService(kv_pb2_grpc.KVTransferServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         if got is None:
             load = node.aengine.load
-            context.set_trailing_metadata((("retry-after-ms", str(RETRY_AFTER_MS)),))
+            context.set_trailing_metadata(retry_after_metadata(RETRY_AFTER_MS))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"no room for {math.ceil(len(prompt) / bs)} KV blocks now "
                           f"({load.free_blocks} of {load.num_blocks} free); retry in {RETRY_AFTER_MS} ms")

@@ -102,7 +102,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_params_from_args(a: argparse.Namespace):
-    from engine.sampling_params import SamplingParams
+    from tokens.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
                           top_k=a.top_k, min_p=a.min_p, repetition_penalty=a.repetition_penalty,
@@ -159,7 +159,7 @@ def cmd_status(a: argparse.Namespace) -> int:
     import redis
 
     from deploy.launcher import state_file
-    from kv_transfer.kv_index import IndexReader
+    from kv_index.reader import IndexReader
 
     url, ns = a.redis_url, a.namespace
     state = {}
@@ -249,6 +249,9 @@ def cmd_bench(a: argparse.Namespace, rest: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from deploy.forking import disable_grpc_fork_support
+
+    disable_grpc_fork_support()  # before any gRPC use: `pdserve up` and some benches start Ray
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")

@@ -2,8 +2,8 @@
 
     redis-server (private, loopback)   <- or --redis-url
     local Ray (dashboard on 127.0.0.1) with two custom resources: prefill_pool, decode_pool
-      prefill-0 .. prefill-{P-1}   PrefillNodeActor   (one per prefill_pool unit)
-      decode-0  .. decode-{D-1}    DecodeNodeActor    (one per decode_pool unit)
+      prefill-0 .. prefill-{P-1}   NodeActor running a PrefillServer  (one per prefill_pool unit)
+      decode-0  .. decode-{D-1}    NodeActor running a DecodeServer   (one per decode_pool unit)
     router (gRPC on 127.0.0.1:--grpc-port), in this process, torch-free
 
 When every node has registered, one line goes to stdout so scripts can wait for it:
@@ -25,6 +25,7 @@ from typing import Callable
 
 from deploy.redis_server import RedisServer, free_port
 from engine.config import EngineConfig, SpeculativeConfig
+from kv_index.nodes import Role
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,14 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.prefill_nodes < 0 or self.decode_nodes < 1:
             raise ValueError("need at least one decode node and zero or more prefill nodes")
+
+
+def server_builder(role: Role):
+    """The role package's ``build_server``: what a node actor of ``role`` runs."""
+    import decode_node
+    import prefill_node
+
+    return {Role.PREFILL: prefill_node.build_server, Role.DECODE: decode_node.build_server}[role]
 
 
 def state_file() -> Path:
@@ -78,10 +87,13 @@ class LocalCluster:
         return self
 
     def _start(self) -> None:
+        from deploy.forking import disable_grpc_fork_support
+
+        disable_grpc_fork_support()  # effective only if this process has not used gRPC yet
         import ray
 
         from engine.models.loader import read_model_config, resolve_source
-        from kv_transfer.node_config import NodeConfig
+        from node.config import NodeConfig, pool_resource
         from router.config import RouterConfig
         from router.server import serve
 
@@ -102,7 +114,7 @@ class LocalCluster:
         ctx = ray.init(
             namespace=cfg.namespace,
             num_cpus=os.cpu_count() or 2,
-            resources={"prefill_pool": cfg.prefill_nodes, "decode_pool": cfg.decode_nodes},
+            resources={pool_resource(Role.PREFILL): cfg.prefill_nodes, pool_resource(Role.DECODE): cfg.decode_nodes},
             include_dashboard=True,
             dashboard_host=cfg.host,
             dashboard_port=dash_port,
@@ -112,20 +124,18 @@ class LocalCluster:
         self._ray_started = True
         self.dashboard_url = f"http://{ctx.dashboard_url}" if ctx.dashboard_url else None
 
-        from decode_node.actor import spawn_decode_node
-        from prefill_node.actor import spawn_prefill_node
+        from node.actor import spawn_node
 
-        for role, count, spawn in (("prefill", cfg.prefill_nodes, spawn_prefill_node),
-                                   ("decode", cfg.decode_nodes, spawn_decode_node)):
+        for role, count in ((Role.PREFILL, cfg.prefill_nodes), (Role.DECODE, cfg.decode_nodes)):
             # Speculation is a decode-role feature; prefill nodes produce one token per request.
-            role_engine = engine_cfg if role == "decode" else replace(engine_cfg, speculative=SpeculativeConfig())
+            role_engine = engine_cfg if role is Role.DECODE else replace(engine_cfg, speculative=SpeculativeConfig())
             for i in range(count):
-                node = NodeConfig(node_id=f"{role}-{i}", role=role, redis_url=self.redis_url,
+                node = NodeConfig(node_id=f"{role.value}-{i}", role=role, redis_url=self.redis_url,
                                   host=cfg.host, namespace=cfg.namespace, lease_s=cfg.lease_s,
                                   heartbeat_s=min(0.5, cfg.lease_s / 4), engine=role_engine,
-                                  load_tokenizer=role == "decode")
+                                  load_tokenizer=role is Role.DECODE)
                 # Nodes ask for no CPU slot: on a small machine the pools, not cores, place them.
-                self.actors[node.node_id] = spawn(node, num_cpus=0)
+                self.actors[node.node_id] = spawn_node(node, server_builder(role), num_cpus=0)
         self.progress(f"loading the model on {len(self.actors)} nodes")
         refs = {nid: a.address.remote() for nid, a in self.actors.items()}
         deadline = time.monotonic() + cfg.ready_timeout_s
@@ -146,7 +156,7 @@ class LocalCluster:
     def _wait_registered(self, deadline: float) -> None:
         import redis
 
-        from kv_transfer.kv_index import IndexReader
+        from kv_index.reader import IndexReader
 
         reader = IndexReader(redis.Redis.from_url(self.redis_url), self.config.namespace)
         while time.monotonic() < deadline:

@@ -17,8 +17,9 @@ A block may also carry a hash (it is in ``cached``) in either state. A cached bl
 Callers free a sequence's blocks tail first, so its last blocks are evicted before its first
 ones: a shared prompt head is what later requests are most likely to hit.
 
-Events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) describe every change to
-``cached`` so that a node can mirror it into the router's global index.
+Events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``, the index's vocabulary from
+kv_index/events.py) describe every change to ``cached`` so that a node can mirror it into the
+router's global index.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.block_hash import BlockHash
+from kv_index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from tokens.block_hash import BlockHash
 
 
 @dataclass(slots=True, eq=False)  # identity equality: two blocks are never "the same" by value
@@ -36,26 +38,6 @@ class KVBlock:
     block_hash: BlockHash | None = None
     # Kept to verify a hash hit before reuse: a hash is 64 bits and only a hint.
     token_ids: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    block_hashes: tuple[BlockHash, ...]
-    parent_hash: BlockHash | None  # hash of the block before block_hashes[0]; None: chain start
-    token_ids: tuple[tuple[int, ...], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    block_hashes: tuple[BlockHash, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    pass
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -98,10 +80,6 @@ class BlockPool:
     def free_block_ids(self) -> list[int]:
         """The free queue, head (next to be allocated) first. For tests and debugging."""
         return list(self._free)
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_query_tokens += num_query_tokens

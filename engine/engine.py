@@ -4,11 +4,10 @@ One engine serves one model in one process. Each ``step`` runs one scheduler ite
 returns a ``RequestOutput`` for every request that produced something (new tokens, text, a
 finish), so callers stream by looping on ``step``. ``generate`` is the blocking helper.
 
-With ``EngineConfig.speculative`` on, the engine also runs speculative decoding: each step the
-adaptive controller (``spec_control``) picks a lookahead k for decoding sequences, the
-scheduler reserves k draft slots, the injected ``Proposer`` fills them, the runner verifies
-all k + 1 positions in the step's one forward pass, and the scheduler keeps only the accepted
-run (see ``engine/spec.py`` and docs/speculative.md).
+With ``EngineConfig.speculative`` on, each step also runs the speculation loop
+(``engine/spec_decode.py``): lookahead slots planned by the adaptive controller, drafts from
+the injected ``Proposer``, all k + 1 positions verified in the step's one forward pass, and
+only the accepted run kept by the scheduler (docs/speculative.md).
 """
 from __future__ import annotations
 
@@ -18,14 +17,14 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence as Seq
+from typing import Callable, Iterable, Iterator
+from typing import Sequence as Seq
 
 import torch
 
 from engine.attention import get_attention_backend
 from engine.attention.kv_cache import allocate_kv_cache, bytes_per_block
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
@@ -34,11 +33,13 @@ from engine.models.config import ModelConfig
 from engine.models.cpu_linear import load_or_tune
 from engine.models.loader import LoadedModel, load_model
 from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledTokens, Scheduler
-from engine.sequence import FinishReason, Sequence, seq_id_of
-from engine.spec import DraftRequest, Proposer, SpecStats
-from engine.spec_control import SpecController, StepCost
+from engine.sequence import Sequence, seq_id_of
+from engine.spec import Proposer, SpecStats
+from engine.spec_decode import SpeculativeDecoding
+from tokens.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from tokens.sampling_params import SamplingParams
+from tokens.stop import FinishReason
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -169,21 +170,17 @@ class LLMEngine:
         backend = get_attention_backend(self.device, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.dtype)
         self.runner = ModelRunner(loaded.model, self.kv_cache, backend, cc.block_size, self.device,
                                   Sampler(eos_token_ids=eos, seed=config.seed))
-        self.proposer: Proposer | None = None
-        self.spec_controller: SpecController | None = None
-        self.step_cost: StepCost | None = None
-        self.spec_stats = SpecStats()  # node totals
-        self._seq_spec: dict[str, SpecStats] = {}
+        self.spec: SpeculativeDecoding | None = None
         if config.speculative.enabled:
             if proposer_factory is None:
                 raise ValueError(
                     f"speculative method {config.speculative.method!r} is configured but no proposer "
                     "factory was passed (decode nodes pass decode_node.spec.build_proposer)")
-            self.proposer = proposer_factory(self)
+            proposer = proposer_factory(self)
+            if proposer.target_states is not None:
+                self.runner.send_target_states(proposer.target_states, proposer.observe_target)
             gemm = self.linear_plan.gemm_ms if self.linear_plan is not None else None
-            self.step_cost = StepCost(config.speculative, gemm)
-            self.spec_controller = SpecController(config.speculative, self.proposer.draft_cost, self.step_cost,
-                                                  batched=self.proposer.batched)
+            self.spec = SpeculativeDecoding(config.speculative, proposer, gemm)
         self._requests: dict[str, _Request] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._ids = itertools.count()
@@ -346,31 +343,27 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._requests)
-
     # ------------------------------------------------------------------ stepping
+    @property
+    def proposer(self) -> Proposer | None:
+        return self.spec.proposer if self.spec is not None else None
+
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        sched = self.scheduler.schedule(self._plan_speculation())
+        spec = self.spec
+        sched = self.scheduler.schedule(spec.plan_lookahead(self.scheduler) if spec is not None else None)
         if sched.is_empty:
             return outputs
         self.num_steps += 1
-        if self.proposer is not None:
-            if sched.block_copies:
-                self.proposer.copy_blocks(sched.block_copies)
-            self._propose(sched)
+        if spec is not None:
+            spec.propose(sched, self.kv.get_block_table, self.scheduler.num_running)
         before = {item.seq.seq_id: item.seq.num_tokens for item in sched.scheduled}
         t0 = time.perf_counter()
         sampled = self.runner.execute(sched, self.kv.get_block_table)
-        if self.spec_controller is not None and all(it.num_new_tokens == 1 for it in sched.scheduled):
-            # Decode / verification steps teach the cost model what k + 1 query rows cost here.
-            rows = sum(1 + len(it.draft_token_ids) for it in sched.scheduled)
-            verifying = any(it.draft_token_ids for it in sched.scheduled)
-            self.step_cost.observe(rows, (time.perf_counter() - t0) * 1e3, verifying)
+        forward_ms = (time.perf_counter() - t0) * 1e3
         touched = self.scheduler.update_from_output(sched, sampled)
-        self._observe_speculation(sched, sampled)
+        if spec is not None:
+            spec.observe_step(sched, sampled, forward_ms)
 
         by_request: dict[str, list[CompletionOutput]] = {}
         for seq in touched:
@@ -390,51 +383,10 @@ class LLMEngine:
                 self._finish_request(req)
         return outputs
 
-    # ------------------------------------------------------------------ speculation
-    def _plan_speculation(self) -> dict[str, int] | None:
-        if self.spec_controller is None:
-            return None
-        candidates = [s.seq_id for s in self.scheduler.decode_candidates()]
-        return self.spec_controller.plan(candidates, self.scheduler.num_running) if candidates else None
-
-    def _propose(self, sched) -> None:
-        items = [it for it in sched.scheduled if it.num_lookahead > 0]
-        if not items:
-            return
-        reqs = [DraftRequest(it.seq, it.num_lookahead, self.kv.get_block_table(it.seq.seq_id)) for it in items]
-        t0 = time.perf_counter()
-        proposals = self.proposer.propose(reqs)
-        # The proposer's own estimate of its cost is a guess; what it took here is not.
-        rounds = max(r.k for r in reqs) if self.proposer.batched else sum(r.k for r in reqs)
-        self.spec_controller.observe_draft(rounds, (time.perf_counter() - t0) * 1e3)
-        lengths = [min(len(p.token_ids), it.num_lookahead) for it, p in zip(items, proposals)]
-        if any(p.bucket is not None for p in proposals):
-            lengths = self.spec_controller.trim(
-                [(it.seq.seq_id, n, p.bucket) for it, n, p in zip(items, lengths, proposals)],
-                self.scheduler.num_running)
-        for it, prop, n in zip(items, proposals, lengths):
-            it.draft_token_ids = [int(t) for t in prop.token_ids[:n]]
-            it.draft_probs = None if prop.probs is None or n == 0 else prop.probs[:n]
-            it.draft_bucket = prop.bucket if n else None
-
-    def _observe_speculation(self, sched, sampled: dict) -> None:
-        for it in sched.scheduled:
-            if not it.draft_token_ids or it.seq.seq_id not in sampled:
-                continue
-            sid = it.seq.seq_id
-            drafted, accepted = len(it.draft_token_ids), len(sampled[sid].token_ids) - 1
-            self.spec_controller.observe(sid, drafted, accepted, it.draft_bucket)
-            self._seq_spec.setdefault(sid, SpecStats()).record(drafted, accepted)
-            self.spec_stats.record(drafted, accepted)
-
     def _forget_speculation(self, request_id: str) -> None:
-        for seq in self.scheduler.sequences(request_id):
-            self._seq_spec.pop(seq.seq_id, None)
-            self.runner.last_hidden.pop(seq.seq_id, None)
-            self.runner.features.pop(seq.seq_id, None)
-            if self.proposer is not None:
-                self.spec_controller.forget(seq.seq_id)
-                self.proposer.forget(seq.seq_id)
+        if self.spec is not None:
+            for seq in self.scheduler.sequences(request_id):
+                self.spec.forget(seq.seq_id)
 
     # ------------------------------------------------------------------ text
     def _append_run(self, req: _Request, seq: Sequence, new: list[int]) -> tuple[str, list[int]]:
@@ -492,7 +444,7 @@ class LLMEngine:
             new_logprobs=list(logprobs) if logprobs is not None else None,
             new_top_logprobs=list(tops) if tops is not None else None,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            spec=self._seq_spec.get(seq.seq_id, SpecStats()) if self.proposer is not None else None,
+            spec=self.spec.seq_stats(seq.seq_id) if self.spec is not None else None,
         )
 
     def _finish_request(self, req: _Request) -> None:
@@ -572,14 +524,8 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "prefix_cache_query_tokens": pool.prefix_query_tokens,
             "prefix_cache_hit_tokens": pool.prefix_hit_tokens,
-            "speculative": self._spec_stats() if self.proposer is not None else None,
+            "speculative": self.spec.snapshot() if self.spec is not None else None,
         }
-
-    def _spec_stats(self) -> dict:
-        # The counters plus what the controller currently believes a step and a draft cost:
-        # the numbers to look at when speculation switches itself off.
-        return {**self.spec_stats.as_dict(), "step_cost_ms": self.step_cost.snapshot(),
-                "draft_round_ms": round(self.spec_controller.draft_round_ms, 3)}
 
 
 def _pick_logprobs(

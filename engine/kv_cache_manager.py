@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from engine.block_hash import BlockHash, hash_block_tokens
 from engine.block_pool import BlockPool, KVBlock, KVEvent
+from tokens.block_hash import BlockHash, hash_block_tokens
 
 
 class PrefixHit(NamedTuple):

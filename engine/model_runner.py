@@ -30,6 +30,10 @@ from engine.sampler import (
     probs_from_penalized,
 )
 from engine.scheduler import SampledTokens, ScheduledSeq, SchedulerOutput
+from engine.spec import TargetStates
+
+# (seq id, first position, [n, hidden] states): how a proposer receives target states
+StateSink = Callable[[str, int, torch.Tensor], None]
 
 
 def seeded_generator(device: torch.device, *key: int, person: bytes = b"") -> torch.Generator:
@@ -59,16 +63,14 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
-        # Proposers that draft from the target's hidden states (Medusa heads) turn this on:
-        # seq id -> [hidden] final-normed state of the position that produced its last token.
-        self.keep_hidden = False
-        self.last_hidden: dict[str, torch.Tensor] = {}
-        # Proposers that need the target's features of every verified position (EAGLE) turn
-        # this on: seq id -> [(first position, [n, hidden] final-normed states)], in step order,
-        # for positions whose input tokens are final (prefill chunks, decodes, accepted runs).
-        # The proposer pops what it consumes; the engine drops the rest when a request ends.
-        self.keep_features = False
-        self.features: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        self._states: TargetStates | None = None  # what a proposer asked for (send_target_states)
+        self._state_sink: StateSink | None = None
+
+    def send_target_states(self, states: TargetStates, sink: StateSink) -> None:
+        """After every step, hand ``sink`` the target states a proposer declared it needs."""
+        if states.positions not in ("last", "final"):
+            raise ValueError(f"TargetStates.positions must be 'last' or 'final', got {states.positions!r}")
+        self._states, self._state_sink = states, sink
 
     def _generator(self, seed: int | None, index: int, step: int) -> torch.Generator | None:
         """A seeded sample's generator for its ``step``-th output token.
@@ -117,12 +119,16 @@ class ModelRunner:
         self.backend.begin_step(meta)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
-        hidden = self.model(ids_t, pos_t, self.kv_cache, self.backend)  # [T, hidden]
-        if self.keep_features:
+        want = self._states
+        hidden, layer_states = self.model.forward_states(  # [T, hidden], [T, hidden] | None
+            ids_t, pos_t, self.kv_cache, self.backend, capture_layer=want.layer if want is not None else None)
+        # What the proposer reads: the final output, or the layer it asked for.
+        states = layer_states if layer_states is not None else hidden  # [T, hidden]
+        if want is not None and want.positions == "final":
             for item, first in zip(out.scheduled, flat_starts):
-                if not item.draft_token_ids:  # verifications log their accepted run in _verify
-                    rows = hidden[first : first + item.num_new_tokens].clone()  # [n, hidden]
-                    self.features.setdefault(item.seq.seq_id, []).append((item.start, rows))
+                if not item.draft_token_ids:  # a verification sends its accepted run in _verify
+                    self._state_sink(item.seq.seq_id, item.start,
+                                     states[first : first + item.num_new_tokens].clone())  # [n, hidden]
         if not sample_rows and not verifying:
             return {}  # prefill chunks that end short of their prompt's last token
         # Every row that needs logits, sampled and verified, through the LM head at once: the
@@ -134,7 +140,7 @@ class ModelRunner:
         logits = all_logits[: len(sample_rows)]  # [S_sample, V]
         results: dict[str, SampledTokens] = {}
         if verifying:
-            results.update(self._verify(verifying, verify_rows, hidden, all_logits[len(sample_rows):]))
+            results.update(self._verify(verifying, verify_rows, states, all_logits[len(sample_rows):]))
         if not sample_rows:
             return results
         if self.logits_hook is not None:
@@ -167,10 +173,11 @@ class ModelRunner:
         if len(src) != logits.shape[0]:
             logits = logits.index_select(0, torch.tensor(src, dtype=torch.long, device=self.device))
         res = self.sampler(logits, rows)
-        if self.keep_hidden:
-            sampled_ids = [it.seq.seq_id for it in out.scheduled if it.sample and not it.draft_token_ids]
-            for sid, row in zip(sampled_ids, sample_rows):
-                self.last_hidden[sid] = hidden[row].clone()
+        if want is not None and want.positions == "last":
+            sampled_items = [it for it in out.scheduled if it.sample and not it.draft_token_ids]
+            for item, row in zip(sampled_items, sample_rows):
+                last = item.start + item.num_new_tokens - 1  # the position that produced the new token
+                self._state_sink(item.seq.seq_id, last, states[row : row + 1].clone())  # [1, hidden]
 
         for i, (seq_id, _) in enumerate(owners):
             st = results.setdefault(seq_id, SampledTokens(token_ids=[], logprobs=None, top_logprobs=None))
@@ -185,7 +192,7 @@ class ModelRunner:
         self,
         items: list[ScheduledSeq],
         first_rows: list[int],
-        hidden: torch.Tensor,  # [T, hidden]
+        states: torch.Tensor,  # [T, hidden]: what a proposer reads (see send_target_states)
         logits: torch.Tensor,  # [R, V] fp32: every verified position, sequence by sequence
     ) -> dict[str, SampledTokens]:
         """Verify every speculating sequence's k + 1 positions."""
@@ -226,10 +233,11 @@ class ModelRunner:
                 lp, top = Sampler._logprobs(penalized[r : r + n_acc + 1], tok, rows[r : r + n_acc + 1])
                 st.logprobs, st.top_logprobs = lp, (top if p.logprobs else None)
             results[seq.seq_id] = st
-            if self.keep_hidden:
-                self.last_hidden[seq.seq_id] = hidden[first + n_acc].clone()
-            if self.keep_features:  # positions start .. start + n_acc had accepted inputs
-                self.features.setdefault(seq.seq_id, []).append((item.start, hidden[first : first + n_acc + 1].clone()))
+            want = self._states
+            if want is not None and want.positions == "last":  # the emitted token came from start + n_acc
+                self._state_sink(seq.seq_id, item.start + n_acc, states[first + n_acc : first + n_acc + 1].clone())
+            elif want is not None:  # positions start .. start + n_acc had accepted inputs
+                self._state_sink(seq.seq_id, item.start, states[first : first + n_acc + 1].clone())
             r += k + 1
         return results
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.sampling_params import SamplingParams
+from tokens.sampling_params import SamplingParams
 
 # Below this, logits / temperature can overflow float32 (inf - inf = nan in softmax). At
 # 1e-5 the distribution is already indistinguishable from greedy for real logit gaps.

@@ -32,11 +32,13 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence as Seq
+from typing import Any, Iterable
+from typing import Sequence as Seq
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager, PrefixHit
-from engine.sequence import FinishReason, Sequence, SequenceStatus, seq_id_of
+from engine.sequence import Sequence, SequenceStatus, seq_id_of
+from tokens.stop import FinishReason, stop_reason
 
 
 @dataclass(slots=True)
@@ -59,10 +61,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens + len(s.draft_token_ids) for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -301,15 +299,10 @@ class Scheduler:
         """Finish ``seq`` when its last token ends it: EOS or a stop token id (once min_tokens
         are out), max_tokens or the context length. The engine also calls it for tokens that
         arrive already sampled (a prefill node's first token)."""
-        p = seq.params
-        last = seq.token_ids[-1]
-        n_out = seq.num_output_tokens
-        if n_out >= p.min_tokens:
-            if (not p.ignore_eos and last in self.eos_token_ids) or last in p.stop_token_ids:
-                self.finish(seq, FinishReason.STOP)
-                return
-        if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            self.finish(seq, FinishReason.LENGTH)
+        reason = stop_reason(seq.token_ids[-1], seq.num_output_tokens, seq.num_tokens, seq.params,
+                             self.eos_token_ids, self.max_model_len)
+        if reason is not None:
+            self.finish(seq, reason)
 
     # ------------------------------------------------------------------ finishing
     def finish(self, seq: Sequence, reason: FinishReason) -> None:

@@ -4,19 +4,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
+from tokens.sampling_params import SamplingParams
+from tokens.stop import FinishReason
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens or the model's context length
-    ABORT = "abort"
 
 
 def seq_id_of(request_id: str, index: int) -> str:

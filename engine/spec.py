@@ -15,7 +15,7 @@ One speculating sequence in one step, k = 3::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from engine.sequence import Sequence
 
@@ -47,6 +47,22 @@ class Proposal(NamedTuple):
     bucket: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class TargetStates:
+    """What a proposer needs from the target's forward pass, handed to ``observe_target``.
+
+    ``positions``: "last" gives, per sampled sequence, the state that produced its newest token
+    (Medusa heads); "final" gives every position whose input token is final: prefill chunks,
+    decodes and the accepted run of a verification, never a rejected draft (EAGLE).
+    ``layer``: None for the model's output (after the final norm, what the LM head reads);
+    ``i`` for the residual stream after decoder layer i, before any norm (checkpoints trained
+    on another layer's features, e.g. EAGLE's pre-norm last layer).
+    """
+
+    positions: Literal["last", "final"]
+    layer: int | None = None
+
+
 class Proposer(Protocol):
     """Guesses the next tokens of several sequences at once.
 
@@ -61,7 +77,15 @@ class Proposer(Protocol):
     # drafting time follows its largest k; False: sequences draft one after another.
     batched: bool
 
+    # What the proposer reads from the target's forward (None: nothing; most proposers).
+    target_states: TargetStates | None
+
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]: ...
+
+    def observe_target(self, seq_id: str, first_position: int, states: Any) -> None:
+        """Only with ``target_states``: after each step, the target's states of ``seq_id`` at
+        positions ``first_position ..``, a ``[n, hidden]`` tensor the proposer may keep."""
+        ...
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write copies the target's cache just got; a proposer with its own paged KV
@@ -69,7 +93,7 @@ class Proposer(Protocol):
         ...
 
     def forget(self, seq_id: str) -> None:
-        """The sequence finished: drop whatever the proposer keeps about it."""
+        """The sequence finished: drop whatever the proposer keeps about it (states included)."""
         ...
 
 

@@ -7,9 +7,17 @@
 Torch-free and server-free: it needs grpcio, protobuf and the generated stubs only.
 """
 from pdserve.aio import AsyncClient, AsyncStream
-from pdserve.client import TLS, Client, Stream
-from pdserve.errors import (CancelledError, DeadlineExceededError, InvalidRequestError, NotFoundError,
-                            PdServeError, ResourceExhaustedError, UnavailableError)
+from pdserve.client import Client, Stream
+from pdserve.core import TLS
+from pdserve.errors import (
+                            CancelledError,
+                            DeadlineExceededError,
+                            InvalidRequestError,
+                            NotFoundError,
+                            PdServeError,
+                            ResourceExhaustedError,
+                            UnavailableError,
+)
 from pdserve.types import Chunk, Completion, ModelInfo, Timings, TokenLogprob, Usage
 
 __all__ = [

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import grpc
 
-RETRY_AFTER_KEY = "retry-after-ms"
+from protos.conventions import retry_after_ms
 
 
 class PdServeError(Exception):
@@ -63,21 +63,12 @@ _BY_CODE: dict[grpc.StatusCode, type[PdServeError]] = {
 _CODE_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
 
 
-def _retry_after_s(metadata: Sequence[tuple[str, str | bytes]] | None) -> float | None:
-    for key, value in metadata or ():
-        if key == RETRY_AFTER_KEY:
-            try:
-                return int(value) / 1000.0
-            except (TypeError, ValueError):
-                return None
-    return None
-
-
 def from_status(code: grpc.StatusCode, message: str,
                 trailing_metadata: Sequence[tuple[str, str | bytes]] | None = None) -> PdServeError:
     cls = _BY_CODE.get(code, PdServeError)
     if cls is ResourceExhaustedError:
-        return ResourceExhaustedError(code, message, _retry_after_s(trailing_metadata))
+        ms = retry_after_ms(trailing_metadata)
+        return ResourceExhaustedError(code, message, ms / 1000.0 if ms is not None else None)
     return cls(code, message)
 
 

@@ -1,4 +1,4 @@
-"""The prefill node's gRPC server: PrefillNode.Prefill plus health, over one engine.
+"""The prefill node's server: PrefillNode.Prefill on the shared node base (node/server.py).
 
 Prefill = the request run with max_tokens=1 and its KV held after it finishes, then the blocks
 the decode node does not already hold pushed into its reservation, then the blocks released::
@@ -20,36 +20,35 @@ import time
 
 import grpc
 
-from engine.async_engine import EngineStoppedError, RequestFailedError
-from engine.block_hash import hash_prompt_blocks
 from engine.engine import LLMEngine, RequestOutput
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
-from kv_transfer.grpc_transport import GRPC_OPTIONS, push_blocks
-from kv_transfer.kv_index import StepReport
-from kv_transfer.node_config import NodeConfig
-from kv_transfer.node_runtime import NodeRuntime
-from protos.convert import sampling_from_proto
-from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc, serving_pb2
+from kv_index.nodes import Role, StepReport
+from kv_transfer.grpc_transport import GrpcKVSender
+from kv_transfer.transport import KVSender, TransferError
+from node.config import NodeConfig
+from node.engine_thread import EngineStoppedError, RequestFailedError
+from node.server import NodeServer
+from protos.convert import sampling_from_proto, token_logprobs_to_proto
+from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
+from tokens.block_hash import hash_prompt_blocks
+from tokens.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-SERVICES = (kv_pb2.DESCRIPTOR.services_by_name["PrefillNode"].full_name,)
 # A push that takes longer is treated as a failed transfer (the router then recomputes).
 PUSH_TIMEOUT_S = 60.0
 
 
-class PrefillServer:
-    def __init__(self, config: NodeConfig, engine: LLMEngine | None = None) -> None:
-        if config.role != "prefill":
-            raise ValueError(f"PrefillServer needs a prefill-role config, got role={config.role!r}")
-        self.config = config
+class PrefillServer(NodeServer):
+    role = Role.PREFILL
+    services = (kv_pb2.DESCRIPTOR.services_by_name["PrefillNode"].full_name,)
+
+    def __init__(self, config: NodeConfig, engine: LLMEngine | None = None,
+                 kv_sender: KVSender | None = None) -> None:
         # Prefill nodes never detokenize: the decode node streams the text.
-        self.engine = engine or LLMEngine(config.engine, load_tokenizer=False)
-        self.runtime = NodeRuntime(config, self.engine, SERVICES)
-        kv_pb2_grpc.add_PrefillNodeServicer_to_server(_PrefillService(self), self.runtime.server)
-        self._channels: dict[str, grpc.Channel] = {}
-        self._channels_lock = threading.Lock()
+        super().__init__(config, engine or LLMEngine(config.engine, load_tokenizer=False))
+        self.kv_sender = kv_sender or GrpcKVSender()
+        kv_pb2_grpc.add_PrefillNodeServicer_to_server(_PrefillService(self), self.grpc_server)
         self.num_prefills = 0
         self.num_transfer_failures = 0
         # Prefills in progress on this node: a step report is only clean (pure compute, no
@@ -58,36 +57,12 @@ class PrefillServer:
         self._starts = 0
         self._inflight_lock = threading.Lock()
 
-    @property
-    def aengine(self):
-        return self.runtime.aengine
+    def stop(self, deregister: bool = True, grace_s: float = 1.0) -> None:
+        super().stop(deregister=deregister, grace_s=grace_s)
+        self.kv_sender.close()
 
-    @property
-    def address(self) -> str | None:
-        return self.runtime.address
-
-    def start(self) -> str:
-        return self.runtime.start()
-
-    def stop(self, deregister: bool = True) -> None:
-        self.runtime.stop(deregister=deregister)
-        with self._channels_lock:
-            for ch in self._channels.values():
-                ch.close()
-            self._channels.clear()
-
-    def stats(self) -> dict:
-        load = self.aengine.load.as_dict() if self.aengine else {}
-        return {"node_id": self.config.node_id, "role": "prefill", "address": self.address,
-                "prefills": self.num_prefills, "transfer_failures": self.num_transfer_failures, **load}
-
-    def channel(self, address: str) -> grpc.Channel:
-        """One long-lived channel per decode node: connection setup stays off the hot path."""
-        with self._channels_lock:
-            ch = self._channels.get(address)
-            if ch is None:
-                ch = self._channels[address] = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-            return ch
+    def role_stats(self) -> dict:
+        return {"prefills": self.num_prefills, "transfer_failures": self.num_transfer_failures}
 
 
 def first_token_params(params: SamplingParams) -> SamplingParams:
@@ -129,14 +104,14 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
                     node._inflight -= 1
                     alone = alone and node._starts == starts  # nobody started meanwhile
             prefill_s = time.monotonic() - t0
-            if alone and node.runtime.publisher is not None:
-                node.runtime.publisher.submit_step(StepReport(
+            if alone and node.publisher is not None:
+                node.publisher.submit_step(StepReport(
                     new_tokens=len(prompt) - final.num_cached_tokens, context_tokens=len(prompt),
                     seconds=prefill_s))
-            sent = kv_pb2.PushBlocksResponse()
+            blocks_sent = bytes_sent = 0
             t1 = time.monotonic()
             if request.reservation.block_ids:
-                sent = self._push(rid, prompt, request, context)
+                blocks_sent, bytes_sent = self._push(rid, prompt, request, context)
             transfer_s = time.monotonic() - t1 if request.reservation.block_ids else 0.0
         finally:
             # Always: the blocks stay in this node's prefix cache either way, unpinned.
@@ -146,15 +121,11 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
                 pass  # the engine and its blocks are gone with it
         node.num_prefills += 1
         c = final.outputs[0]
-        first_logprobs = []
-        if c.logprobs:
-            tops = c.new_top_logprobs or [[]]
-            first_logprobs = [serving_pb2.TokenLogprobs(
-                token_id=c.token_ids[0], logprob=c.logprobs[0],
-                top=[serving_pb2.TopLogprob(token_id=t, logprob=v) for t, v in (tops[0] or [])])]
+        first_logprobs = token_logprobs_to_proto(c.token_ids[:1], c.logprobs and c.logprobs[:1],
+                                                 c.new_top_logprobs and c.new_top_logprobs[:1])
         return kv_pb2.PrefillResponse(
             first_token_ids=c.token_ids, first_logprobs=first_logprobs, cached_tokens=final.num_cached_tokens,
-            blocks_sent=sent.blocks_written, bytes_sent=sent.bytes_written,
+            blocks_sent=blocks_sent, bytes_sent=bytes_sent,
             prefill_s=prefill_s, transfer_s=transfer_s,
         )
 
@@ -169,15 +140,15 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
             context.abort(grpc.StatusCode.CANCELLED, f"request {final.request_id!r} was aborted")
         return final
 
-    def _push(self, rid: str, prompt: list[int], request: kv_pb2.PrefillRequest, context) -> kv_pb2.PushBlocksResponse:
+    def _push(self, rid: str, prompt: list[int], request: kv_pb2.PrefillRequest, context) -> tuple[int, int]:
         node, eng = self.node, self.node.engine
         res = request.reservation
         bs = eng.block_size
         # The table may run past the prompt (the sampled token's slot): only prompt blocks go.
         src = node.aengine.held_block_table(rid)[: math.ceil(len(prompt) / bs)]
         try:
-            return push_blocks(
-                node.channel(request.decode_address), eng.kv_cache,
+            return node.kv_sender.push(
+                request.decode_address, eng.kv_cache,
                 request_id=rid, fingerprint=eng.fingerprint, src_block_ids=src,
                 block_hashes=hash_prompt_blocks(prompt, bs, eng.fingerprint.encode()),
                 num_tokens=len(prompt), dest_block_ids=list(res.block_ids),
@@ -185,13 +156,12 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
             )
         except ValueError as err:  # the reservation does not fit this prompt
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reservation: {err}")
-        except grpc.RpcError as err:
+        except TransferError as err:
             node.num_transfer_failures += 1
-            log.warning("KV transfer of %r to %s failed: %s %s", rid, request.decode_address,
-                        err.code(), err.details())
+            log.warning("KV transfer of %r to %s failed: %s", rid, request.decode_address, err)
             # The receiver's code (INVALID_ARGUMENT, DATA_LOSS, NOT_FOUND) or UNAVAILABLE /
             # DEADLINE_EXCEEDED when it could not be reached: the router recomputes on decode.
-            context.abort(err.code(), f"KV transfer to {request.decode_address} failed: {err.details()}")
+            context.abort(err.code, f"KV transfer to {request.decode_address} failed: {err.details}")
 
 
 def _prefill_problem(rid: str, prompt: list[int], params: SamplingParams, request, eng: LLMEngine) -> str:

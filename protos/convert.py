@@ -1,21 +1,43 @@
-"""Proto <-> engine plain-data conversions shared by the router and the nodes (torch-free).
+"""Proto <-> plain-data conversions shared by the router and the nodes (torch-free).
 
 Unset optional proto fields mean the engine's default, so a client that leaves temperature
-unset gets the engine default (1.0), not greedy.
+unset gets the engine default (1.0), not greedy. Enum names are derived from the proto enums
+(``FINISH_REASON_STOP`` <-> ``FinishReason.STOP``), so the wire stays their one definition.
 """
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
+from collections.abc import Sequence
+
 from protos.pdserve.v1 import serving_pb2 as pb
+from tokens.sampling_params import SamplingParams
+from tokens.stop import FinishReason
 
 _DEFAULTS = SamplingParams()
 
-FINISH_TO_PROTO = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
-    "error": pb.FINISH_REASON_ERROR,
-}
+
+def finish_reason_to_proto(reason: FinishReason | str) -> int:
+    """``FinishReason.STOP`` (or "stop") -> ``FINISH_REASON_STOP``."""
+    return pb.FinishReason.Value(f"FINISH_REASON_{FinishReason(reason).name}")
+
+
+def slo_class_from_proto(value: int) -> str | None:
+    """``SLO_CLASS_INTERACTIVE`` -> "interactive"; None for UNSPECIFIED (the server's default
+    class applies) and for values this build does not know."""
+    if value == pb.SLO_CLASS_UNSPECIFIED or value not in pb.SloClass.values():
+        return None
+    return pb.SloClass.Name(value).removeprefix("SLO_CLASS_").lower()
+
+
+def token_logprobs_to_proto(token_ids: Sequence[int], logprobs: Sequence[float] | None,
+                            top_logprobs: Sequence[Sequence[tuple[int, float]] | None] | None) -> list[pb.TokenLogprobs]:
+    """One TokenLogprobs per token, or none when the logprobs do not cover every token (the
+    request did not ask for them)."""
+    if logprobs is None or len(logprobs) != len(token_ids):
+        return []
+    tops = top_logprobs or [None] * len(token_ids)
+    return [pb.TokenLogprobs(token_id=tok, logprob=lp,
+                             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in (top or [])])
+            for tok, lp, top in zip(token_ids, logprobs, tops)]
 
 
 def _f(x: float) -> float:

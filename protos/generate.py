@@ -27,9 +27,8 @@ def proto_files(root: Path = PROTOS_DIR) -> list[Path]:
 
 def generate(out_dir: Path, root: Path = PROTOS_DIR) -> list[Path]:
     """Write *_pb2.py, *_pb2.pyi and *_pb2_grpc.py for every proto under root into out_dir."""
-    from grpc_tools import protoc  # dev dependency: only needed to regenerate
-
     import grpc_tools
+    from grpc_tools import protoc  # dev dependency: only needed to regenerate
 
     out_dir.mkdir(parents=True, exist_ok=True)
     sources = [str(p.relative_to(root)) for p in proto_files(root)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protos.conventions import MAX_MESSAGE_BYTES
 from router.admission import SLO_CLASSES
 
 
@@ -34,7 +35,7 @@ class RouterConfig:
     reserve_timeout_s: float = 5.0
     prefill_timeout_s: float = 120.0
     control_timeout_s: float = 5.0
-    max_message_bytes: int = 64 * 1024 * 1024
+    max_message_bytes: int = MAX_MESSAGE_BYTES
     # Token ids accepted in token prompts and stop_token_ids; None = the tokenizer's vocab.
     vocab_size: int | None = None
     # EOS ids that end a request on its first token; None = from the tokenizer dir

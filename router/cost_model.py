@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from kv_transfer.kv_index import StepReport
+from kv_index.nodes import StepReport
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,10 +9,9 @@ Disaggregated path (kv.proto has the wire-level walk-through)::
     first token already ends the request -> ReleaseReservation, complete here
 
 Errors before any output are ``RouterError`` (the server turns them into gRPC statuses);
-after output started they are in-stream ``Error`` messages. The node view comes from a
-background thread (``NodeRefresher``) so a request never waits for the registry; the only
-Redis round trip on the request path is the prefix match. The same thread reads the prefill
-nodes' step reports into the ``CostBook`` the TTFT policy predicts with.
+after output started they are in-stream ``Error`` messages. The node view comes from
+router/node_view.py (a background thread) so a request never waits for the registry; the only
+Redis round trip on the request path is the prefix match.
 
 Admission: the global ``max_inflight`` bound, then the policy's estimate against the request's
 SLO class (``router.admission.decide``); both reject with RESOURCE_EXHAUSTED and a retry hint.
@@ -23,35 +22,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
 
-from engine.block_hash import hash_prompt_blocks
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
-from kv_transfer.kv_index import IndexReader, NodeInfo, index_freshness
-from protos.convert import sampling_from_proto, sampling_to_proto
+from kv_index.nodes import NodeInfo, Role, index_freshness
+from kv_index.reader import IndexReader
+from protos.conventions import grpc_options, retry_after_ms
+from protos.convert import finish_reason_to_proto, sampling_from_proto, sampling_to_proto, slo_class_from_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 from protos.pdserve.v1 import serving_pb2 as pb
 from router.admission import SLO_CLASSES, decide
 from router.config import RouterConfig
 from router.cost_model import CostBook
+from router.node_view import IndexAccuracy, NodeRefresher, PrefillLedger
 from router.placement import NoCapacityError, Placement, PlacementPolicy, PlacementRequest
 from router.tokenizer import ChatTemplateError, PromptTokenizer
+from tokens.block_hash import hash_prompt_blocks
+from tokens.detokenizer import IncrementalDetokenizer
+from tokens.sampling_params import SamplingParams
+from tokens.stop import FinishReason, stop_reason
 
 log = logging.getLogger(__name__)
-
-
-# GenerateRequest.slo_class -> router.admission.SLO_CLASSES; UNSPECIFIED (absent here) takes
-# RouterConfig.default_slo_class.
-_SLO_NAMES = {pb.SLO_CLASS_INTERACTIVE: "interactive", pb.SLO_CLASS_STANDARD: "standard",
-              pb.SLO_CLASS_BATCH: "batch"}
 
 
 class RouterError(Exception):
@@ -62,163 +57,6 @@ class RouterError(Exception):
         self.code = code
         self.message = message
         self.retry_after_ms = retry_after_ms
-
-
-# ----------------------------------------------------------------------------- node view
-@dataclass(frozen=True, slots=True)
-class NodeView:
-    """An immutable snapshot of the live nodes of the served model; replaced whole."""
-
-    nodes: tuple[NodeInfo, ...] = ()
-    fingerprint: str | None = None
-    block_size: int | None = None
-    error: str | None = None  # why the registry could not be read, if it could not
-
-    @property
-    def has_decode(self) -> bool:
-        return any(n.role == "decode" for n in self.nodes)
-
-
-def build_view(nodes: dict[str, NodeInfo]) -> NodeView:
-    """Keep the nodes of one model. Mixed fingerprints mean a misconfigured cluster (KV of one
-    model is garbage to another): the fingerprint with the most decode nodes wins, the rest
-    are excluded and logged."""
-    if not nodes:
-        return NodeView()
-    groups = Counter((n.fingerprint, n.block_size) for n in nodes.values() if n.role == "decode")
-    if not groups:
-        groups = Counter((n.fingerprint, n.block_size) for n in nodes.values())
-    (fp, bs), _ = min(groups.items(), key=lambda kv: (-kv[1], kv[0]))
-    keep = tuple(n for n in nodes.values() if (n.fingerprint, n.block_size) == (fp, bs))
-    if len(keep) != len(nodes):
-        odd = sorted(f"{n.node_id} ({n.fingerprint}, block_size {n.block_size})"
-                     for n in nodes.values() if (n.fingerprint, n.block_size) != (fp, bs))
-        log.error("nodes with a different model fingerprint or block size are excluded from routing "
-                  "(serving %s, block_size %d): %s", fp, bs, ", ".join(odd))
-    return NodeView(keep, fp, bs)
-
-
-class NodeRefresher:
-    """Reads the registry every ``refresh_s`` on its own thread; ``view`` is the latest
-    snapshot. A node whose lease lapses leaves the view within lease + refresh_s."""
-
-    def __init__(self, reader: IndexReader, refresh_s: float, prune_every_s: float,
-                 costs: CostBook | None = None) -> None:
-        self._reader = reader
-        self._costs = costs
-        self._step_cursor: dict[str, str] = {}  # node id -> last step report id read
-        self._refresh_s = refresh_s
-        self._prune_every_s = prune_every_s
-        self._view = NodeView()
-        self._stop = threading.Event()
-        self._first = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="router-node-refresh", daemon=True)
-
-    @property
-    def view(self) -> NodeView:
-        return self._view  # one attribute read: the snapshot is replaced, never mutated
-
-    def refresh_once(self) -> NodeView:
-        try:
-            self._view = build_view(self._reader.live_nodes())
-        except Exception as e:  # redis down: keep serving from nothing rather than stale leases
-            log.warning("node registry unreadable: %s", e)
-            self._view = NodeView(error=f"node registry unreadable: {e}")
-            return self._view
-        if self._costs is not None:
-            self._read_steps()
-        return self._view
-
-    def _read_steps(self) -> None:
-        ids = [n.node_id for n in self._view.nodes if n.role == "prefill"]
-        try:
-            got = self._reader.read_steps({nid: self._step_cursor.get(nid, "0-0") for nid in ids})
-        except Exception as e:  # the fit keeps its last state; the reports stay in the stream
-            log.warning("step reports unreadable: %s", e)
-            return
-        for nid, (reports, last) in got.items():
-            self._step_cursor[nid] = last
-            for rep in reports:
-                self._costs.add_step(nid, rep)
-
-    def start(self) -> None:
-        self._thread.start()
-        self._first.wait(timeout=5.0)
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5.0)
-
-    def _run(self) -> None:
-        last_prune = time.monotonic()
-        while not self._stop.is_set():
-            self.refresh_once()
-            self._first.set()
-            if time.monotonic() - last_prune >= self._prune_every_s:
-                last_prune = time.monotonic()
-                try:
-                    dead = self._reader.prune_dead()
-                    if dead:
-                        log.info("pruned dead nodes from the index: %s", dead)
-                except Exception as e:
-                    log.warning("prune_dead failed: %s", e)
-            self._stop.wait(self._refresh_s)
-
-
-# ----------------------------------------------------------------------------- bookkeeping
-class IndexAccuracy:
-    """Predicted cached tokens (from the index, at placement) vs the tokens the prefill node
-    actually reused, per request (the last ``keep``) and aggregated. Thread-safe."""
-
-    def __init__(self, keep: int = 1024) -> None:
-        self._lock = threading.Lock()
-        self.requests = 0
-        self.exact = 0
-        self.predicted_tokens = 0
-        self.reused_tokens = 0
-        self.abs_error_tokens = 0
-        self.recent: dict[str, tuple[int, int]] = {}  # client request id -> (predicted, reused)
-        self._keep = keep
-
-    def record(self, request_id: str, predicted: int, reused: int) -> None:
-        with self._lock:
-            self.requests += 1
-            self.exact += predicted == reused
-            self.predicted_tokens += predicted
-            self.reused_tokens += reused
-            self.abs_error_tokens += abs(predicted - reused)
-            self.recent[request_id] = (predicted, reused)
-            if len(self.recent) > self._keep:
-                self.recent.pop(next(iter(self.recent)))
-
-    def summary(self) -> dict:
-        with self._lock:
-            return {"requests": self.requests, "exact_fraction": self.exact / self.requests if self.requests else 1.0,
-                    "predicted_tokens": self.predicted_tokens, "reused_tokens": self.reused_tokens,
-                    "mean_abs_error_tokens": self.abs_error_tokens / self.requests if self.requests else 0.0}
-
-
-class PrefillLedger:
-    """This router's own view of each prefill node's queue: predicted prefill seconds of the
-    requests it sent there and that have not returned. Another replica's requests show up only
-    through the nodes' heartbeats (the policy's fallback when a node is not in the ledger)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_node: dict[str, dict[str, float]] = {}
-
-    def add(self, node_id: str, request_id: str, seconds: float) -> None:
-        with self._lock:
-            self._by_node.setdefault(node_id, {})[request_id] = seconds
-
-    def done(self, node_id: str, request_id: str) -> None:
-        with self._lock:
-            self._by_node.get(node_id, {}).pop(request_id, None)
-
-    def backlog_s(self) -> dict[str, float]:
-        with self._lock:
-            return {nid: sum(v.values()) for nid, v in self._by_node.items()}
 
 
 # ----------------------------------------------------------------------------- per request
@@ -272,7 +110,7 @@ class Orchestrator:
     # -- admission and validation ------------------------------------------------------------
     def _prepare(self, req: pb.GenerateRequest, client_id: str) -> Prepared:
         cfg = self.config
-        slo_class = _SLO_NAMES.get(req.slo_class, cfg.default_slo_class)
+        slo_class = slo_class_from_proto(req.slo_class) or cfg.default_slo_class
         if req.model and req.model != cfg.model_name:
             raise RouterError(grpc.StatusCode.NOT_FOUND,
                               f"model {req.model!r} is not served here; served models: [{cfg.model_name!r}]")
@@ -381,9 +219,10 @@ class Orchestrator:
                 for resp in _aborted(prep):
                     yield resp
                 return
-        if first is not None and self._finished_by_first_token(prep, first):
+        done = self._first_token_finish(prep, first) if first is not None else None
+        if done is not None:
             await self._release(decode.grpc_address, prep.node_id)
-            for resp in self._complete_here(prep, first, arrival):
+            for resp in self._complete_here(prep, first, done, arrival):
                 yield resp
             return
         dreq = kv_pb2.DecodeRequest(request_id=prep.node_id, prompt_token_ids=prep.prompt, sampling=prep.sampling)
@@ -437,34 +276,28 @@ class Orchestrator:
         run.timings["first_token_at"] = time.monotonic()
         return resp
 
-    def _finished_by_first_token(self, prep: Prepared, first: kv_pb2.PrefillResponse) -> bool:
+    def _first_token_finish(self, prep: Prepared, first: kv_pb2.PrefillResponse) -> FinishReason | None:
         """Whether the prefill node's token already ends the request, so no decode slot is
-        needed. Stop strings need the decode node's text matching: they always go there."""
+        needed: the engine's own stop rule. Stop strings need the decode node's text
+        matching, and n > 1 its forks: such requests always go there."""
         p = prep.params
         if p.n != 1 or p.stop or len(first.first_token_ids) != 1:
-            return False
-        if p.max_tokens == 1:
-            return True
-        if p.min_tokens > 1:
-            return False
-        return self._stops_on(p, first.first_token_ids[0])
+            return None
+        return stop_reason(first.first_token_ids[0], 1, len(prep.prompt) + 1, p, self.eos_token_ids,
+                           self.config.max_model_len)
 
-    def _stops_on(self, p, tok: int) -> bool:
-        """Whether ``tok`` is a stop token for these params (EOS unless ignored, stop ids)."""
-        return tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)
-
-    def _complete_here(self, prep: Prepared, first: kv_pb2.PrefillResponse, arrival: float):
-        p, tok = prep.params, first.first_token_ids[0]
+    def _complete_here(self, prep: Prepared, first: kv_pb2.PrefillResponse, reason: FinishReason,
+                       arrival: float):
+        tok = first.first_token_ids[0]
         detok = IncrementalDetokenizer(self.tokenizer, prep.prompt)
         text = detok.step([tok]) + detok.flush()
         chunk = pb.Chunk(index=0, token_ids=[tok], text=text)
         if first.first_logprobs:
             chunk.logprobs.append(first.first_logprobs[0])
-        reason = pb.FINISH_REASON_STOP if self._stops_on(p, tok) else pb.FINISH_REASON_LENGTH
         now = time.monotonic()
         yield pb.GenerateResponse(chunk=chunk)
         yield pb.GenerateResponse(complete=pb.Complete(
-            index=0, finish_reason=reason,
+            index=0, finish_reason=finish_reason_to_proto(reason),
             usage=pb.Usage(prompt_tokens=len(prep.prompt), completion_tokens=1,
                            cached_prompt_tokens=first.cached_tokens),
             timings=pb.Timings(queue_s=0.0, prefill_s=first.prefill_s, transfer_s=first.transfer_s,
@@ -490,7 +323,7 @@ class Orchestrator:
         except grpc.aio.AioRpcError as e:
             if sent == 0:
                 code = e.code()
-                retry = _retry_after(e) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+                retry = retry_after_ms(e.trailing_metadata()) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED and retry is None:
                     retry = self.config.retry_after_ms
                 raise RouterError(code, f"decode node {decode.node_id}: {e.details()}", retry) from None
@@ -499,7 +332,8 @@ class Orchestrator:
             yield pb.GenerateResponse(error=pb.Error(code=e.code().value[0],
                                                      message=f"decode node {decode.node_id}: {e.details()}"))
             for i in range(prep.params.n):
-                yield pb.GenerateResponse(complete=pb.Complete(index=i, finish_reason=pb.FINISH_REASON_ERROR))
+                yield pb.GenerateResponse(complete=pb.Complete(index=i, finish_reason=finish_reason_to_proto(
+                    FinishReason.ERROR)))
 
     def _fill_complete(self, c: pb.Complete, run: Running, first, first_token_s: dict[int, float],
                        arrival: float) -> None:
@@ -526,7 +360,7 @@ class Orchestrator:
                "inflight": self.inflight}
         if self.costs is not None:
             out["prefill_cost"] = {n.node_id: self.costs.prefill(n.node_id).__repr__()
-                                   for n in view.nodes if n.role == "prefill"}
+                                   for n in view.nodes if n.role == Role.PREFILL}
         return out
 
     # -- abort -------------------------------------------------------------------------------------
@@ -563,9 +397,8 @@ class Orchestrator:
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            opts = [("grpc.max_receive_message_length", self.config.max_message_bytes),
-                    ("grpc.max_send_message_length", self.config.max_message_bytes)]
-            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=opts)
+            ch = self._channels[address] = grpc.aio.insecure_channel(
+                address, options=grpc_options(self.config.max_message_bytes))
         return ch
 
     async def close(self) -> None:
@@ -577,17 +410,8 @@ class Orchestrator:
 def _aborted(prep: Prepared):
     for i in range(prep.params.n):
         yield pb.GenerateResponse(complete=pb.Complete(
-            index=i, finish_reason=pb.FINISH_REASON_ABORT, usage=pb.Usage(prompt_tokens=len(prep.prompt))))
-
-
-def _retry_after(e: grpc.aio.AioRpcError) -> int | None:
-    for key, value in e.trailing_metadata() or ():
-        if key == "retry-after-ms":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
+            index=i, finish_reason=finish_reason_to_proto(FinishReason.ABORT),
+            usage=pb.Usage(prompt_tokens=len(prep.prompt))))
 
 
 def _prepend_first_logprobs(chunk: pb.Chunk, first: kv_pb2.PrefillResponse) -> None:

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kv_transfer.kv_index import NodeInfo
+from kv_index.nodes import NodeInfo, Role
 from router.admission import SLO_CLASSES, Estimate
 from router.cost_model import CostBook
 
@@ -97,7 +97,7 @@ class PrefixLoadPolicy(PlacementPolicy):
 
     def choose(self, request: PlacementRequest, nodes: list[NodeInfo],
                matched_blocks: dict[str, int], backlog_s: Mapping[str, float] | None = None) -> Placement:
-        decoders = [n for n in nodes if n.role == "decode"]
+        decoders = [n for n in nodes if n.role == Role.DECODE]
         if not decoders:
             raise NoCapacityError("no live decode node")
         decode = min(decoders, key=decode_load_key)
@@ -110,7 +110,7 @@ class PrefixLoadPolicy(PlacementPolicy):
                              f"short prompt ({request.num_prompt_tokens} < {self.short_prompt_tokens} tokens)")
         if request.n > self.max_n:
             return Placement(None, decode, cached(decode), f"n={request.n} > {self.max_n}: prefill on decode")
-        prefillers = [n for n in nodes if n.role == "prefill"]
+        prefillers = [n for n in nodes if n.role == Role.PREFILL]
         if not prefillers:
             return Placement(None, decode, cached(decode), "no live prefill node")
 
@@ -166,7 +166,7 @@ class TtftPolicy(PlacementPolicy):
     def choose(self, request: PlacementRequest, nodes: list[NodeInfo],
                matched_blocks: dict[str, int], backlog_s: Mapping[str, float] | None = None) -> Placement:
         backlog_s = backlog_s or {}
-        decoders = [n for n in nodes if n.role == "decode"]
+        decoders = [n for n in nodes if n.role == Role.DECODE]
         if not decoders:
             raise NoCapacityError("no live decode node")
         slo = SLO_CLASSES.get(request.slo_class, SLO_CLASSES["relaxed"])
@@ -178,7 +178,7 @@ class TtftPolicy(PlacementPolicy):
         def wait(node: NodeInfo) -> float:
             if node.node_id in backlog_s:
                 return backlog_s[node.node_id]
-            return self.costs.prefill(node.node_id).predict(queued_tokens(node)) if node.role == "prefill" else 0.0
+            return self.costs.prefill(node.node_id).predict(queued_tokens(node)) if node.role == Role.PREFILL else 0.0
 
         def tbt(d: NodeInfo) -> float:
             return self.costs.decode.step_s(d.running + 1, d.running_tokens + prompt + request.max_tokens)
@@ -188,7 +188,7 @@ class TtftPolicy(PlacementPolicy):
         tbt_of = {d.node_id: tbt(d) for d in decoders}
         ok = [d for d in decoders if tbt_of[d.node_id] <= slo.tbt_s] or decoders
 
-        prefillers = [n for n in nodes if n.role == "prefill"]
+        prefillers = [n for n in nodes if n.role == Role.PREFILL]
         local = (prompt < self.short_prompt_tokens or request.n > self.max_n or not prefillers)
         if local:
             local_prefill = {d.node_id: self.costs.prefill(d.node_id).predict(prompt - cached(d.node_id),

@@ -21,12 +21,14 @@ import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kv_transfer.kv_index import IndexReader
+from kv_index.reader import IndexReader
+from protos.conventions import grpc_options, retry_after_metadata
 from protos.pdserve.v1 import serving_pb2 as pb
 from protos.pdserve.v1 import serving_pb2_grpc as pb_grpc
 from router.config import RouterConfig
-from router.orchestrator import NodeRefresher, Orchestrator, RouterError
 from router.cost_model import CostBook
+from router.node_view import NodeRefresher
+from router.orchestrator import Orchestrator, RouterError
 from router.placement import PrefixLoadPolicy, TtftPolicy
 from router.tokenizer import PromptTokenizer
 
@@ -44,7 +46,7 @@ class PdServeService(pb_grpc.PdServeServicer):
             async for resp in self.orch.generate(request):
                 yield resp
         except RouterError as e:
-            md = (("retry-after-ms", str(e.retry_after_ms)),) if e.retry_after_ms is not None else ()
+            md = retry_after_metadata(e.retry_after_ms) if e.retry_after_ms is not None else ()
             await context.abort(e.code, e.message, trailing_metadata=md)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
@@ -106,9 +108,7 @@ class RouterServer:
             policy = PrefixLoadPolicy(cfg.load_alpha, cfg.short_prompt_tokens, cfg.max_n)
         orch = self.orchestrator = Orchestrator(cfg, PromptTokenizer(cfg.tokenizer_dir), refresher, reader,
                                                 policy, costs)
-        opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
-                ("grpc.max_send_message_length", cfg.max_message_bytes)]
-        server = grpc.aio.server(options=opts)
+        server = grpc.aio.server(options=grpc_options(cfg.max_message_bytes))
         pb_grpc.add_PdServeServicer_to_server(PdServeService(orch), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_transfer.kv_index import NodeInfo
+from kv_index.nodes import NodeInfo
 from router.admission import SLO_CLASSES, Estimate, SloClass, decide
 from router.cost_model import CostBook, DecodeCost, PrefillCost
 from router.placement import PlacementRequest, TtftPolicy

@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineStoppedError, RequestFailedError
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.models.tiny import save_tiny_model
-from engine.sampling_params import SamplingParams
+from node.engine_thread import AsyncEngine, EngineStoppedError, RequestFailedError
+from tokens.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
 

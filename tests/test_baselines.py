@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from kv_transfer.kv_index import NodeInfo
-from router.baselines import (DynamoKv, LeastLoaded, LlmdWeighted, LongestPrefix, RoundRobin,
-                              SglangCacheAware)
+from kv_index.nodes import NodeInfo
 from router.placement import NoCapacityError, PlacementRequest
+from router.replay.baselines import DynamoKv, LeastLoaded, LlmdWeighted, LongestPrefix, RoundRobin, SglangCacheAware
 
 BS = 16
 REQ = PlacementRequest(num_prompt_tokens=160, block_size=BS)  # 10 blocks

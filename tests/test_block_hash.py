@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.block_hash import hash_block_tokens, hash_prompt_blocks, root_hash
+from tokens.block_hash import hash_block_tokens, hash_prompt_blocks, root_hash
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -81,7 +81,7 @@ def test_token_ids_out_of_range_are_rejected() -> None:
 @pytest.mark.parametrize("seed", ["0", "12345"])
 def test_stable_across_processes(seed: str) -> None:
     code = (
-        "import json; from engine.block_hash import hash_prompt_blocks, root_hash;"
+        "import json; from tokens.block_hash import hash_prompt_blocks, root_hash;"
         "print(json.dumps([root_hash(b'x'), hash_prompt_blocks(list(range(64)), 16, b'x')]))"
     )
     env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=str(REPO))
@@ -92,7 +92,7 @@ def test_stable_across_processes(seed: str) -> None:
 
 def test_stays_torch_free() -> None:
     code = (
-        "import sys, engine.block_hash, engine.block_pool, engine.kv_cache_manager;"
+        "import sys, tokens.block_hash, engine.block_pool, engine.kv_cache_manager;"
         "print('torch' in sys.modules, 'numpy' in sys.modules)"
     )
     env = dict(os.environ, PYTHONPATH=str(REPO))

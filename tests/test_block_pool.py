@@ -5,14 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_hash import hash_block_tokens
-from engine.block_pool import (
-    AllBlocksCleared,
-    BlockPool,
-    BlockRemoved,
-    BlockStored,
-    NoFreeBlocksError,
-)
+from engine.block_pool import BlockPool, NoFreeBlocksError
+from kv_index.events import AllBlocksCleared, BlockRemoved, BlockStored
+from tokens.block_hash import hash_block_tokens
 
 BS = 4
 

@@ -1,6 +1,7 @@
 """The embedded cluster end to end: real Redis, real Ray actors, real gRPC, SmolLM2-135M.
 
-One cluster (2 prefill nodes, 1 decode node, the router) serves every test in this module.
+One cluster (2 prefill nodes, 1 decode node, the router; tests/clusters.py) serves every test
+in this module.
 """
 from __future__ import annotations
 
@@ -13,13 +14,12 @@ import pytest
 import redis
 
 import pdserve
-from deploy.launcher import ClusterConfig, LocalCluster
-from engine.config import CacheConfig, EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from kv_transfer.kv_index import IndexReader
+from kv_index.nodes import Role
+from kv_index.reader import IndexReader
+from tokens.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.e2e
+# Every prompt here is a chat prompt of 30+ tokens: all take the disaggregated path.
+pytestmark = [pytest.mark.e2e, pytest.mark.local_cluster(prefill_nodes=2, decode_nodes=1, short_prompt_tokens=16)]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEM = ("You are a helpful assistant for a company that builds distributed systems. Answer briefly "
@@ -36,34 +36,15 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    cfg = ClusterConfig(
-        engine=EngineConfig(model="smollm2-135m", dtype="float32", cache=CacheConfig(num_blocks=256)),
-        prefill_nodes=2, decode_nodes=1, grpc_port=0, dashboard_port=0,
-        # Every prompt here is a chat prompt of 30+ tokens: all take the disaggregated path.
-        short_prompt_tokens=16,
-    )
-    with LocalCluster(cfg) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return LLMEngine(EngineConfig(model="smollm2-135m", dtype="float32", cache=CacheConfig(num_blocks=256)))
-
-
 def chat(q, system=None):
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": q}]
 
 
-def test_greedy_outputs_equal_the_single_process_engine(cluster, reference):
-    with pdserve.Client(cluster.address, timeout=120) as client:
+def test_greedy_outputs_equal_the_single_process_engine(local_cluster, smollm2_reference):
+    with pdserve.Client(local_cluster.address, timeout=120) as client:
         got = [client.complete(chat(q), max_tokens=24, temperature=0.0) for q in QUESTIONS]
-    prompts = [reference.encode(q, chat=True) for q in QUESTIONS]
-    want = reference.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
+    prompts = [smollm2_reference.encode(q, chat=True) for q in QUESTIONS]
+    want = smollm2_reference.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
     for g, w in zip(got, want):
         assert list(g.token_ids) == w.outputs[0].token_ids
         assert g.text == w.outputs[0].text
@@ -72,27 +53,27 @@ def test_greedy_outputs_equal_the_single_process_engine(cluster, reference):
     assert "Paris" in got[0].text
 
 
-def test_shared_system_prompt_reuses_cached_blocks(cluster, reference):
-    with pdserve.Client(cluster.address, timeout=120) as client:
+def test_shared_system_prompt_reuses_cached_blocks(local_cluster, smollm2_reference):
+    with pdserve.Client(local_cluster.address, timeout=120) as client:
         first = client.complete(chat("What is a load balancer?", SYSTEM), max_tokens=16, temperature=0.0)
         second = client.complete(chat("What is a message queue?", SYSTEM), max_tokens=16, temperature=0.0)
     assert second.usage.cached_prompt_tokens >= 32
-    want = reference.generate([reference.encode("What is a message queue?", chat=True, system=SYSTEM)],
+    want = smollm2_reference.generate([smollm2_reference.encode("What is a message queue?", chat=True, system=SYSTEM)],
                               SamplingParams(temperature=0.0, max_tokens=16))[0]
     assert list(second.token_ids) == want.outputs[0].token_ids
     assert first.finish_reason in ("stop", "length")
 
 
-def test_repeated_prefix_goes_to_the_prefill_node_that_holds_it(cluster):
-    from engine.block_hash import hash_prompt_blocks
+def test_repeated_prefix_goes_to_the_prefill_node_that_holds_it(local_cluster):
     from router.tokenizer import PromptTokenizer
+    from tokens.block_hash import hash_prompt_blocks
 
-    reader = IndexReader(redis.Redis.from_url(cluster.redis_url), cluster.config.namespace)
+    reader = IndexReader(redis.Redis.from_url(local_cluster.redis_url), local_cluster.config.namespace)
     long_system = SYSTEM + " " + " ".join(f"Rule {i}: be kind to user {i}." for i in range(20))
-    tok = PromptTokenizer(str(cluster.model_dir))
-    with pdserve.Client(cluster.address, timeout=120) as client:
+    tok = PromptTokenizer(str(local_cluster.model_dir))
+    with pdserve.Client(local_cluster.address, timeout=120) as client:
         client.complete(chat("Say hi.", long_system), max_tokens=4, temperature=0.0)
-        prefill = [n for n in reader.live_nodes().values() if n.role == "prefill"]
+        prefill = [n for n in reader.live_nodes().values() if n.role == Role.PREFILL]
         ids = tok.encode_chat(chat("Say hello.", long_system))
         hashes = hash_prompt_blocks(ids, prefill[0].block_size, prefill[0].fingerprint.encode())
         matched = reader.match(hashes, [n.node_id for n in prefill])
@@ -103,35 +84,35 @@ def test_repeated_prefix_goes_to_the_prefill_node_that_holds_it(cluster):
     assert out.usage.cached_prompt_tokens >= matched[holder] * prefill[0].block_size
 
 
-def test_every_token_has_its_logprob_on_the_disaggregated_path(cluster, reference):
-    with pdserve.Client(cluster.address, timeout=120) as client:
+def test_every_token_has_its_logprob_on_the_disaggregated_path(local_cluster, smollm2_reference):
+    with pdserve.Client(local_cluster.address, timeout=120) as client:
         out = client.complete(chat(QUESTIONS[0]), max_tokens=8, temperature=0.0, logprobs=2)
     assert out.timings.prefill_s > 0  # the first token came from a prefill node
     assert len(out.logprobs) == len(out.token_ids) == 8
     assert [lp.token_id for lp in out.logprobs] == list(out.token_ids)
-    want = reference.generate([reference.encode(QUESTIONS[0], chat=True)],
+    want = smollm2_reference.generate([smollm2_reference.encode(QUESTIONS[0], chat=True)],
                               SamplingParams(temperature=0.0, max_tokens=8, logprobs=2))[0].outputs[0]
     assert [lp.logprob for lp in out.logprobs] == pytest.approx(want.logprobs, abs=1e-4)
 
 
-def test_index_entries_appear_after_prefill(cluster):
-    r = redis.Redis.from_url(cluster.redis_url)
-    assert r.keys(f"{cluster.config.namespace}:blk:*")
-    nodes = IndexReader(r, cluster.config.namespace).live_nodes()
-    assert {n.role for n in nodes.values()} == {"prefill", "decode"}
+def test_index_entries_appear_after_prefill(local_cluster):
+    r = redis.Redis.from_url(local_cluster.redis_url)
+    assert r.keys(f"{local_cluster.config.namespace}:blk:*")
+    nodes = IndexReader(r, local_cluster.config.namespace).live_nodes()
+    assert {n.role for n in nodes.values()} == {Role.PREFILL, Role.DECODE}
     assert len(nodes) == 3
 
 
-def test_invalid_requests_are_rejected_with_the_limit(cluster):
-    with pdserve.Client(cluster.address, timeout=60) as client:
+def test_invalid_requests_are_rejected_with_the_limit(local_cluster):
+    with pdserve.Client(local_cluster.address, timeout=60) as client:
         with pytest.raises(pdserve.InvalidRequestError, match="8192"):
             client.complete("hi", max_tokens=9000)
         with pytest.raises(pdserve.NotFoundError, match="smollm2-135m"):
             client.complete("hi", model="gpt-17", max_tokens=4)
 
 
-def test_cli_generate_through_the_cluster(cluster):
-    r = subprocess.run([sys.executable, "-m", "deploy.cli", "generate", "--url", cluster.address,
+def test_cli_generate_through_the_cluster(local_cluster):
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "generate", "--url", local_cluster.address,
                         "--max-tokens", "12", "What is the capital of France?"],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -143,7 +124,7 @@ def test_pdserve_up_prints_ready_and_leaves_nothing_behind():
 
     from deploy.redis_server import free_port
 
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env = dict(os.environ)  # the root conftest set Ray and gRPC up for tests
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--grpc-port", str(port),
                              "--dashboard-port", "0", "--kv-cache-mib", "64"],

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kv_transfer.kv_index import StepReport
+from kv_index.nodes import StepReport
 from router.cost_model import CostBook, OnlineFit, PrefillCost, PrefillCostFit, solve
 
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from tokens.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 TEXTS = [
     "Hello, world! Plain ASCII with  double  spaces and a trailing space ",

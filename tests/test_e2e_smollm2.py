@@ -10,7 +10,7 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine, encode_chat
-from engine.sampling_params import SamplingParams
+from tokens.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.e2e
 

@@ -14,7 +14,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig, Speculativ
 from engine.engine import LLMEngine
 from engine.models.config import ModelConfig
 from engine.models.tiny import save_tiny_model
-from engine.sampling_params import SamplingParams
+from tokens.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_incremental_drafts_match_a_from_scratch_recomputation(setup):
     original = prop.propose
 
     def propose(requests):
-        for sid, entries in eng.runner.features.items():
+        for sid, entries in prop.features.items():
             for first, rows in entries:
                 for j in range(rows.shape[0]):
                     seen.setdefault(sid, {})[first + j] = rows[j].clone()
@@ -79,7 +79,7 @@ def test_incremental_drafts_match_a_from_scratch_recomputation(setup):
     for tokens, feat_of, start, drafts in checks:
         assert _from_scratch(prop, tokens, feat_of, start, len(drafts)) == drafts
     assert eng.kv.num_free_blocks == eng.num_blocks
-    assert not prop._seqs and not eng.runner.features  # finished requests leave nothing behind
+    assert not prop._seqs and not prop.features  # finished requests leave nothing behind
 
 
 def test_a_request_prefilled_elsewhere_drafts_after_one_decode(setup):

@@ -11,7 +11,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.models.tiny import save_tiny_model
-from engine.sampling_params import SamplingParams
+from tokens.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
 

@@ -8,9 +8,9 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.block_hash import hash_block_tokens, hash_prompt_blocks
-from engine.block_pool import BlockRemoved, BlockStored
 from engine.kv_cache_manager import KVCacheManager, PrefixHit
+from kv_index.events import BlockRemoved, BlockStored
+from tokens.block_hash import hash_block_tokens, hash_prompt_blocks
 
 BS = 4
 

@@ -6,8 +6,10 @@ import time
 import pytest
 import redis
 
-from engine.block_hash import hash_prompt_blocks
-from kv_transfer.kv_index import IndexReader, NodeInfo, NodePublisher
+from kv_index.nodes import NodeInfo
+from kv_index.publisher import NodePublisher
+from kv_index.reader import IndexReader
+from tokens.block_hash import hash_prompt_blocks
 
 
 @pytest.fixture()
@@ -74,10 +76,10 @@ def test_reregistration_drops_what_a_restarted_node_published(r):
 # ----------------------------------------------------------------------------- at scale
 import threading  # noqa: E402
 
-from engine.block_pool import BlockRemoved, BlockStored  # noqa: E402
-from kv_transfer.kv_index import (TIER_HOST, StepReport, index_freshness,  # noqa: E402
-                                  node_blocks_key)
-from kv_transfer.node_publisher import IndexPublisherThread  # noqa: E402
+from kv_index.events import BlockRemoved, BlockStored  # noqa: E402
+from kv_index.nodes import StepReport, index_freshness
+from kv_index.schema import TIER_HOST, node_blocks_key
+from node.publisher import IndexPublisherThread  # noqa: E402
 
 
 def test_a_4k_token_prompt_is_one_round_trip_and_tiers_are_reported(r):

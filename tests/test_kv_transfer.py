@@ -10,7 +10,7 @@ import torch
 
 from kv_transfer import checksum
 from kv_transfer.buffers import BufferPool
-from kv_transfer.grpc_transport import GRPC_OPTIONS, PUSH_BLOCKS_PATH, KVReceiver, ReceivedBlocks, push_blocks
+from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, PUSH_BLOCKS_PATH, KVReceiver, ReceivedBlocks, push_blocks
 from kv_transfer.layout import PoolLayout
 from kv_transfer.validate import KVValidationError, Reservation, validate_header
 from kv_transfer.wire import build_header, encode_chunk, iter_wire_messages, payload_units
@@ -34,12 +34,12 @@ class Node:
         self.before = self.pool.clone()
         self.reservations: dict[str, Reservation] = {}
         self.received: list[ReceivedBlocks] = []
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=KV_GRPC_OPTIONS)
         receiver = KVReceiver(self.pool, FP, self.received.append, self.reservations.get, BufferPool())
         kv_pb2_grpc.add_KVTransferServicer_to_server(receiver, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=KV_GRPC_OPTIONS)
 
     def close(self) -> None:
         self.channel.close()

@@ -18,12 +18,13 @@ import time
 import pytest
 
 import pdserve
-from deploy.launcher import ClusterConfig, LocalCluster
-from engine.config import CacheConfig, EngineConfig
+from engine.config import CacheConfig
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.local_cluster(prefill_nodes=2, decode_nodes=1, short_prompt_tokens=8,
+                                                           engine=dict(cache=CacheConfig(num_blocks=512)))]
 
-TRACE = "/work/shared/data/traces/conversation_trace.jsonl"
+TRACE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                     "shared", "data", "traces", "conversation_trace.jsonl")  # ../shared beside the repo
 BLOCK = 16  # the engine's block size: one trace hash block -> one engine block
 MAX_BLOCKS = 10  # prompt length cap, to keep CPU prefill short
 NUM_REQUESTS = 100
@@ -39,33 +40,26 @@ def synthetic_prompt(hash_ids: list[int], index: int) -> list[int]:
 
 
 @pytest.mark.skipif(not os.path.exists(TRACE), reason="trace not present")
-def test_predicted_cached_tokens_equal_reused_tokens():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+def test_predicted_cached_tokens_equal_reused_tokens(local_cluster):
     with open(TRACE) as f:
         trace = [json.loads(next(f)) for _ in range(NUM_REQUESTS)]
-    cfg = ClusterConfig(
-        engine=EngineConfig(model="smollm2-135m", dtype="float32", cache=CacheConfig(num_blocks=512)),
-        prefill_nodes=2, decode_nodes=1, grpc_port=0, dashboard_port=0, short_prompt_tokens=8,
-    )
-    with LocalCluster(cfg) as cluster:
-        orch = cluster.router.orchestrator
-        reused: dict[str, int] = {}
-        with pdserve.Client(cluster.address, timeout=120) as client:
-            for i, rec in enumerate(trace):
-                rid = f"live-{i}"
-                out = client.complete(token_ids=synthetic_prompt(rec["hash_ids"], i), max_tokens=1,
-                                      temperature=0.0, request_id=rid)
-                reused[rid] = out.usage.cached_prompt_tokens
-                # Conversation turns arrive seconds apart in the trace; a short pause lets the
-                # node's block events reach the index as they would have by then.
-                time.sleep(0.02)
-        acc = orch.accuracy
-        pairs = {rid: acc.recent[rid] for rid in reused if rid in acc.recent}
-        assert len(pairs) == NUM_REQUESTS  # every request went through a prefill node
-        exact = [rid for rid, (pred, got) in pairs.items() if pred == got == reused[rid]]
-        summary = acc.summary()
-        print(f"live placement: {len(exact)}/{NUM_REQUESTS} exact; {summary}; "
-              f"freshness {orch.stats()['index_freshness_s']}")
-        assert len(exact) >= 0.99 * NUM_REQUESTS, {r: p for r, p in pairs.items() if r not in exact}
-        assert summary["reused_tokens"] > 0  # the trace's shared prefixes were actually reused
+    orch = local_cluster.router.orchestrator
+    reused: dict[str, int] = {}
+    with pdserve.Client(local_cluster.address, timeout=120) as client:
+        for i, rec in enumerate(trace):
+            rid = f"live-{i}"
+            out = client.complete(token_ids=synthetic_prompt(rec["hash_ids"], i), max_tokens=1,
+                                  temperature=0.0, request_id=rid)
+            reused[rid] = out.usage.cached_prompt_tokens
+            # Conversation turns arrive seconds apart in the trace; a short pause lets the
+            # node's block events reach the index as they would have by then.
+            time.sleep(0.02)
+    acc = orch.accuracy
+    pairs = {rid: acc.recent[rid] for rid in reused if rid in acc.recent}
+    assert len(pairs) == NUM_REQUESTS  # every request went through a prefill node
+    exact = [rid for rid, (pred, got) in pairs.items() if pred == got == reused[rid]]
+    summary = acc.summary()
+    print(f"live placement: {len(exact)}/{NUM_REQUESTS} exact; {summary}; "
+          f"freshness {orch.stats()['index_freshness_s']}")
+    assert len(exact) >= 0.99 * NUM_REQUESTS, {r: p for r, p in pairs.items() if r not in exact}
+    assert summary["reused_tokens"] > 0  # the trace's shared prefixes were actually reused

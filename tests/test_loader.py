@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import save_hf_model, tiny_llama_config
+from conftest import save_hf_model, tiny_config
 from engine.models.config import ModelConfig, UnsupportedModelError
 from engine.models.loader import ModelLoadError, load_model
 
@@ -98,7 +98,7 @@ def test_bad_gguf_fails_cleanly_and_leaves_no_cache(tmp_path, monkeypatch):
 
 
 def test_unsupported_config_feature():
-    raw = tiny_llama_config().to_dict() | {"architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"}
+    raw = tiny_config().to_dict() | {"architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"}
     with pytest.raises(UnsupportedModelError, match="hidden_act"):
         ModelConfig.from_hf(raw)
 
@@ -106,14 +106,14 @@ def test_unsupported_config_feature():
 def test_rope_parameters_in_both_layouts():
     v5 = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}}
     v4 = {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}
-    base = tiny_llama_config().to_dict() | {"architectures": ["LlamaForCausalLM"]}
+    base = tiny_config().to_dict() | {"architectures": ["LlamaForCausalLM"]}
     base.pop("rope_parameters", None)
     a, b = ModelConfig.from_hf(base | v5), ModelConfig.from_hf(base | v4)
     assert a == b and a.rope_theta == 5e5 and a.rope_scaling == {"rope_type": "linear", "factor": 2.0}
 
 
 def test_sliding_window_caps_max_model_len():
-    base = tiny_llama_config().to_dict() | {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+    base = tiny_config().to_dict() | {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
     assert ModelConfig.from_hf(base | {"sliding_window": 64}).max_model_len == 64
     assert ModelConfig.from_hf(base | {"sliding_window": None}).max_model_len == 256
     qwen = base | {"architectures": ["Qwen2ForCausalLM"], "sliding_window": 64, "use_sliding_window": False}
@@ -121,7 +121,7 @@ def test_sliding_window_caps_max_model_len():
 
 
 def test_eos_token_ids_int_or_list():
-    base = tiny_llama_config().to_dict() | {"architectures": ["LlamaForCausalLM"]}
+    base = tiny_config().to_dict() | {"architectures": ["LlamaForCausalLM"]}
     assert ModelConfig.from_hf(base | {"eos_token_id": 2}).eos_token_ids == (2,)
     assert ModelConfig.from_hf(base | {"eos_token_id": [2, 7]}).eos_token_ids == (2, 7)
 
@@ -138,8 +138,8 @@ def _fingerprint_in_subprocess(directory: Path) -> str:
 
 
 def test_fingerprint_stable_and_weight_sensitive(tmp_path):
-    save_hf_model(tiny_llama_config(), tmp_path / "a", seed=0)
-    save_hf_model(tiny_llama_config(), tmp_path / "b", seed=1)
+    save_hf_model(tiny_config(), tmp_path / "a", seed=0)
+    save_hf_model(tiny_config(), tmp_path / "b", seed=1)
     a1 = load_model(str(tmp_path / "a"), torch.float32, "cpu").fingerprint
     a2 = load_model(str(tmp_path / "a"), torch.float32, "cpu").fingerprint
     b = load_model(str(tmp_path / "b"), torch.float32, "cpu").fingerprint
@@ -149,7 +149,7 @@ def test_fingerprint_stable_and_weight_sensitive(tmp_path):
 
 
 def test_sharded_checkpoint_loads_identically(tmp_path):
-    hf = save_hf_model(tiny_llama_config(), tmp_path / "one", seed=3)
+    hf = save_hf_model(tiny_config(), tmp_path / "one", seed=3)
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     one = load_model(str(tmp_path / "one"), torch.float32, "cpu")
@@ -161,7 +161,7 @@ def test_sharded_checkpoint_loads_identically(tmp_path):
 
 
 def test_missing_shard_is_reported(tmp_path):
-    save_hf_model(tiny_llama_config(), tmp_path / "m").save_pretrained(tmp_path / "m", max_shard_size="40KB")
+    save_hf_model(tiny_config(), tmp_path / "m").save_pretrained(tmp_path / "m", max_shard_size="40KB")
     (tmp_path / "m" / "model.safetensors").unlink(missing_ok=True)
     shard = sorted((tmp_path / "m").glob("model-*.safetensors"))[0]
     shard.unlink()

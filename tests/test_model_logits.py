@@ -11,14 +11,7 @@ import random
 import pytest
 import torch
 
-from conftest import (
-    TINY_VOCAB,
-    save_hf_model,
-    tiny_llama_config,
-    tiny_mistral_config,
-    tiny_qwen2_config,
-    tiny_qwen3_config,
-)
+from conftest import TINY_VOCAB, save_hf_model, tiny_config
 from engine.attention import get_attention_backend
 from engine.attention.kv_cache import allocate_kv_cache
 from engine.attention.metadata import AttentionMetadata
@@ -29,19 +22,19 @@ BLOCK = 4
 NUM_BLOCKS = 64
 
 CASES = {
-    "llama-untied-gqa2": lambda: tiny_llama_config(),
-    "llama-tied-mha": lambda: tiny_llama_config(tie_word_embeddings=True, num_key_value_heads=4),
-    "llama-mqa": lambda: tiny_llama_config(num_key_value_heads=1),
-    "llama-attn-bias": lambda: tiny_llama_config(attention_bias=True),
-    "qwen2-bias": lambda: tiny_qwen2_config(tie_word_embeddings=True),
-    "qwen3-qknorm": lambda: tiny_qwen3_config(num_key_value_heads=1),
-    "mistral": lambda: tiny_mistral_config(),
-    "rope-linear": lambda: tiny_llama_config(rope_scaling={"rope_type": "linear", "factor": 2.0}),
-    "rope-dynamic": lambda: tiny_llama_config(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
-    "rope-yarn": lambda: tiny_llama_config(
+    "llama-untied-gqa2": lambda: tiny_config(),
+    "llama-tied-mha": lambda: tiny_config(tie_word_embeddings=True, num_key_value_heads=4),
+    "llama-mqa": lambda: tiny_config(num_key_value_heads=1),
+    "llama-attn-bias": lambda: tiny_config(attention_bias=True),
+    "qwen2-bias": lambda: tiny_config("qwen2", tie_word_embeddings=True),
+    "qwen3-qknorm": lambda: tiny_config("qwen3", num_key_value_heads=1),
+    "mistral": lambda: tiny_config("mistral"),
+    "rope-linear": lambda: tiny_config(rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "rope-dynamic": lambda: tiny_config(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+    "rope-yarn": lambda: tiny_config(
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
     ),
-    "rope-llama3": lambda: tiny_llama_config(
+    "rope-llama3": lambda: tiny_config(
         rope_scaling={
             "rope_type": "llama3",
             "factor": 8.0,
@@ -196,7 +189,7 @@ def test_early_exit_returns_normed_hidden_of_first_layers(models):
 def test_length_dependent_rope_matches_hf_token_by_token(tmp_path, rope):
     """Past the threshold each position keeps its own frequencies, as in HF's cached decoding."""
     max_pos = 16 if rope["rope_type"] == "dynamic" else 64
-    hf = save_hf_model(tiny_llama_config(max_position_embeddings=max_pos, rope_scaling=rope), tmp_path / "m")
+    hf = save_hf_model(tiny_config(max_position_embeddings=max_pos, rope_scaling=rope), tmp_path / "m")
     runner = PagedRunner(load_model(str(tmp_path / "m"), torch.float32, "cpu"))
     tokens = _prompt(10, 12)
     ours = runner.step({0: tokens})[0]

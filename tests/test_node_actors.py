@@ -3,7 +3,6 @@ through them by hand, both registered in Redis, and a restarted actor re-registe
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 
@@ -11,16 +10,17 @@ import grpc
 import pytest
 import redis
 
-from engine.block_hash import hash_prompt_blocks
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.models.tiny import save_tiny_model
-from engine.sampling_params import SamplingParams
-from kv_transfer.grpc_transport import GRPC_OPTIONS
-from kv_transfer.kv_index import IndexReader
-from kv_transfer.node_config import NodeConfig
+from kv_index.nodes import Role
+from kv_index.reader import IndexReader
+from kv_transfer.grpc_transport import KV_GRPC_OPTIONS
+from node.config import NodeConfig
 from protos.convert import sampling_to_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
+from tokens.block_hash import hash_prompt_blocks
+from tokens.sampling_params import SamplingParams
 
 ray = pytest.importorskip("ray")
 
@@ -31,22 +31,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    # Without these, in-process ray.init turns on token auth and phones home (environment.md).
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")}
-    os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
-    ray.init(num_cpus=2, resources={"prefill_pool": 1, "decode_pool": 1}, include_dashboard=False,
-             namespace=f"test-{uuid.uuid4().hex[:6]}", log_to_driver=False)
-    yield
-    ray.shutdown()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 def engine_config(path) -> EngineConfig:
@@ -65,8 +49,8 @@ def wait_for(cond, timeout):
 
 
 def run_request(prefill_addr: str, decode_addr: str, fp: str, rid: str, prompt: list[int]) -> list[int]:
-    with grpc.insecure_channel(prefill_addr, options=GRPC_OPTIONS) as p_ch, \
-            grpc.insecure_channel(decode_addr, options=GRPC_OPTIONS) as d_ch:
+    with grpc.insecure_channel(prefill_addr, options=KV_GRPC_OPTIONS) as p_ch, \
+            grpc.insecure_channel(decode_addr, options=KV_GRPC_OPTIONS) as d_ch:
         res = kv_pb2_grpc.KVTransferStub(d_ch).ReserveBlocks(kv_pb2.ReserveBlocksRequest(
             request_id=rid, model_fingerprint=fp, block_size=BS, num_tokens=len(prompt),
             prompt_token_ids=prompt), timeout=30)
@@ -80,14 +64,16 @@ def run_request(prefill_addr: str, decode_addr: str, fp: str, rid: str, prompt: 
 
 
 def test_prefill_and_decode_actors_serve_a_request_and_register(tiny_dir, redis_url, local_ray):
-    from decode_node.actor import spawn_decode_node
-    from prefill_node.actor import spawn_prefill_node
+    from deploy.launcher import server_builder
+    from node.actor import spawn_node
 
     ns = f"ray-{uuid.uuid4().hex[:6]}"
     common = dict(redis_url=redis_url, namespace=ns, lease_s=1.0, heartbeat_s=0.2, load_tokenizer=False,
                   engine=engine_config(tiny_dir))
-    prefill = spawn_prefill_node(NodeConfig(node_id="prefill-0", role="prefill", **common), num_cpus=1)
-    decode = spawn_decode_node(NodeConfig(node_id="decode-0", role="decode", **common), num_cpus=1)
+    prefill = spawn_node(NodeConfig(node_id="prefill-0", role="prefill", **common), server_builder(Role.PREFILL),
+                         num_cpus=1)
+    decode = spawn_node(NodeConfig(node_id="decode-0", role="decode", **common), server_builder(Role.DECODE),
+                        num_cpus=1)
     assert ray.get([prefill.ready.remote(), decode.ready.remote()], timeout=60) == [True, True]
     p_addr, d_addr = ray.get([prefill.address.remote(), decode.address.remote()], timeout=30)
     assert ray.get_actor("decode-0") is not None  # named: visible on the dashboard

@@ -13,21 +13,18 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decode_node.reservations import NotReadyError, ReservationTable
-from decode_node.server import DecodeServer
-from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
-from engine.block_hash import hash_prompt_blocks
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.models.tiny import save_tiny_model
-from engine.sampling_params import SamplingParams
-from kv_transfer.grpc_transport import GRPC_OPTIONS, push_blocks
-from kv_transfer.kv_index import IndexReader
-from kv_transfer.node_config import NodeConfig
-from kv_transfer.node_publisher import fold_kv_events
+from kv_index.events import AllBlocksCleared, BlockRemoved, BlockStored, fold_kv_events
+from kv_index.reader import IndexReader
+from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, push_blocks
 from kv_transfer.validate import Reservation
-from prefill_node.server import PrefillServer
 from protos.convert import sampling_to_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc, serving_pb2
+from tests.clusters import start_node
+from tokens.block_hash import hash_prompt_blocks
+from tokens.sampling_params import SamplingParams
 
 BS = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
@@ -53,15 +50,12 @@ class Cluster:
 
     def __init__(self, path, redis_url: str, prefill_blocks=64, decode_blocks=64, **node_kw) -> None:
         self.ns = f"test-{uuid.uuid4().hex[:8]}"
-        kw = dict(redis_url=redis_url, namespace=self.ns, lease_s=1.0, heartbeat_s=0.1, load_tokenizer=False)
+        kw = dict(redis_url=redis_url, namespace=self.ns, lease_s=1.0, heartbeat_s=0.1)
         kw.update(node_kw)
-        self.prefill = PrefillServer(NodeConfig(node_id="p0", role="prefill", **kw),
-                                     make_engine(path, prefill_blocks))
-        self.decode = DecodeServer(NodeConfig(node_id="d0", role="decode", **kw), make_engine(path, decode_blocks))
-        self.prefill.start()
-        self.decode.start()
-        self.p_channel = grpc.insecure_channel(self.prefill.address, options=GRPC_OPTIONS)
-        self.d_channel = grpc.insecure_channel(self.decode.address, options=GRPC_OPTIONS)
+        self.prefill = start_node("prefill", "p0", make_engine(path, prefill_blocks), **kw)
+        self.decode = start_node("decode", "d0", make_engine(path, decode_blocks), **kw)
+        self.p_channel = grpc.insecure_channel(self.prefill.address, options=KV_GRPC_OPTIONS)
+        self.d_channel = grpc.insecure_channel(self.decode.address, options=KV_GRPC_OPTIONS)
         self.prefill_stub = kv_pb2_grpc.PrefillNodeStub(self.p_channel)
         self.kv_stub = kv_pb2_grpc.KVTransferStub(self.d_channel)
         self.decode_stub = kv_pb2_grpc.DecodeNodeStub(self.d_channel)
@@ -237,7 +231,7 @@ def test_corrupted_push_is_rejected_and_decode_recomputes(tiny_dir, cluster):
     pool = cluster.decode.engine.kv_cache
     before = pool.clone()
     src = torch.randn_like(pool)
-    with grpc.insecure_channel(cluster.decode.address, options=GRPC_OPTIONS) as ch:
+    with grpc.insecure_channel(cluster.decode.address, options=KV_GRPC_OPTIONS) as ch:
         with pytest.raises(grpc.RpcError) as err:
             push_blocks(ch, src, request_id="bad", fingerprint="not-this-model",
                         src_block_ids=list(range(math.ceil(len(prompt) / BS))), block_hashes=cluster.hashes(prompt),

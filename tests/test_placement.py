@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_transfer.kv_index import NodeInfo
+from kv_index.nodes import NodeInfo
 from router.placement import NoCapacityError, PlacementRequest, PrefixLoadPolicy
 
 

@@ -10,9 +10,11 @@ import os
 import pytest
 
 from deploy.bench import Reporter, load
-from router.sim import LruCache, SimConfig, TraceRequest, load_trace, time_scale
+from router.replay.simulator import LruCache, SimConfig, time_scale
+from router.replay.traces import TraceRequest, load_trace
 
-TRACES = "/work/shared/data/traces"
+TRACES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                      "shared", "data", "traces")  # ../shared beside the repo
 CONV = os.path.join(TRACES, "conversation_trace.jsonl")
 AZURE = os.path.join(TRACES, "AzureLLMInferenceTrace_code.csv")
 needs_traces = pytest.mark.skipif(not os.path.exists(CONV), reason="traces not present")

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pdserve
 from router.config import RouterConfig
 from router.server import serve
+from tests.clusters import start_node
 
 MAX_LEN = 512
 
@@ -89,24 +90,16 @@ def test_list_models_health_and_reflection(bare_router):
 # ------------------------------------------------------------------ with real nodes
 @pytest.fixture(scope="module")
 def cluster(redis_url, tok_dir, tmp_path_factory):
-    pytest.importorskip("torch")
-    from decode_node.server import DecodeServer
     from engine.config import CacheConfig, EngineConfig
     from engine.models.tiny import save_tiny_model
-    from kv_transfer.node_config import NodeConfig
-    from prefill_node.server import PrefillServer
 
     model = str(save_tiny_model(tmp_path_factory.mktemp("tiny")))
     ns = f"cl-{uuid.uuid4().hex[:6]}"
     eng = EngineConfig(model=model, device="cpu", num_threads=1, cache=CacheConfig(block_size=16, num_blocks=256))
 
     def node(node_id, role):
-        cfg = NodeConfig(node_id=node_id, role=role, redis_url=redis_url, namespace=ns, lease_s=1.5,
-                         heartbeat_s=0.2, engine=eng, grpc_workers=8,
-                         load_tokenizer=False)  # the tiny model has no tokenizer
-        server = (PrefillServer if role == "prefill" else DecodeServer)(cfg)
-        server.start()
-        return server
+        return start_node(role, node_id, eng, redis_url=redis_url, namespace=ns, lease_s=1.5, heartbeat_s=0.2,
+                          grpc_workers=8)
 
     nodes = {"dec": node("dec", "decode"), "pre-a": node("pre-a", "prefill"), "pre-b": node("pre-b", "prefill")}
     router = serve(router_config(redis_url, tok_dir, ns, short_prompt_tokens=32, vocab_size=512))
@@ -124,7 +117,7 @@ def cluster(redis_url, tok_dir, tmp_path_factory):
 def reference(cluster):
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from tokens.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=cluster["model"], device="cpu", num_threads=1), load_tokenizer=False)
 
@@ -161,8 +154,8 @@ def test_greedy_through_router_equals_single_engine(cluster, reference):
 def _wait_for_blocks(cluster, ids, node_id, blocks):
     import redis
 
-    from engine.block_hash import hash_prompt_blocks
-    from kv_transfer.kv_index import IndexReader
+    from kv_index.reader import IndexReader
+    from tokens.block_hash import hash_prompt_blocks
 
     fp = cluster["nodes"][node_id].engine.fingerprint
     reader = IndexReader(redis.Redis.from_url(cluster["redis_url"]), cluster["ns"])
@@ -182,7 +175,7 @@ def _wait_for_blocks(cluster, ids, node_id, blocks):
 
 
 def test_repeated_prefix_goes_to_the_prefill_node_holding_it(cluster, reference):
-    from engine.sampling_params import SamplingParams
+    from tokens.sampling_params import SamplingParams
 
     nodes = cluster["nodes"]
     shared = prompt(4, 96)  # 6 full blocks
@@ -219,7 +212,8 @@ def test_overload_is_resource_exhausted_with_retry_hint(redis_url, tok_dir):
 
     import redis
 
-    from kv_transfer.kv_index import NodeInfo, NodePublisher
+    from kv_index.nodes import NodeInfo
+    from kv_index.publisher import NodePublisher
 
     ns = f"busy-{uuid.uuid4().hex[:6]}"
     with socket.socket() as silent:

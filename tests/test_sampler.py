@@ -14,7 +14,7 @@ from engine.sampler import (
     exponential_race,
     processed_probs,
 )
-from engine.sampling_params import SamplingParams
+from tokens.sampling_params import SamplingParams
 
 
 def row(prompt=(), output=(), generator=None, **params) -> SamplingRow:

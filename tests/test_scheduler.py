@@ -6,9 +6,9 @@ import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledTokens, Scheduler
 from engine.sequence import FinishReason, Sequence
+from tokens.sampling_params import SamplingParams
 
 
 def next_token(tokens: list[int]) -> int:

@@ -7,17 +7,18 @@ the usage of each response carries the speculation counters.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 
 import pdserve
-from deploy.launcher import ClusterConfig, LocalCluster
-from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.config import SpeculativeConfig
+from tokens.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.e2e
+pytestmark = [
+    pytest.mark.e2e,
+    # Every prompt here is disaggregated (short_prompt_tokens 16).
+    pytest.mark.local_cluster(prefill_nodes=1, decode_nodes=1, short_prompt_tokens=16, engine=dict(
+        speculative=SpeculativeConfig(method="low_precision", num_speculative_tokens=4, adaptive=False))),
+]
 
 TEXT = ("def area(width, height):\n    return width * height\n\n"
         "def perimeter(width, height):\n    return 2 * (width + height)\n")
@@ -27,26 +28,11 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    spec = SpeculativeConfig(method="low_precision", num_speculative_tokens=4, adaptive=False)
-    cfg = ClusterConfig(
-        engine=EngineConfig(model="smollm2-135m", dtype="float32", cache=CacheConfig(num_blocks=256),
-                            speculative=spec),
-        prefill_nodes=1, decode_nodes=1, grpc_port=0, dashboard_port=0,
-        short_prompt_tokens=16,  # every prompt here is disaggregated
-    )
-    with LocalCluster(cfg) as c:
-        yield c
-
-
-def test_speculative_decode_node_matches_the_plain_engine(cluster):
-    ref = LLMEngine(EngineConfig(model="smollm2-135m", dtype="float32", cache=CacheConfig(num_blocks=256)))
+def test_speculative_decode_node_matches_the_plain_engine(local_cluster, smollm2_reference):
+    ref = smollm2_reference
     msgs = [[{"role": "user", "content": p}] for p in PROMPTS]
     want = ref.generate([ref.encode(p, chat=True) for p in PROMPTS], SamplingParams(temperature=0.0, max_tokens=32))
-    with pdserve.Client(cluster.address, timeout=180) as client:
+    with pdserve.Client(local_cluster.address, timeout=180) as client:
         got = [client.complete(m, max_tokens=32, temperature=0.0) for m in msgs]
     for g, w in zip(got, want):
         assert list(g.token_ids) == w.outputs[0].token_ids

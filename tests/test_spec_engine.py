@@ -16,7 +16,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig, Speculativ
 from engine.engine import LLMEngine
 from engine.models.tiny import save_tiny_model
 from engine.sampler import SamplingRow, processed_probs
-from engine.sampling_params import SamplingParams
+from tokens.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20)
 

@@ -22,7 +22,6 @@ those layers is valid for every computed position.
 """
 from __future__ import annotations
 
-
 import torch
 
 from engine.attention import get_attention_backend
@@ -38,6 +37,7 @@ from engine.spec import DraftRequest, Proposal
 
 class ModelDrafter:
     batched = True  # one drafting round covers every sequence of the step
+    target_states = None  # it runs a model of its own (or the target's first layers)
     def __init__(
         self,
         model,  # LlamaForCausalLM

@@ -22,9 +22,10 @@ Checkpoint directory (EAGLE-1's layout, safetensors)::
                        (optional: EAGLE-1's layer has none), embed_tokens.weight (optional, ignored:
                        the target's embedding is used)
 
-Features are the target's *final-normed* hidden states (what the model runner exposes), so the
+Features are the target's *final-normed* hidden states (``TargetStates("final")``), so the
 draft output goes through the LM head without a norm; a checkpoint trained on pre-norm
-features would need the runner to expose those instead.
+features would declare ``TargetStates("final", layer=num_layers - 1)`` (the runner hands over
+any layer's residual stream) and apply the target's norm before the head.
 
 KV of the draft layer: one layer is ~1/30 of the target's KV, so it lives in a dense per-
 sequence tensor, not the paged pool. Positions enter it only when their inputs are final (the
@@ -47,7 +48,7 @@ from torch import nn
 
 from engine.models.config import ModelConfig
 from engine.models.llama import MLP, Attention, Linear, RMSNorm, weight_targets
-from engine.spec import DraftRequest, Proposal
+from engine.spec import DraftRequest, Proposal, TargetStates
 
 
 class EagleLayer(nn.Module):
@@ -195,13 +196,15 @@ class EagleProposer:
     # Sequences draft one after another (each has its own dense KV): a step's drafting time
     # grows with the sum of the k's, not their maximum.
     batched = False
+    # The target's final-normed features of every position whose input is final.
+    target_states = TargetStates("final")
 
-    def __init__(self, layer: EagleLayer, target, features: dict[str, list[tuple[int, torch.Tensor]]],
-                 draft_cost: float) -> None:
+    def __init__(self, layer: EagleLayer, target, draft_cost: float) -> None:
         self.layer = layer
         self.target = target  # LlamaForCausalLM: its embedding, RoPE and LM head
-        self.features = features  # the runner's log, consumed here
         self.draft_cost = draft_cost
+        # seq id -> [(first position, [n, hidden] features)] received since its last proposal
+        self.features: dict[str, list[tuple[int, torch.Tensor]]] = {}
         cfg = layer.cfg
         self.device = layer.fc.weight.device
         self.attn = _DenseAttention(cfg.num_heads, cfg.num_kv_heads)
@@ -210,8 +213,12 @@ class EagleProposer:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         pass  # the draft layer's KV is per sequence, not in the paged pool
 
+    def observe_target(self, seq_id: str, first_position: int, states: torch.Tensor) -> None:
+        self.features.setdefault(seq_id, []).append((first_position, states))
+
     def forget(self, seq_id: str) -> None:
         self._seqs.pop(seq_id, None)
+        self.features.pop(seq_id, None)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
@@ -274,7 +281,6 @@ def from_engine(engine) -> EagleProposer:
     if not cfg.draft_model:
         raise ValueError("speculative method 'eagle' needs draft_model: the EAGLE layer's checkpoint directory")
     layer = load_eagle(cfg.draft_model, engine.model_config, engine.dtype, engine.device)
-    engine.runner.keep_features = True
     # Each draft token runs one decoder layer and the target's LM head: on the 2-core CPU with
     # SmolLM2 the head (49152 x 576) dominates, about 0.15 of a decode step.
-    return EagleProposer(layer, engine.loaded.model, engine.runner.features, draft_cost=0.15)
+    return EagleProposer(layer, engine.loaded.model, draft_cost=0.15)

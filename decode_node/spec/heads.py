@@ -7,9 +7,10 @@ directory::
 
 Each head is ``lm_head(x + sum of SiLU residual blocks)``. Drafts are the heads' argmaxes (a
 deterministic proposal: q is one-hot, so verification stays exact for any temperature). The
-hidden state comes from the model runner, which keeps the final-normed state of the position
-that produced each sequence's last token (``ModelRunner.keep_hidden``); a sequence without one
-yet (its first token came from a prefill node) drafts nothing for one step.
+hidden state comes from the model runner: the proposer declares ``TargetStates("last")`` and
+receives the final-normed state of the position that produced each sequence's newest token;
+a sequence without one yet (its first token came from a prefill node) drafts nothing for one
+step.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.spec import DraftRequest, Proposal
+from engine.spec import DraftRequest, Proposal, TargetStates
 
 
 class ResBlock(nn.Module):
@@ -82,10 +83,15 @@ def load_heads(path: str | Path, dtype: torch.dtype, device: torch.device) -> Me
 
 class MedusaProposer:
     batched = True  # one drafting round covers every sequence of the step
-    def __init__(self, heads: MedusaHeads, last_hidden: dict[str, torch.Tensor], draft_cost: float) -> None:
+    target_states = TargetStates("last")
+
+    def __init__(self, heads: MedusaHeads, draft_cost: float) -> None:
         self.heads = heads
-        self.last_hidden = last_hidden  # the runner's dict, read at each proposal
         self.draft_cost = draft_cost
+        self.last_hidden: dict[str, torch.Tensor] = {}  # seq id -> [hidden], from observe_target
+
+    def observe_target(self, seq_id: str, first_position: int, states: torch.Tensor) -> None:
+        self.last_hidden[seq_id] = states[-1]  # [hidden]
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
@@ -103,7 +109,7 @@ class MedusaProposer:
         pass  # no KV
 
     def forget(self, seq_id: str) -> None:
-        pass  # the runner's hidden states are dropped by the engine
+        self.last_hidden.pop(seq_id, None)
 
 
 def from_engine(engine) -> MedusaProposer:
@@ -115,6 +121,5 @@ def from_engine(engine) -> MedusaProposer:
     if heads.config["hidden_size"] != mc.hidden_size or heads.config["vocab_size"] != mc.vocab_size:
         raise ValueError(f"Medusa heads are for hidden {heads.config['hidden_size']} / vocab "
                          f"{heads.config['vocab_size']}, the model has {mc.hidden_size} / {mc.vocab_size}")
-    engine.runner.keep_hidden = True
     # One head is a hidden x vocab matmul, like the target's own head: small next to the layers.
-    return MedusaProposer(heads, engine.runner.last_hidden, draft_cost=0.02)
+    return MedusaProposer(heads, draft_cost=0.02)

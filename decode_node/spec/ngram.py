@@ -47,6 +47,7 @@ def ngram_match(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> tuple[
 class NgramProposer:
     draft_cost = 0.0
     batched = True
+    target_states = None
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace, report) -> dict:
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.engine import LLMEngine, torch_dtype
     from engine.models.loader import resolve_source
-    from engine.sampling_params import SamplingParams
+    from tokens.sampling_params import SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -84,7 +84,7 @@ def _run_model(name: str, tmp: Path, args, report) -> dict:
     from engine.engine import LLMEngine, encode_chat, torch_dtype
     from engine.models.loader import resolve_source
     from engine.models.tiny import save_tiny_model
-    from engine.sampling_params import SamplingParams
+    from tokens.sampling_params import SamplingParams
 
     dtype = torch_dtype(args.dtype)
     tiny = name.startswith("tiny-")

@@ -58,7 +58,7 @@ class Request(NamedTuple):
 
 def load_trace(path: Path, limit: int) -> list[Request]:
     """The first ``limit`` requests in arrival order, read by the router simulator's loader."""
-    from router.sim import load_trace as read_trace
+    from router.replay.traces import load_trace as read_trace
 
     return [Request(r.input_tokens, r.output_tokens) for r in read_trace(str(path), limit)]
 

@@ -4,7 +4,7 @@ Every policy runs on the same requests, in simulated time, against one real redi
 started for the run (or --redis-url): simulated prefill nodes publish their block events through
 ``NodePublisher``, the router side looks prefixes up through ``IndexReader.match`` (one script
 call per request), and pdserve's ``TtftPolicy`` predicts with a ``CostBook`` fitted online from
-the simulated nodes' step reports. Baselines (router.baselines) and the global-pool upper bound
+the simulated nodes' step reports. Baselines (router.replay.baselines) and the global-pool upper bound
 run in the same process on the same arrivals. See router/sim.py for the node model.
 
 Columns: token hit ratio; TTFT mean / p50 / p99 (admitted requests); SLO attainment (rejected
@@ -20,12 +20,15 @@ import uuid
 import redis
 
 from deploy.redis_server import RedisServer
-from kv_transfer.kv_index import IndexReader, NodeInfo, NodePublisher
+from kv_index.nodes import NodeInfo
+from kv_index.publisher import NodePublisher
+from kv_index.reader import IndexReader
 from router.admission import SLO_CLASSES
-from router.baselines import BASELINES
 from router.cost_model import CostBook, DecodeCost, PrefillCost
 from router.placement import TtftPolicy
-from router.sim import IndexLink, SimConfig, load_trace, simulate, time_scale
+from router.replay.baselines import BASELINES
+from router.replay.simulator import IndexLink, SimConfig, simulate, time_scale
+from router.replay.traces import load_trace
 
 POLICIES = ("pdserve", "pdserve_replicate", *BASELINES, "global_pool")
 

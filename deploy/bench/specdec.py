@@ -145,7 +145,7 @@ def run(args: argparse.Namespace, report) -> dict:
         cfg = dataclasses.replace(base_cfg, speculative=spec)
         return LLMEngine(cfg, loaded=loaded, tokenizer=tok, proposer_factory=build_proposer)
 
-    from engine.sampling_params import SamplingParams
+    from tokens.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens)
     methods = ["off"] + [m.strip() for m in args.proposers.split(",") if m.strip()]
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace, report) -> dict:
         for i in range(0, len(prompts), max(1, args.batch)):
             chunk = prompts[i : i + max(1, args.batch)]
             for m, eng in engines.items():
-                before = eng.spec_stats.as_dict() if eng.proposer is not None else None
+                before = eng.spec.stats.as_dict() if eng.spec is not None else None
                 t0 = time.perf_counter()
                 outs = eng.generate(chunk, params)
                 dt = time.perf_counter() - t0
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace, report) -> dict:
                 r["tokens"] += sum(len(o.outputs[0].token_ids) for o in outs)
                 outputs[m].setdefault(set_name, []).extend(o.outputs[0].token_ids for o in outs)
                 if before is not None:
-                    after = eng.spec_stats.as_dict()
+                    after = eng.spec.stats.as_dict()
                     r["drafts"] = r.get("drafts", 0) + after["drafts"] - before["drafts"]
                     r["accepted"] = r.get("accepted", 0) + after["accepted_tokens"] - before["accepted_tokens"]
             report.progress(f"{set_name}: {min(i + len(chunk), len(prompts))}/{len(prompts)} prompts")

@@ -30,7 +30,7 @@ from concurrent import futures
 import grpc
 import torch
 
-from kv_transfer.grpc_transport import GRPC_OPTIONS, KVReceiver, push_blocks
+from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, KVReceiver, push_blocks
 from kv_transfer.layout import PoolLayout
 from kv_transfer.validate import Reservation
 from kv_transfer.wire import build_header, iter_wire_messages, payload_units
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace, report) -> dict:
     )
 
     reservations: dict[str, Reservation] = {}
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=KV_GRPC_OPTIONS)
     kv_pb2_grpc.add_KVTransferServicer_to_server(
         KVReceiver(dst_pool, FINGERPRINT, on_received=lambda r: None, reservation_for=reservations.get), server
     )
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace, report) -> dict:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SINK_SERVICE, {_SINK_METHOD: sink}),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=KV_GRPC_OPTIONS)
     sink_call = channel.stream_unary(f"/{_SINK_SERVICE}/{_SINK_METHOD}")
     sockets = _SocketPair()
 

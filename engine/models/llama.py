@@ -284,15 +284,33 @@ class LlamaForCausalLM(nn.Module):
         attn: AttentionBackend,
         num_layers: int | None = None,  # run only the first layers (early exit for self-drafting)
     ) -> torch.Tensor:  # [T, hidden]
+        return self.forward_states(input_ids, positions, kv_cache, attn, num_layers)[0]
+
+    def forward_states(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_cache: torch.Tensor,  # [L, N, 2, bs, H_kv, D]
+        attn: AttentionBackend,
+        num_layers: int | None = None,
+        capture_layer: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward`` that also returns the residual stream after decoder layer
+        ``capture_layer`` (before any norm; None: not kept) -> ([T, hidden], [T, hidden] | None)."""
         n = self.cfg.num_layers if num_layers is None else num_layers
         if not 1 <= n <= self.cfg.num_layers:
             raise ValueError(f"num_layers must be in [1, {self.cfg.num_layers}], got {n}")
+        if capture_layer is not None and not 0 <= capture_layer < n:
+            raise ValueError(f"capture_layer must be in [0, {n - 1}], got {capture_layer}")
         max_position = int(positions.max()) + 1 if positions.numel() else 1
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rope(positions, max_position, h.dtype)
+        captured = None
         for i in range(n):
             h = self.layers[i](h, cos, sin, kv_cache[i], attn)
-        return self.norm(h)
+            if i == capture_layer:
+                captured = h
+        return self.norm(h), captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] f32
         weight = self._logits_weight()

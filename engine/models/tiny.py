@@ -45,14 +45,32 @@ def tiny_hf_config(arch: str = "llama", **overrides):
     raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHS}")
 
 
-def save_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Build a seeded random model of ``arch`` and save it (safetensors + config) at ``path``."""
+def build_tiny_model(config, seed: int = 0, random_norms: bool = False):
+    """A seeded random float32 Hugging Face model of ``config`` in eval mode (eager attention,
+    the reference tests compare against). ``random_norms``: norm weights and biases random too,
+    so a test notices when they are loaded wrongly (they start at 1 and 0 otherwise)."""
     import torch
     import transformers
 
-    cfg = tiny_hf_config(arch, **overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    if random_norms:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                elif name.endswith(".bias"):
+                    p.copy_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def save_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Build a seeded random model of ``arch`` and save it (safetensors + config) at ``path``."""
+    return save_model(build_tiny_model(tiny_hf_config(arch, **overrides), seed), path)
+
+
+def save_model(model, path: str | Path) -> Path:
+    """Save a Hugging Face model as a local directory the engine's loader reads."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)

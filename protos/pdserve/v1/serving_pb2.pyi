@@ -13,6 +13,7 @@ class SloClass(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SLO_CLASS_INTERACTIVE: _ClassVar[SloClass]
     SLO_CLASS_STANDARD: _ClassVar[SloClass]
     SLO_CLASS_BATCH: _ClassVar[SloClass]
+    SLO_CLASS_RELAXED: _ClassVar[SloClass]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -25,6 +26,7 @@ SLO_CLASS_UNSPECIFIED: SloClass
 SLO_CLASS_INTERACTIVE: SloClass
 SLO_CLASS_STANDARD: SloClass
 SLO_CLASS_BATCH: SloClass
+SLO_CLASS_RELAXED: SloClass
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 from engine.engine import LLMEngine, RequestOutput
-from engine.sampling_params import SamplingParams
+from tokens.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

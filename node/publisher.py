@@ -20,42 +20,15 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 
 import redis
 
-from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
-from kv_transfer.kv_index import NodePublisher, StepReport
+from kv_index.events import fold_kv_events
+from kv_index.nodes import StepReport
+from kv_index.publisher import NodePublisher
 
 log = logging.getLogger(__name__)
-
-
-def fold_kv_events(events: Iterable[object]) -> tuple[list[int], list[int], bool]:
-    """Net effect of block events in order -> (stored, removed, cleared).
-
-    ``NodePublisher.publish`` applies cleared, then removed, then stored; folding first makes
-    that order right whatever the batch held (a block stored then evicted in the same batch
-    ends up removed, not stored).
-    """
-    state: dict[int, bool] = {}  # hash -> stored (True) / removed (False); insertion order kept
-    cleared = False
-    for ev in events:
-        if isinstance(ev, BlockStored):
-            for h in ev.block_hashes:
-                state.pop(h, None)
-                state[h] = True
-        elif isinstance(ev, BlockRemoved):
-            for h in ev.block_hashes:
-                state.pop(h, None)
-                state[h] = False
-        elif isinstance(ev, AllBlocksCleared):
-            cleared = True
-            state.clear()
-        else:
-            raise TypeError(f"unknown KV event {type(ev).__name__}")
-    stored = [h for h, s in state.items() if s]
-    removed = [h for h, s in state.items() if not s]
-    return stored, removed, cleared
 
 
 class IndexPublisherThread:

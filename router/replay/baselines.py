@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import itertools
 
-from kv_transfer.kv_index import NodeInfo
-from router.placement import (NoCapacityError, Placement, PlacementPolicy, cached_tokens, decode_load_key,
-                              queued_tokens)
+from kv_index.nodes import NodeInfo, Role
+from router.placement import NoCapacityError, Placement, PlacementPolicy, cached_tokens, decode_load_key, queued_tokens
 
 
 def _split(nodes: list[NodeInfo]) -> tuple[list[NodeInfo], NodeInfo]:
-    decoders = [n for n in nodes if n.role == "decode"]
+    decoders = [n for n in nodes if n.role == Role.DECODE]
     if not decoders:
         raise NoCapacityError("no live decode node")
-    prefillers = sorted((n for n in nodes if n.role == "prefill"), key=lambda n: n.node_id)
+    prefillers = sorted((n for n in nodes if n.role == Role.PREFILL), key=lambda n: n.node_id)
     if not prefillers:
         raise NoCapacityError("no live prefill node")
     return prefillers, min(decoders, key=decode_load_key)

@@ -9,14 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-
-ROLES = ("prefill", "decode")
+from kv_index.nodes import Role
 
 
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
     node_id: str
-    role: str  # "prefill" | "decode"
+    role: Role
     redis_url: str
     host: str = "127.0.0.1"
     grpc_port: int = 0  # 0 = pick a free port (the bound address is what the node registers)
@@ -36,8 +35,10 @@ class NodeConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        try:  # a plain string from a flag or a values file names the role too
+            object.__setattr__(self, "role", Role(self.role))
+        except ValueError:
+            raise ValueError(f"role must be one of {[r.value for r in Role]}, got {self.role!r}") from None
         if not self.node_id:
             raise ValueError("node_id must be non-empty")
         if not 0 < self.heartbeat_s < self.lease_s:
@@ -52,10 +53,10 @@ class NodeConfig:
             raise ValueError(f"grpc_workers must be >= 2, got {self.grpc_workers}")
 
 
-def pool_resource(role: str) -> str:
+def pool_resource(role: Role) -> str:
     """The Ray custom resource of a role's pool: a Ray node joins the prefill pool by offering
     ``{"prefill_pool": k}`` (k node actors fit on it)."""
-    return f"{role}_pool"
+    return f"{Role(role).value}_pool"
 
 
 def ray_actor_options(

@@ -1,7 +1,7 @@
 """A trace-driven simulator of the prefill/decode cluster, for comparing placement policies.
 
 The policy under test and the index are the real ones: each request is placed by a
-``PlacementPolicy`` from router.placement / router.baselines, on ``NodeInfo`` load figures, with
+``PlacementPolicy`` from router.placement / router.replay.baselines, on ``NodeInfo`` load figures, with
 the prefix match read from the Redis index through ``IndexReader.match`` (one script call) after
 the simulated nodes published their block events through ``NodePublisher``. Only the nodes are
 simulated, in simulated time (no sleeping):
@@ -21,64 +21,20 @@ request's start and finish at once, so the loop is one pass over the trace.
 from __future__ import annotations
 
 import heapq
-import json
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kv_transfer.kv_index import IndexReader, NodeInfo, NodePublisher, StepReport
+from kv_index.events import BlockRemoved, BlockStored, KVEvent, fold_kv_events
+from kv_index.nodes import NodeInfo, Role, StepReport
+from kv_index.publisher import NodePublisher
+from kv_index.reader import IndexReader
 from router.admission import SLO_CLASSES, decide
 from router.cost_model import CostBook, DecodeCost, PrefillCost
 from router.placement import PlacementPolicy, PlacementRequest
-
-
-# ----------------------------------------------------------------------------- traces
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    arrival_s: float
-    input_tokens: int
-    output_tokens: int
-    hash_ids: tuple[int, ...] = ()  # one per block of the prompt, prefix-chained (Mooncake)
-
-
-def load_trace(path: str, max_requests: int | None = None) -> list[TraceRequest]:
-    """Mooncake JSON Lines (timestamp ms, input_length, output_length, hash_ids) or an Azure
-    LLM inference CSV (TIMESTAMP, ContextTokens, GeneratedTokens: no prefix information)."""
-    out: list[TraceRequest] = []
-    with open(path) as f:
-        first = f.readline()
-        if first.lstrip().startswith("{"):
-            for line in [first, *f]:
-                if line.strip():
-                    d = json.loads(line)
-                    out.append(TraceRequest(d["timestamp"] / 1e3, int(d["input_length"]),
-                                            int(d["output_length"]), tuple(d.get("hash_ids", ()))))
-                if max_requests and len(out) >= max_requests:
-                    break
-        else:
-            header = [h.strip() for h in first.split(",")]
-            ti, ci, gi = header.index("TIMESTAMP"), header.index("ContextTokens"), header.index("GeneratedTokens")
-            t0 = None
-            for line in f:
-                cols = line.strip().split(",")
-                if len(cols) < len(header):
-                    continue
-                t = _parse_azure_time(cols[ti])
-                t0 = t if t0 is None else t0
-                out.append(TraceRequest(t - t0, int(cols[ci]), int(cols[gi])))
-                if max_requests and len(out) >= max_requests:
-                    break
-    out.sort(key=lambda r: r.arrival_s)
-    return out
-
-
-def _parse_azure_time(s: str) -> float:
-    # "2023-11-16 18:15:46.6805900": seconds since midnight is enough (traces span an hour).
-    hms = s.split(" ")[-1]
-    h, m, sec = hms.split(":")
-    return int(h) * 3600 + int(m) * 60 + float(sec)
+from router.replay.traces import TraceRequest
 
 
 # ----------------------------------------------------------------------------- nodes
@@ -262,14 +218,15 @@ def simulate(name: str, requests: Sequence[TraceRequest], cfg: SimConfig, policy
         res.requests += 1
         # 1. Index events of prefills finished by now, one publish per node.
         if index is not None and events and events[0][0] <= t:
-            batch: dict[str, tuple[list[int], list[int]]] = {}
+            batch: dict[str, list[KVEvent]] = {}
             while events and events[0][0] <= t:
                 at, _, nid, st, rm = heapq.heappop(events)
-                b = batch.setdefault(nid, ([], []))
-                _fold(b, st, rm)
+                # An eviction and an insertion of one prefill: the insertion wins, as in a node.
+                batch.setdefault(nid, []).extend((BlockRemoved(tuple(rm)), BlockStored(tuple(st), None, ())))
                 last_event_at[nid] = at
-            for nid, (st, rm) in batch.items():
-                index.publish(nid, st, rm)
+            for nid, evs in batch.items():
+                stored, removed, _ = fold_kv_events(evs)
+                index.publish(nid, stored, removed)
         # 2. Node view at t.
         infos, backlog = _views(prefill, decode, t, cfg)
         hashes = list(req.hash_ids)
@@ -347,20 +304,6 @@ def simulate(name: str, requests: Sequence[TraceRequest], cfg: SimConfig, policy
     return res
 
 
-def _fold(b: tuple[list[int], list[int]], stored: list[int], removed: list[int]) -> None:
-    """Append a later event batch to a pending one: a block stored then evicted (or evicted then
-    stored again) ends in its last state, as kv_transfer.node_publisher.fold_kv_events does."""
-    st, rm = b
-    if removed:
-        gone = set(removed)
-        st[:] = [h for h in st if h not in gone]
-        rm.extend(removed)
-    if stored:
-        back = set(stored)
-        rm[:] = [h for h in rm if h not in back]
-        st.extend(stored)
-
-
 def _views(prefill: list[_Prefill], decode: list[_Decode], t: float, cfg: SimConfig
            ) -> tuple[list[NodeInfo], dict[str, float]]:
     """NodeInfo per node as the router would see it at ``t`` (its own in-flight accounting),
@@ -377,17 +320,13 @@ def _views(prefill: list[_Prefill], decode: list[_Decode], t: float, cfg: SimCon
             tokens += new if s > t else int(new * (f - t) / max(1e-9, f - s))
         head_start = min((s for _, s, _, _ in p.inflight), default=t)
         backlog[p.node_id] = max(0.0, sum(x[3] for x in p.inflight) - max(0.0, t - head_start))
-        infos.append(NodeInfo(p.node_id, "prefill", "", "sim", cfg.block_size, p.cache.capacity,
+        infos.append(NodeInfo(p.node_id, Role.PREFILL, "", "sim", cfg.block_size, p.cache.capacity,
                               waiting=waiting, running=len(p.inflight) - waiting, running_tokens=tokens,
                               kv_usage=p.cache.usage))
     for d in decode:
         while d.active and d.active[0][0] <= t:
             heapq.heappop(d.active)
-        infos.append(NodeInfo(d.node_id, "decode", "", "sim", cfg.block_size, cfg.decode_max_batch,
+        infos.append(NodeInfo(d.node_id, Role.DECODE, "", "sim", cfg.block_size, cfg.decode_max_batch,
                               running=len(d.active), running_tokens=sum(c for _, c in d.active)))
         backlog[d.node_id] = 0.0 if len(d.active) < cfg.decode_max_batch else max(0.0, d.active[0][0] - t)
     return infos, backlog
-
-
-def per_policy(results: Iterable[PolicyResult]) -> dict[str, dict]:
-    return {r.name: r.summary() for r in results}

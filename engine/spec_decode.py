@@ -1,0 +1,97 @@
+"""The speculation loop around an engine step: plan lookahead, draft, learn, count.
+
+``LLMEngine.step`` with speculation on, in order::
+
+    plan_lookahead   the controller picks k per decoding sequence; the scheduler reserves k slots
+    propose          the proposer fills each scheduled sequence's slots with draft tokens
+    (the runner verifies every k + 1 positions in the step's one forward)
+    observe_step     step time -> the cost model; accepted lengths -> the controller and counters
+
+The engine owns the mechanism's state-free parts (scheduler lookahead, verification in the
+runner); this object owns what speculation learns and counts. The proposer is injected (the
+decode role builds it, ``decode_node/spec/``); what it needs from the target's forward it
+declares in ``Proposer.target_states`` and receives through ``observe_target`` (the runner's
+one hook), so nothing here or in the runner knows which method is running.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from engine.config import SpeculativeConfig
+from engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
+from engine.spec import DraftRequest, Proposer, SpecStats
+from engine.spec_control import SpecController, StepCost
+
+
+class SpeculativeDecoding:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer,
+                 gemm_ms: Callable[[int], float] | None = None) -> None:
+        """``gemm_ms``: the CPU kernel plan's matmul time by row count (None off CPU), the
+        cost model's prior."""
+        self.proposer = proposer
+        self.step_cost = StepCost(config, gemm_ms)
+        self.controller = SpecController(config, proposer.draft_cost, self.step_cost, batched=proposer.batched)
+        self.stats = SpecStats()  # node totals
+        self._seq_stats: dict[str, SpecStats] = {}
+
+    def plan_lookahead(self, scheduler: Scheduler) -> dict[str, int] | None:
+        """seq id -> draft slots to reserve this step (None: no decoding sequence)."""
+        candidates = [s.seq_id for s in scheduler.decode_candidates()]
+        return self.controller.plan(candidates, scheduler.num_running) if candidates else None
+
+    def propose(self, sched: SchedulerOutput, block_table_of: Callable[[str], list[int]],
+                batch_size: int) -> None:
+        """Fill the scheduled sequences' lookahead slots with drafts (``draft_token_ids``,
+        ``draft_probs``, ``draft_bucket`` on each item), trimmed to what pays."""
+        if sched.block_copies:
+            self.proposer.copy_blocks(sched.block_copies)
+        items = [it for it in sched.scheduled if it.num_lookahead > 0]
+        if not items:
+            return
+        reqs = [DraftRequest(it.seq, it.num_lookahead, block_table_of(it.seq.seq_id)) for it in items]
+        t0 = time.perf_counter()
+        proposals = self.proposer.propose(reqs)
+        # The proposer's own estimate of its cost is a guess; what it took here is not.
+        rounds = max(r.k for r in reqs) if self.proposer.batched else sum(r.k for r in reqs)
+        self.controller.observe_draft(rounds, (time.perf_counter() - t0) * 1e3)
+        lengths = [min(len(p.token_ids), it.num_lookahead) for it, p in zip(items, proposals)]
+        if any(p.bucket is not None for p in proposals):
+            lengths = self.controller.trim(
+                [(it.seq.seq_id, n, p.bucket) for it, n, p in zip(items, lengths, proposals)], batch_size)
+        for it, prop, n in zip(items, proposals, lengths):
+            it.draft_token_ids = [int(t) for t in prop.token_ids[:n]]
+            it.draft_probs = None if prop.probs is None or n == 0 else prop.probs[:n]
+            it.draft_bucket = prop.bucket if n else None
+
+    def observe_step(self, sched: SchedulerOutput, sampled: dict[str, SampledTokens], forward_ms: float) -> None:
+        """Learn from a finished step: its time (decode and verification steps only: a prefill
+        chunk says nothing about k + 1 query rows) and each draft's accepted length."""
+        if all(it.num_new_tokens == 1 for it in sched.scheduled):
+            rows = sum(1 + len(it.draft_token_ids) for it in sched.scheduled)
+            verifying = any(it.draft_token_ids for it in sched.scheduled)
+            self.step_cost.observe(rows, forward_ms, verifying)
+        for it in sched.scheduled:
+            if not it.draft_token_ids or it.seq.seq_id not in sampled:
+                continue
+            sid = it.seq.seq_id
+            drafted, accepted = len(it.draft_token_ids), len(sampled[sid].token_ids) - 1
+            self.controller.observe(sid, drafted, accepted, it.draft_bucket)
+            self._seq_stats.setdefault(sid, SpecStats()).record(drafted, accepted)
+            self.stats.record(drafted, accepted)
+
+    def seq_stats(self, seq_id: str) -> SpecStats:
+        """The counters of one sample so far (zeros before its first draft)."""
+        return self._seq_stats.get(seq_id, SpecStats())
+
+    def forget(self, seq_id: str) -> None:
+        """The sample finished: drop what the controller, the counters and the proposer keep."""
+        self._seq_stats.pop(seq_id, None)
+        self.controller.forget(seq_id)
+        self.proposer.forget(seq_id)
+
+    def snapshot(self) -> dict:
+        # The counters plus what the controller currently believes a step and a draft cost:
+        # the numbers to look at when speculation switches itself off.
+        return {**self.stats.as_dict(), "step_cost_ms": self.step_cost.snapshot(),
+                "draft_round_ms": round(self.controller.draft_round_ms, 3)}

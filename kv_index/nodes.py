@@ -1,0 +1,76 @@
+"""What the index says about a node, as plain data: its role, address, model, load and index
+bookkeeping. No redis, grpc or torch: placement policies and the router's node view work on
+these, and tests build them by hand."""
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+
+class Role(str, enum.Enum):
+    """A node's job in the cluster. The value is what the registry stores and what names the
+    node's Ray pool (``{role}_pool``)."""
+
+    PREFILL = "prefill"  # computes prompts' KV and pushes it to decode nodes
+    DECODE = "decode"  # receives KV (or prefills short prompts itself) and streams tokens
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    node_id: str
+    role: Role
+    grpc_address: str  # host:port of the node's gRPC server
+    fingerprint: str
+    block_size: int
+    num_blocks: int
+    # load, as of the last heartbeat
+    waiting: int = 0
+    running: int = 0
+    running_tokens: int = 0
+    free_blocks: int = 0
+    kv_usage: float = 0.0
+    updated_at: float = 0.0
+    # index bookkeeping: last applied event batch and when the node published it (-1/0: none)
+    index_seq: int = -1
+    event_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))  # "decode" from a test or a hash -> Role.DECODE
+
+    @staticmethod
+    def from_hash(node_id: str, h: Mapping[bytes, bytes]) -> NodeInfo:
+        """From the node's registry HASH. ValueError for a role this build does not know."""
+        g = {k.decode(): v.decode() for k, v in h.items()}
+        return NodeInfo(
+            node_id=node_id,
+            role=g["role"],
+            grpc_address=g["grpc"],
+            fingerprint=g["fingerprint"],
+            block_size=int(g["block_size"]),
+            num_blocks=int(g["num_blocks"]),
+            waiting=int(g.get("waiting", 0)),
+            running=int(g.get("running", 0)),
+            running_tokens=int(g.get("running_tokens", 0)),
+            free_blocks=int(g.get("free_blocks", 0)),
+            kv_usage=float(g.get("kv_usage", 0.0)),
+            updated_at=float(g.get("updated_at", 0.0)),
+            index_seq=int(g.get("seq", -1)),
+            event_at=float(g.get("event_at", 0.0)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """One unit of prefill work a node measured: ``new_tokens`` computed over a context of
+    ``context_tokens`` (cached + new) in ``seconds``. The router fits its cost model on these."""
+
+    new_tokens: int
+    context_tokens: int
+    seconds: float
+
+
+def index_freshness(nodes: Iterable[NodeInfo], now: float) -> dict[str, float]:
+    """Age in seconds of the newest applied event batch, per node (its clock vs ``now``).
+    A node that published nothing since registering shows the age of its registration."""
+    return {n.node_id: max(0.0, now - n.event_at) for n in nodes if n.event_at > 0}

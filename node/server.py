@@ -1,0 +1,116 @@
+"""What every serving node is besides its role's RPCs: one gRPC server with standard health
+checking and reflection, the engine on its own thread, and the link to the KV index.
+
+A role's server subclasses ``NodeServer``: it names its role and its gRPC services, builds its
+engine, adds its servicers, and may extend ``stop`` and ``role_stats``. Everything else (role
+check, bind, serve, register, heartbeat, stats, tear-down) is here, once.
+
+Start order matters: the gRPC port is bound first (its address is what the node registers),
+the server starts serving, and only then does the node appear in Redis, so a router never
+sees an address that does not answer. Stop runs in reverse: leave Redis, stop serving, stop
+the engine.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from typing import ClassVar
+
+import grpc
+import redis
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.engine import LLMEngine
+from kv_index.nodes import NodeInfo, Role
+from kv_index.publisher import NodePublisher
+from kv_transfer.grpc_transport import KV_GRPC_OPTIONS
+from node.config import NodeConfig
+from node.engine_thread import AsyncEngine
+from node.publisher import IndexPublisherThread
+
+log = logging.getLogger(__name__)
+
+
+class NodeServer:
+    """One node: ``start`` binds, serves and registers (returns "host:port"); ``stop`` undoes it.
+
+    Subclasses set ``role`` and ``services`` (full names of the gRPC services they add, which
+    health and reflection then report) and add their servicers to ``self.grpc_server`` in
+    ``__init__``, after calling this one.
+    """
+
+    role: ClassVar[Role]
+    services: ClassVar[tuple[str, ...]]
+
+    def __init__(self, config: NodeConfig, engine: LLMEngine) -> None:
+        if config.role is not self.role:
+            raise ValueError(f"{type(self).__name__} needs a {self.role.value}-role config, "
+                             f"got role={config.role.value!r}")
+        self.config = config
+        self.engine = engine
+        # The KV stream's options on every node: a decode node receives PushBlocks on this server.
+        self.grpc_server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix=f"grpc-{config.node_id}"),
+            options=KV_GRPC_OPTIONS,
+        )
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+        reflection.enable_server_reflection(
+            (*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server)
+        self.aengine: AsyncEngine | None = None
+        self.publisher: IndexPublisherThread | None = None
+        self.address: str | None = None
+        self._redis: redis.Redis | None = None
+
+    def start(self) -> str:
+        """Bind, serve, register; returns "host:port"."""
+        cfg = self.config
+        port = self.grpc_server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        if port == 0:
+            raise OSError(f"could not bind {cfg.host}:{cfg.grpc_port}")
+        self.address = f"{cfg.host}:{port}"
+        self._redis = redis.Redis.from_url(cfg.redis_url)
+        info = NodeInfo(
+            node_id=cfg.node_id, role=cfg.role, grpc_address=self.address,
+            fingerprint=self.engine.fingerprint, block_size=self.engine.block_size,
+            num_blocks=self.engine.num_blocks,
+        )
+        index = NodePublisher(self._redis, info, ns=cfg.namespace, lease_s=cfg.lease_s)
+        self.publisher = IndexPublisherThread(index, self._load, cfg.heartbeat_s)
+        self.aengine = AsyncEngine(self.engine, on_kv_events=self.publisher.submit_events,
+                                   name=f"engine-{cfg.node_id}")
+        try:
+            self.grpc_server.start()
+            for name in ("", *self.services):
+                self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self.publisher.start()
+        except BaseException:
+            # e.g. Redis unreachable: do not leave a serving but unregistered node behind.
+            self.stop(deregister=False)
+            raise
+        log.info("%s node %s serving on %s", cfg.role.value, cfg.node_id, self.address)
+        return self.address
+
+    def stop(self, deregister: bool = True, grace_s: float = 1.0) -> None:
+        """``deregister=False`` leaves the Redis entry to expire with its lease, as a crash would."""
+        if self.publisher is not None:
+            self.publisher.stop(deregister=deregister)
+        self.health.enter_graceful_shutdown()
+        self.grpc_server.stop(grace_s).wait()
+        if self.aengine is not None:
+            self.aengine.shutdown()
+        if self._redis is not None:
+            self._redis.close()
+
+    def stats(self) -> dict:
+        """What ``pdserve status`` and the actor's ``stats`` show: identity, load, role figures."""
+        return {"node_id": self.config.node_id, "role": self.role.value, "address": self.address,
+                **self._load(), **self.role_stats()}
+
+    def role_stats(self) -> dict:
+        """The role's own figures (prefills done, reservations held, ...)."""
+        return {}
+
+    def _load(self) -> dict:
+        return self.aengine.load.as_dict() if self.aengine is not None else {}

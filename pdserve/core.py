@@ -1,0 +1,326 @@
+"""The SDK's I/O-free core, shared by the blocking client (client.py) and the asyncio one
+(aio.py): request building, response accumulation, the retry decision and its delay, deadlines
+and per-stream state. Nothing here waits or touches a socket; the two clients add only the
+channel and how they wait (``time.sleep`` or ``await asyncio.sleep``).
+
+Retries: a call that fails with UNAVAILABLE before the server sent anything is retried with
+exponential backoff and full jitter, within the call's deadline. Once a Generate stream has
+delivered a message it is never retried, so output is never duplicated.
+"""
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from pdserve import errors
+from pdserve.types import Chunk, Completion, ModelInfo, Timings, TokenLogprob, Usage
+from protos.conventions import MAX_MESSAGE_BYTES, grpc_options
+from protos.pdserve.v1 import serving_pb2 as pb
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PdServe"].full_name
+Metadata = Sequence[tuple[str, str]]
+SLO_CLASSES = tuple(pb.SloClass.Name(v).removeprefix("SLO_CLASS_").lower()
+                    for v in pb.SloClass.values() if v != pb.SLO_CLASS_UNSPECIFIED)
+
+
+@dataclass(frozen=True, slots=True)
+class TLS:
+    """TLS settings. Each PEM may be given as bytes or as a file path.
+
+    root_certificates: CAs to trust (None: the system's). certificate_chain + private_key:
+    a client certificate for mutual TLS. server_name_override: the name to verify the server's
+    certificate against when it differs from the target's host (tests, IP targets).
+    """
+
+    root_certificates: bytes | str | Path | None = None
+    certificate_chain: bytes | str | Path | None = None
+    private_key: bytes | str | Path | None = None
+    server_name_override: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=_pem(self.root_certificates),
+            private_key=_pem(self.private_key),
+            certificate_chain=_pem(self.certificate_chain),
+        )
+
+    def options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.server_name_override)] if self.server_name_override else []
+
+
+def _pem(value: bytes | str | Path | None) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    return Path(value).read_bytes()
+
+
+# ----------------------------------------------------------------------------- requests
+def build_request(prompt: Any = None, *, messages: Sequence[Mapping[str, str]] | None = None,
+                  token_ids: Sequence[int] | None = None, model: str = "",
+                  request_id: str | None = None, slo_class: str | None = None,
+                  session_id: str = "", **sampling: Any) -> pb.GenerateRequest:
+    """A GenerateRequest from one of: ``prompt`` (str: text; list of dicts: chat messages;
+    list of ints: token ids), ``messages=`` or ``token_ids=``. Sampling keywords left None
+    mean the server's default; so does ``slo_class=None`` (the router's default class)."""
+    if prompt is not None:
+        if isinstance(prompt, str):
+            text: str | None = prompt
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            text, token_ids = None, prompt
+        else:
+            text, messages = None, prompt
+    else:
+        text = None
+    given = sum(x is not None for x in (text, messages, token_ids))
+    if given != 1:
+        raise ValueError("give exactly one of a text prompt, messages or token_ids")
+    if slo_class is not None and slo_class not in SLO_CLASSES:
+        raise ValueError(f"slo_class must be one of {sorted(SLO_CLASSES)}, got {slo_class!r}")
+    req = pb.GenerateRequest(
+        model=model, request_id=request_id or uuid.uuid4().hex, session_id=session_id,
+        slo_class=pb.SloClass.Value(f"SLO_CLASS_{slo_class.upper()}") if slo_class else pb.SLO_CLASS_UNSPECIFIED,
+        sampling=sampling_message(**sampling))
+    if text is not None:
+        req.text = text
+    elif messages is not None:
+        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+    else:
+        req.tokens.ids.extend(int(t) for t in token_ids)
+    return req
+
+
+def sampling_message(*, max_tokens: int | None = None, temperature: float | None = None,
+                     top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+                     seed: int | None = None, stop: Sequence[str] | str | None = None,
+                     stop_token_ids: Sequence[int] | None = None, n: int | None = None,
+                     logprobs: int | None = None, min_tokens: int | None = None,
+                     repetition_penalty: float | None = None, presence_penalty: float | None = None,
+                     frequency_penalty: float | None = None, ignore_eos: bool | None = None,
+                     include_stop_str_in_output: bool | None = None) -> pb.SamplingParams:
+    fields = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                  seed=seed, n=n, logprobs=logprobs, min_tokens=min_tokens,
+                  repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                  frequency_penalty=frequency_penalty, ignore_eos=ignore_eos,
+                  include_stop_str_in_output=include_stop_str_in_output)
+    msg = pb.SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+    if stop is not None:
+        msg.stop.extend([stop] if isinstance(stop, str) else stop)
+    if stop_token_ids is not None:
+        msg.stop_token_ids.extend(stop_token_ids)
+    return msg
+
+
+# ----------------------------------------------------------------------------- responses
+def finish_reason_name(value: int) -> str:
+    """FINISH_REASON_STOP -> "stop"; unknown future values keep a readable name."""
+    try:
+        return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+    except ValueError:
+        return f"unknown({value})"
+
+
+def _logprobs(items) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+                 for lp in items)
+
+
+class ResponseAccumulator:
+    """Turns GenerateResponse messages into Chunks and, per sample, a Completion."""
+
+    def __init__(self) -> None:
+        self._text: dict[int, list[str]] = {}
+        self._ids: dict[int, list[int]] = {}
+        self._lps: dict[int, list[TokenLogprob]] = {}
+        self.completions: dict[int, Completion] = {}
+        self.request_id: str | None = None
+
+    def feed(self, resp: pb.GenerateResponse) -> Chunk | None:
+        """The Chunk to yield, or None; raises the mapped exception on an in-stream Error."""
+        self.request_id = resp.request_id or self.request_id
+        kind = resp.WhichOneof("kind")
+        if kind == "chunk":
+            c = resp.chunk
+            chunk = Chunk(text=c.text, token_ids=tuple(c.token_ids), index=c.index, logprobs=_logprobs(c.logprobs))
+            self._text.setdefault(c.index, []).append(c.text)
+            self._ids.setdefault(c.index, []).extend(c.token_ids)
+            self._lps.setdefault(c.index, []).extend(chunk.logprobs)
+            return chunk
+        if kind == "complete":
+            c = resp.complete
+            u, t = c.usage, c.timings
+            self.completions[c.index] = Completion(
+                index=c.index, text="".join(self._text.get(c.index, [])),
+                token_ids=tuple(self._ids.get(c.index, [])),
+                finish_reason=finish_reason_name(c.finish_reason),
+                usage=Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens, u.spec_drafts,
+                            u.spec_draft_tokens, u.spec_accepted_tokens, tuple(u.spec_acceptance_per_position),
+                            u.spec_mean_accepted_length),
+                timings=Timings(t.queue_s, t.prefill_s, t.transfer_s, t.first_token_s, t.total_s),
+                logprobs=tuple(self._lps.get(c.index, [])),
+            )
+            return None
+        if kind == "error":
+            where = f" (sample {resp.error.index})" if resp.error.HasField("index") else ""
+            raise errors.from_code_number(resp.error.code, resp.error.message + where)
+        return None
+
+
+def models_from(resp: pb.ListModelsResponse) -> list[ModelInfo]:
+    return [ModelInfo(m.id, m.max_context_length) for m in resp.models]
+
+
+# ----------------------------------------------------------------------------- retries
+class Backoff:
+    """Exponential backoff with full jitter: attempt k sleeps U(0, min(cap, base * 2**k))."""
+
+    def __init__(self, base: float, cap: float, rng: random.Random | None = None) -> None:
+        self.base, self.cap = base, cap
+        self._rng = rng or random.Random()
+
+    def delay(self, attempt: int) -> float:
+        return self._rng.uniform(0.0, min(self.cap, self.base * (2 ** attempt)))
+
+
+class Deadline:
+    """The remaining time of one logical call across its retries (None: no deadline)."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self._end = None if timeout is None else time.monotonic() + timeout
+
+    def remaining(self) -> float | None:
+        return None if self._end is None else self._end - time.monotonic()
+
+    def expired(self) -> bool:
+        r = self.remaining()
+        return r is not None and r <= 0
+
+
+class RetryPolicy:
+    """Whether a failed attempt is retried, and after how long."""
+
+    def __init__(self, retries: int, backoff: Backoff) -> None:
+        self.retries = retries
+        self.backoff = backoff
+
+    def delay(self, code: grpc.StatusCode, attempts: int, deadline: Deadline) -> float | None:
+        """Seconds to wait before attempt ``attempts + 1``, or None: do not retry (not
+        UNAVAILABLE, out of retries, or the deadline would pass while waiting)."""
+        if code != grpc.StatusCode.UNAVAILABLE or attempts > self.retries:
+            return None
+        delay = self.backoff.delay(attempts - 1)
+        remaining = deadline.remaining()
+        if remaining is not None and remaining <= delay:
+            return None
+        return delay
+
+
+class Attempts:
+    """One logical call's attempts: its deadline and how many were made."""
+
+    def __init__(self, timeout: float | None, policy: RetryPolicy) -> None:
+        self.deadline = Deadline(timeout)
+        self.policy = policy
+        self.count = 0
+
+    def begin(self) -> float | None:
+        """Start an attempt; returns its timeout. Raises DeadlineExceededError once it passed."""
+        if self.deadline.expired():
+            raise errors.DeadlineExceededError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded while retrying")
+        self.count += 1
+        return self.deadline.remaining()
+
+    def retry_delay(self, err: grpc.RpcError) -> float:
+        """The wait before the next attempt; raises the typed error when there is none."""
+        delay = self.policy.delay(err.code(), self.count, self.deadline)
+        if delay is None:
+            raise errors.from_rpc_error(err) from None
+        return delay
+
+
+# ----------------------------------------------------------------------------- streams, clients
+class StreamState:
+    """What a sync or async Generate stream keeps: the request, its attempts, the completions."""
+
+    def __init__(self, client: ClientCore, request: pb.GenerateRequest, timeout: float | None,
+                 metadata: Metadata) -> None:
+        self._client = client
+        self._request = request
+        self._attempts = Attempts(timeout, client.retry)
+        self._metadata = metadata
+        self._acc = ResponseAccumulator()
+        self._call = None
+        self._received = False
+        self.request_id = request.request_id
+
+    @property
+    def attempts(self) -> int:
+        return self._attempts.count
+
+    @property
+    def completions(self) -> list[Completion]:
+        return [self._acc.completions[i] for i in sorted(self._acc.completions)]
+
+    @property
+    def completion(self) -> Completion | None:
+        return self._acc.completions.get(0)
+
+    def cancel(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+
+    def _start(self, stub) -> None:
+        self._call = stub.Generate(self._request, timeout=self._attempts.begin(), metadata=self._metadata)
+
+    def _feed(self, resp: pb.GenerateResponse) -> Chunk | None:
+        self._received = True
+        return self._acc.feed(resp)
+
+    def _retry_delay(self, err: grpc.RpcError) -> float:
+        """Wait this long, then attempt again; raises when the stream must not be retried (it
+        already delivered output) or the policy says no."""
+        if self._received:
+            raise errors.from_rpc_error(err) from None
+        return self._attempts.retry_delay(err)
+
+
+class ClientCore:
+    """Configuration and request building both clients share."""
+
+    def __init__(self, target: str, *, timeout: float | None, retries: int, backoff: tuple[float, float],
+                 tls: TLS | None, metadata: Metadata | None, max_message_bytes: int) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.retry = RetryPolicy(retries, Backoff(*backoff))
+        self.tls = tls
+        self.channel_options = grpc_options(max_message_bytes) + (tls.options() if tls else [])
+        self._metadata = tuple(metadata or ())
+
+    @property
+    def retries(self) -> int:
+        return self.retry.retries
+
+    def _md(self, extra: Metadata | None) -> tuple[tuple[str, str], ...]:
+        return self._metadata + tuple(extra or ())
+
+    def _attempts(self, timeout: float | None) -> Attempts:
+        return Attempts(self.timeout if timeout is None else timeout, self.retry)
+
+    def _stream_args(self, prompt: Any, timeout: float | None, metadata: Metadata | None,
+                     kwargs: dict) -> tuple[pb.GenerateRequest, float | None, tuple]:
+        return build_request(prompt, **kwargs), self.timeout if timeout is None else timeout, self._md(metadata)
+
+
+def check_single_sample(kwargs: dict) -> None:
+    if kwargs.get("n", 1) not in (None, 1):
+        raise ValueError("complete() returns one sample; use complete_all() for n > 1")
+
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_MAX_MESSAGE_BYTES = MAX_MESSAGE_BYTES
