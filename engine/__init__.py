@@ -1,5 +1,4 @@
-"""pdserve's model core: paged KV cache, Llama-family model, sampler, scheduler, engine.
-
-Importing this package must stay cheap and torch-free: the router imports
-``tokens.block_hash`` and must not pull torch in. Import submodules directly.
+"""pdserve's model core, one model in one process: paged KV cache, Llama-family model, sampler,
+scheduler, engine, speculation loop. What the router shares with it (block hashes, sampling
+parameters, the stop rule, the detokenizer) lives in ``tokens/``. Import submodules directly.
 """

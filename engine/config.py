@@ -61,10 +61,11 @@ class SpeculativeConfig:
     # ``max_batch_size`` running sequences (verification is not free at large batch).
     max_tokens_per_step: int = 64
     max_batch_size: int = 64
-    # Cost of a verification step relative to a plain decode step at batch 1:
-    # 1 + verify_fixed_cost + k * verify_token_cost. Measured on the 2-core CPU with SmolLM2:
-    # q_len 1 -> 40 ms, q_len 4..8 -> 64..71 ms (one matmul row vs a small GEMM is the jump; the
-    # extra rows cost little because the weights are read once either way).
+    # Prior cost of a verification step relative to a plain decode step at batch 1, until steps
+    # are timed: 1 + verify_fixed_cost + k * verify_token_cost. One row vs a small GEMM is the
+    # jump; extra rows cost little because the weights are read once either way. On CPU the
+    # kernel plan's measured matmul curve replaces it (`pdserve bench verify-cost` measures the
+    # real ratio: docs/benchmarks.md).
     verify_fixed_cost: float = 0.5
     verify_token_cost: float = 0.03
 

@@ -69,9 +69,9 @@ class StepCost:
     """Predicted time (ms) of one decode/verification forward over ``t`` query rows.
 
     Kept apart for steps with and without a verification in them: a verifying step pays a
-    fixed extra (the verification's own logits, probabilities and sampling; at batch 8 on
-    the dev VM the first verifying sequence added ~11 ms to a 38 ms step, each further one
-    ~3 ms), which a plain decode step of the same row count does not.
+    fixed extra (the verification's own logits, probabilities and sampling; a large share of a
+    CPU step at batch 8, docs/benchmarks.md), which a plain decode step of the same row count
+    does not.
 
     ``cost(t, v) = prior(t, v)`` until (t, v) has been observed ``MIN_SEEN`` times, then its
     own exponential average. The prior is the measured matmul curve plus a residual
@@ -140,7 +140,7 @@ def step_budget(cfg: SpeculativeConfig, batch_size: int) -> int:
 NODE_DECAY = 0.99  # the node-wide estimate remembers a few hundred verifications
 # Speculating must beat not speculating by this factor in expected tokens per ms: the cost
 # model is an estimate, and a choice inside its error (a bf16 draft that costs nearly what it
-# saves) measured 0.91x on the open set of `pdserve bench specdec` before this margin.
+# saves) made the open set of `pdserve bench specdec` slower before this margin.
 MIN_GAIN = 1.04
 BUCKET_MIN_WEIGHT = 4.0  # decayed verifications a bucket needs before its acceptance is used
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 
-class Role(str, enum.Enum):
+class Role(enum.StrEnum):
     """A node's job in the cluster. The value is what the registry stores and what names the
     node's Ray pool (``{role}_pool``)."""
 

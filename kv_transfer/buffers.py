@@ -1,7 +1,8 @@
 """Reusable receive buffers.
 
-A fresh multi-MiB bytearray costs a page fault per 4 KiB on first touch (measured ~30 ms for
-64 MiB on the dev VMs, as much as the whole copy chain); reusing warm buffers avoids that.
+A fresh multi-MiB bytearray costs a page fault per 4 KiB on first touch, comparable to the copy
+itself (``pdserve bench transfer`` reports fresh vs reused in its ``components``); reusing warm
+buffers avoids that.
 """
 from __future__ import annotations
 

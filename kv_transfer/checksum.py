@@ -1,8 +1,9 @@
 """Payload checksums, computed incrementally chunk by chunk on both ends.
 
-XXH3-64 (~34 GiB/s on the dev VMs, from the `xxhash` dependency) is what nodes send; CRC32
-(zlib, ~6.6 GiB/s) stays accepted. At ~10 ms per 64 MiB on each end, CRC32 alone cost a third
-of a loopback transfer's time.
+XXH3-64 (from the `xxhash` dependency) is what nodes send; CRC32 (zlib) stays accepted. Both
+ends checksum every byte, so the faster hash is a direct cut of transfer time: CRC32 alone once
+cost a third of a loopback transfer. ``pdserve bench transfer`` measures both in its
+``components`` (docs/benchmarks.md).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKED = ("router", "prefill_node", "decode_node", "kv_transfer", "pdserve")
+CHECKED = ("router", "node", "prefill_node", "decode_node", "kv_transfer", "kv_index", "tokens", "protos", "pdserve")
 FORBIDDEN = re.compile(
     r"^\s*(?:import|from)\s+(?:pickle|cPickle|_pickle|cloudpickle|dill)\b"  # imports
     r"|\btorch\.load\s*\("

@@ -13,6 +13,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decode_node.reservations import NotReadyError, ReservationTable
+from decode_node.server import DecodeServer
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.models.tiny import save_tiny_model
@@ -20,6 +21,7 @@ from kv_index.events import AllBlocksCleared, BlockRemoved, BlockStored, fold_kv
 from kv_index.reader import IndexReader
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, push_blocks
 from kv_transfer.validate import Reservation
+from node.config import NodeConfig
 from protos.convert import sampling_to_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc, serving_pb2
 from tests.clusters import start_node
@@ -350,6 +352,11 @@ def test_health_and_lease_lapse_of_a_stopped_node(tiny_dir, redis_url):
         for service in ("", "pdserve.v1.DecodeNode", "pdserve.v1.KVTransfer"):
             resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        for channel, role_services in ((c.d_channel, {"pdserve.v1.DecodeNode", "pdserve.v1.KVTransfer"}),
+                                       (c.p_channel, {"pdserve.v1.PrefillNode"})):
+            assert _reflected_services(channel) == role_services | {"grpc.health.v1.Health",
+                                                                    "grpc.reflection.v1alpha.ServerReflection"}
+        assert c.decode.stats()["role"] == "decode" and c.prefill.stats()["address"] == c.prefill.address
         assert set(c.reader.live_nodes()) == {"p0", "d0"}
         c.decode.stop(deregister=False)  # as a crash would: no goodbye, the lease runs out
         assert "d0" in c.reader.live_nodes()
@@ -358,6 +365,19 @@ def test_health_and_lease_lapse_of_a_stopped_node(tiny_dir, redis_url):
         assert c.reader.live_nodes() == {}
     finally:
         c.close()
+
+
+def _reflected_services(channel) -> set[str]:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    answers = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+    return {s.name for a in answers for s in a.list_services_response.service}
+
+
+def test_a_server_refuses_a_config_of_another_role(tiny_dir, redis_url):
+    with pytest.raises(ValueError, match="DecodeServer needs a decode-role config, got role='prefill'"):
+        DecodeServer(NodeConfig(node_id="x", role="prefill", redis_url=redis_url), make_engine(tiny_dir))
 
 
 def test_first_token_from_prefill_can_end_the_request(tiny_dir, cluster):

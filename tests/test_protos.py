@@ -79,3 +79,20 @@ def test_prompt_is_one_of_text_chat_tokens() -> None:
     req.chat.messages.add(role="user", content="hi")
     assert req.WhichOneof("prompt") == "chat"
     assert not req.HasField("request_id")
+
+
+def test_enum_names_are_defined_once_by_the_protos():
+    """Finish reasons and SLO classes in code are the proto enums' names, both ways."""
+    from pdserve.core import SLO_CLASSES as SDK_SLO_CLASSES
+    from pdserve.core import finish_reason_name
+    from protos.convert import finish_reason_to_proto, slo_class_from_proto
+    from protos.pdserve.v1 import serving_pb2 as pb
+    from router.admission import SLO_CLASSES
+    from tokens.stop import FinishReason
+
+    wire_reasons = {v for v in pb.FinishReason.values() if v != pb.FINISH_REASON_UNSPECIFIED}
+    assert {finish_reason_to_proto(r) for r in FinishReason} == wire_reasons
+    assert {finish_reason_name(v) for v in wire_reasons} == {r.value for r in FinishReason}
+    wire_classes = [v for v in pb.SloClass.values() if v != pb.SLO_CLASS_UNSPECIFIED]
+    assert {slo_class_from_proto(v) for v in wire_classes} == set(SLO_CLASSES) == set(SDK_SLO_CLASSES)
+    assert slo_class_from_proto(pb.SLO_CLASS_UNSPECIFIED) is None  # the router's default applies

@@ -221,3 +221,71 @@ def _full_logits(eng, ids):
     with torch.inference_mode():
         h = eng.loaded.model(ids, torch.arange(n), eng.kv_cache, eng.runner.backend)
         return eng.loaded.model.compute_logits(h[-1:])[0]
+
+
+@pytest.mark.parametrize("positions, layer", [("final", None), ("final", 0), ("last", None)])
+def test_target_states_reach_the_proposer_as_declared(models, positions, layer):
+    """The runner's one hook: a proposer that declares TargetStates gets the target's states of
+    exactly the positions it asked for (prefill chunks, decodes, accepted runs; never a rejected
+    draft), equal to a plain forward over the final sequence (transformers' hidden states)."""
+    import transformers
+
+    from engine.spec import Proposal, TargetStates
+
+    prompt = [5, 9, 11, 40, 7, 7, 3, 5, 9, 11, 40, 7, 60, 61]
+    plain = make_engine(models["target"]).generate([prompt], GREEDY)[0].outputs[0].token_ids
+    tokens = prompt + plain
+
+    class Recording:
+        """Drafts the true continuation with its third token wrong: verifications accept a run
+        and reject the rest."""
+
+        draft_cost, batched = 0.0, True
+        target_states = TargetStates(positions, layer)
+
+        def __init__(self) -> None:
+            self.got: list[tuple[int, torch.Tensor]] = []
+
+        def propose(self, requests):
+            out = []
+            for r in requests:
+                n = len(r.seq.token_ids)
+                draft = list(tokens[n : n + r.k])
+                if len(draft) >= 3:
+                    draft[2] = (draft[2] + 1) % 512
+                out.append(Proposal(draft))
+            return out
+
+        def observe_target(self, seq_id, first_position, states):
+            self.got.append((first_position, states))
+
+        def copy_blocks(self, pairs):
+            pass
+
+        def forget(self, seq_id):
+            pass
+
+    eng = LLMEngine(EngineConfig(model=str(models["target"]), dtype="float32", device="cpu",
+                                 cache=CacheConfig(block_size=4, num_blocks=512),
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4),
+                                 speculative=SpeculativeConfig(method="ngram", adaptive=False,
+                                                               num_speculative_tokens=4)),
+                    load_tokenizer=False, proposer_factory=lambda e: Recording())
+    assert eng.generate([prompt], GREEDY)[0].outputs[0].token_ids == plain
+    stats = eng.spec.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # accepted runs and rejections
+    hf = transformers.AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32)
+    with torch.no_grad():
+        hidden = hf(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+    want = hidden[-1][0] if layer is None else hidden[layer + 1][0]  # [len - 1, H]
+    pieces = eng.proposer.got
+    if positions == "final":  # every position whose input is final, once, in order
+        firsts = [first for first, _ in pieces]
+        got = torch.cat([rows for _, rows in pieces])
+        assert firsts == sorted(firsts) and got.shape[0] == len(tokens) - 1
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    else:  # per step, the state of the position that produced the newest token
+        assert all(rows.shape[0] == 1 for _, rows in pieces)
+        for first, rows in pieces:
+            torch.testing.assert_close(rows[0], want[first], atol=1e-4, rtol=1e-4)
+        assert pieces[-1][0] == len(tokens) - 2

@@ -12,7 +12,7 @@ from collections.abc import Collection
 from tokens.sampling_params import SamplingParams
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why a sample ended. The values are the names clients see; each is a ``FinishReason``
     value of serving.proto (``FINISH_REASON_<NAME>``), which tests keep in step."""
 

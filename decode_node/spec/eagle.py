@@ -281,6 +281,6 @@ def from_engine(engine) -> EagleProposer:
     if not cfg.draft_model:
         raise ValueError("speculative method 'eagle' needs draft_model: the EAGLE layer's checkpoint directory")
     layer = load_eagle(cfg.draft_model, engine.model_config, engine.dtype, engine.device)
-    # Each draft token runs one decoder layer and the target's LM head: on the 2-core CPU with
-    # SmolLM2 the head (49152 x 576) dominates, about 0.15 of a decode step.
+    # Each draft token runs one decoder layer and the target's LM head; on a small model the head
+    # dominates. 0.15 of a decode step is the prior until draft rounds are timed.
     return EagleProposer(layer, engine.loaded.model, draft_cost=0.15)

@@ -7,8 +7,8 @@ from decode_node.spec.draft_model import own_kv_drafter
 from engine.engine import torch_dtype
 from engine.models.loader import load_model
 
-# Measured on the development machine (2 cores, AVX-512 bf16): a bf16 SmolLM2 decode step
-# takes about 0.6 of a float32 one.
+# The controller's prior for a bf16 draft round relative to a float32 step, until it has timed
+# one (docs/benchmarks.md, "Figures behind constants").
 BF16_DRAFT_COST = 0.6
 
 

@@ -25,9 +25,9 @@ def ngram_propose(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list
 def ngram_match(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> tuple[int, list[int]]:
     """(n, draft): ``ngram_propose``'s draft and the length n of the suffix it matched (0: none).
 
-    n is what the draft's acceptance depends on most. Measured on SmolLM2's greedy answers to
-    the specdec bench's grounded prompts (n_max 8, up to 16 tokens proposed): a 1-token match
-    had 0.58 of its tokens accepted on average, 2 tokens 3.8, 8 tokens 12.1.
+    n is what the draft's acceptance depends on most: a 1-token match is a weak guess, a long
+    one is usually right (docs/benchmarks.md, "Figures behind constants"); the controller keeps
+    acceptance per n and trims each draft accordingly.
     """
     size = len(tokens)
     for n in range(min(n_max, size - 1), n_min - 1, -1):

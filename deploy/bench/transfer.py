@@ -14,6 +14,10 @@ see the same machine load:
 Throughput is in gigabytes per second (1e9 bytes/s), from each size's median time. Headline
 figures weigh sizes by bytes: all bytes over the sum of the per-size median times.
 
+``components`` times two choices of the receiver on 64 MiB, in the same run: each checksum
+algorithm's throughput (GiB/s), and filling a fresh receive buffer vs a reused one (a fresh one
+takes a page fault per 4 KiB, the reason kv_transfer/buffers.py keeps warm ones).
+
 The KV has SmolLM2-135M's shape: 30 layers, 3 KV heads, head_dim 64, block 16, float32, so one
 block of 16 tokens over all layers is 737,280 bytes.
 """
@@ -30,6 +34,7 @@ from concurrent import futures
 import grpc
 import torch
 
+from kv_transfer import checksum as checksums
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, KVReceiver, push_blocks
 from kv_transfer.layout import PoolLayout
 from kv_transfer.validate import Reservation
@@ -192,6 +197,7 @@ def run(args: argparse.Namespace, report) -> dict:
     if args.plot:
         _plot(per_size, args.plot)
         report.progress(f"plot written to {args.plot}")
+    components = _components(report)
     return {
         "unit": "gigabytes per second (1e9 bytes/s)",
         "gbps": round(gbps, 3),
@@ -201,7 +207,47 @@ def run(args: argparse.Namespace, report) -> dict:
         "checksum": args.checksum,
         "bit_exact": bit_exact,
         "per_size": per_size,
+        "components": components,
     }
+
+
+def _components(report, mib: int = 64, reps: int = 5) -> dict:
+    """Checksum throughput per algorithm, and a fresh vs a reused receive buffer, on ``mib`` MiB
+    (best of ``reps``)."""
+    payload = torch.randn(mib << 18).numpy().tobytes()  # [mib MiB] of float32 noise
+    view = memoryview(payload)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    gibps = {}
+    for algorithm in checksums.supported():
+        name = kv_pb2.ChecksumAlgorithm.Name(algorithm).removeprefix("CHECKSUM_ALGORITHM_").lower()
+
+        def digest(algorithm=algorithm) -> None:
+            c = checksums.new_checksum(algorithm)
+            c.update(view)
+            c.value()
+
+        gibps[name] = round(mib / 1024 / best(digest), 2)
+    warm = bytearray(len(payload))
+
+    def fresh() -> None:
+        bytearray(len(payload))[:] = view
+
+    def reused() -> None:
+        warm[:] = view
+
+    out = {"mib": mib, "checksum_gibps": gibps, "fresh_buffer_ms": round(best(fresh) * 1e3, 1),
+           "reused_buffer_ms": round(best(reused) * 1e3, 1)}
+    report.progress(f"components on {mib} MiB: checksum GiB/s {gibps}, receive buffer fresh "
+                    f"{out['fresh_buffer_ms']} ms vs reused {out['reused_buffer_ms']} ms")
+    return out
 
 
 def _plot(per_size: list[dict], path: str) -> None:

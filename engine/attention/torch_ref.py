@@ -53,7 +53,8 @@ class TorchRefBackend:
         self.scale = head_dim**-0.5
         self.short_q_max = short_q_max
         # What one more padded batch costs (per-call overhead of the gather and SDPA), in
-        # padded KV positions; measured ~0.1 ms per call vs ~0.1 us per position on CPU.
+        # padded KV positions: a call's fixed cost is worth about a thousand positions on CPU
+        # (docs/benchmarks.md, "Figures behind constants").
         self.group_cost_cells = group_cost_cells
         self._meta: AttentionMetadata | None = None
         self._k_rows: torch.Tensor | None = None
