@@ -1,19 +1,13 @@
 """CPU matmul kernels for ``y = x W^T``, chosen per weight shape and row count by measuring them.
 
 Why measure: on CPUs the fastest kernel for a given row count depends on the BLAS build and
-the processor in ways no rule predicts. On the 2-core AMD EPYC dev VM, SmolLM2-135M float32,
-every weight once per pass (cold, as in a real forward), milliseconds per pass:
-
-    rows              1      2      4      6      16     64     256
-    aten (MKL sgemm)  32.4   55.5   50.7   45.6   56.1   115    349
-    onednn            17.3   19.9   20.3   21.2   26.9   56.0   170
-    mkl_nt            14.9   14.6   14.6   26.6   44.6   102    342
-
-MKL takes slow paths on this non-Intel CPU (torch's float32 ``F.linear`` goes to MKL; bfloat16
-already goes to oneDNN), and MKL's "tall weight times 2..4 columns" kernel is the fastest of
-all at memory bandwidth. A decode step's and a speculative verification's costs both hinge on
-these numbers, so the engine measures the candidates once per (CPU, torch, threads, dtype,
-weight shapes) and caches the plan on disk (``$PDSERVE_CACHE_DIR/kernels``).
+the processor in ways no rule predicts. On the AMD dev VMs, for example, torch's float32
+``F.linear`` goes to MKL, which takes slow paths on a non-Intel CPU (bfloat16 already goes to
+oneDNN), while MKL's "tall weight times 2..4 columns" kernel is the fastest of all, at memory
+bandwidth (the measured table is in docs/engine.md). A decode step's and a speculative
+verification's costs both hinge on these numbers, so the engine measures the candidates once
+per (CPU, torch, threads, dtype, weight shapes) and caches the plan on disk
+(``$PDSERVE_CACHE_DIR/kernels``).
 
 Kernels (all accumulate in the weight's dtype with float32 accumulation, so results differ
 from each other only by summation order):
