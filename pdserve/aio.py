@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from pdserve.core import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -23,7 +23,6 @@ from pdserve.core import (
 )
 from pdserve.types import Chunk, Completion, ModelInfo
 from protos.pdserve.v1 import serving_pb2 as pb
-from protos.pdserve.v1 import serving_pb2_grpc as pb_grpc
 
 
 class AsyncStream(StreamState):
@@ -59,12 +58,8 @@ class AsyncClient(ClientCore):
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, retries: int = 3,
                  backoff: tuple[float, float] = (0.1, 2.0), tls: TLS | None = None,
                  metadata: Metadata | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-        super().__init__(target, timeout=timeout, retries=retries, backoff=backoff, tls=tls, metadata=metadata,
-                         max_message_bytes=max_message_bytes)
-        self._channel = (grpc.aio.secure_channel(target, tls.credentials(), options=self.channel_options) if tls
-                         else grpc.aio.insecure_channel(target, options=self.channel_options))
-        self._stub = pb_grpc.PdServeStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        super().__init__(grpc.aio, target, timeout=timeout, retries=retries, backoff=backoff, tls=tls,
+                         metadata=metadata, max_message_bytes=max_message_bytes)
 
     async def _unary(self, method, request, timeout: float | None):
         attempts = self._attempts(timeout)

@@ -18,12 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from pdserve import errors
 from pdserve.types import Chunk, Completion, ModelInfo, Timings, TokenLogprob, Usage
 from protos.conventions import MAX_MESSAGE_BYTES, grpc_options
 from protos.pdserve.v1 import serving_pb2 as pb
+from protos.pdserve.v1 import serving_pb2_grpc as pb_grpc
 
+DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_MAX_MESSAGE_BYTES = MAX_MESSAGE_BYTES
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PdServe"].full_name
 Metadata = Sequence[tuple[str, str]]
 SLO_CLASSES = tuple(pb.SloClass.Name(v).removeprefix("SLO_CLASS_").lower()
@@ -291,15 +295,20 @@ class StreamState:
 
 
 class ClientCore:
-    """Configuration and request building both clients share."""
+    """Configuration, the channel and its stubs, and request building, for both clients.
+    ``channels`` is the module that makes the channel: ``grpc`` or ``grpc.aio``."""
 
-    def __init__(self, target: str, *, timeout: float | None, retries: int, backoff: tuple[float, float],
-                 tls: TLS | None, metadata: Metadata | None, max_message_bytes: int) -> None:
+    def __init__(self, channels, target: str, *, timeout: float | None, retries: int,
+                 backoff: tuple[float, float], tls: TLS | None, metadata: Metadata | None,
+                 max_message_bytes: int) -> None:
         self.target = target
         self.timeout = timeout
         self.retry = RetryPolicy(retries, Backoff(*backoff))
-        self.tls = tls
-        self.channel_options = grpc_options(max_message_bytes) + (tls.options() if tls else [])
+        options = grpc_options(max_message_bytes) + (tls.options() if tls else [])
+        self._channel = (channels.secure_channel(target, tls.credentials(), options=options) if tls
+                         else channels.insecure_channel(target, options=options))
+        self._stub = pb_grpc.PdServeStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata = tuple(metadata or ())
 
     @property
@@ -321,6 +330,3 @@ def check_single_sample(kwargs: dict) -> None:
     if kwargs.get("n", 1) not in (None, 1):
         raise ValueError("complete() returns one sample; use complete_all() for n > 1")
 
-
-DEFAULT_TARGET = "127.0.0.1:50051"
-DEFAULT_MAX_MESSAGE_BYTES = MAX_MESSAGE_BYTES
