@@ -20,6 +20,7 @@ import itertools
 import logging
 import math
 import threading
+import time
 
 import grpc
 
@@ -33,10 +34,13 @@ from kv_transfer.grpc_transport import KVReceiver, ReceivedBlocks
 from kv_transfer.validate import Reservation
 from node.config import NodeConfig
 from node.engine_thread import EngineStoppedError, OutputStream, RequestFailedError
+from node.rpc_trace import DecodeStreamTrace, traced_rpc
 from node.server import NodeServer
 from protos.conventions import retry_after_metadata
 from protos.convert import sampling_from_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc, serving_pb2
+from telemetry import tracing
+from telemetry.metrics import RequestRecorder
 from tokens.block_hash import hash_prompt_blocks
 
 log = logging.getLogger(__name__)
@@ -58,6 +62,7 @@ class DecodeServer(NodeServer):
                                    self.reservations.get)
         kv_pb2_grpc.add_KVTransferServicer_to_server(_KVTransferService(self), self.grpc_server)
         kv_pb2_grpc.add_DecodeNodeServicer_to_server(_DecodeService(self), self.grpc_server)
+        self.num_transfer_failures = 0  # pushes refused or broken off (also on /metrics)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._expire_reservations, name=f"reaper-{config.node_id}",
                                         daemon=True)
@@ -74,7 +79,10 @@ class DecodeServer(NodeServer):
         super().stop(deregister=deregister, grace_s=grace_s)
 
     def role_stats(self) -> dict:
-        return {"reservations": len(self.reservations), "speculative": self.engine.stats()["speculative"]}
+        # The loop's cached stats once it runs: LLMEngine.stats() belongs to the engine thread.
+        stats = self._engine_stats() or self.engine.stats()
+        return {"reservations": len(self.reservations), "speculative": stats["speculative"],
+                "transfer_failures": self.num_transfer_failures}
 
     # ---- reservation plumbing (gRPC threads)
     def _on_received(self, r: ReceivedBlocks) -> None:
@@ -103,6 +111,8 @@ class _KVTransferService(kv_pb2_grpc.KVTransferServicer):
     def __init__(self, node: DecodeServer) -> None:
         self.node = node
 
+    @traced_rpc("decode_node.ReserveBlocks", lambda r: {
+        tracing.REQUEST_ID: r.request_id, tracing.GEN_AI_USAGE_INPUT_TOKENS: len(r.prompt_token_ids)})
     def ReserveBlocks(self, request: kv_pb2.ReserveBlocksRequest, context: grpc.ServicerContext):
         node, eng = self.node, self.node.engine
         rid = request.request_id
@@ -135,21 +145,31 @@ class _KVTransferService(kv_pb2_grpc.KVTransferServicer):
         first = cached_tokens // bs
         dest = table[first : math.ceil(len(prompt) / bs)]
         node.reservations.add(rid, Reservation(first, tuple(dest), tuple(hashes[first:])), tuple(prompt))
+        tracing.annotate({tracing.KV_CACHED_BLOCKS: first, tracing.KV_BLOCKS: len(dest)})
         return kv_pb2.ReserveBlocksResponse(num_cached_blocks=first, block_ids=dest,
                                             lease_s=node.config.reservation_lease_s)
 
     def PushBlocks(self, request_iterator, context: grpc.ServicerContext):
         # Peek at the header to count this push as in flight on its reservation: its blocks
         # must not be released (lease expiry, ReleaseReservation) while it may still write.
+        t0 = time.monotonic()
         first = next(request_iterator, None)
         rid = first.header.request_id if first is not None and first.WhichOneof("kind") == "header" else None
         began = rid is not None and self.node.reservations.begin_push(rid)
         messages = itertools.chain([] if first is None else [first], request_iterator)
+        metrics = self.node.metrics
         try:
-            return self.node.receiver.PushBlocks(messages, context)
+            resp = self.node.receiver.PushBlocks(messages, context)
+        except BaseException:  # refused (validation, checksum, no reservation) or broken off
+            metrics.transfer_failures.inc()
+            self.node.num_transfer_failures += 1
+            raise
         finally:
             if began and self.node.reservations.end_push(rid):
                 self.node.aengine.release_kv(rid)
+        metrics.transfer_bytes.inc(resp.bytes_written)
+        metrics.transfer_seconds.observe(time.monotonic() - t0)
+        return resp
 
     def ReleaseReservation(self, request: kv_pb2.ReleaseReservationRequest, context):
         found, _ = self.node._drop_reservation(request.request_id)
@@ -179,10 +199,16 @@ class _DecodeService(kv_pb2_grpc.DecodeNodeServicer):
     def __init__(self, node: DecodeServer) -> None:
         self.node = node
 
+    @traced_rpc("decode_node.Decode", lambda r: {
+        tracing.REQUEST_ID: r.request_id, tracing.GEN_AI_USAGE_INPUT_TOKENS: len(r.prompt_token_ids),
+        tracing.RECOMPUTE: not r.first_token_ids})
     def Decode(self, request: kv_pb2.DecodeRequest, context: grpc.ServicerContext):
         rid = request.request_id
         if not rid:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        # This node's part of the request: from Decode's arrival (the prefill node's first token,
+        # if any, is this node's first output) to the last sample's finish.
+        rec = RequestRecorder(self.node.metrics.requests)
         params = sampling_from_proto(request.sampling)
         prompt = tuple(request.prompt_token_ids)
         try:
@@ -196,7 +222,7 @@ class _DecodeService(kv_pb2_grpc.DecodeNodeServicer):
         except EngineStoppedError as err:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         context.add_callback(stream.cancel)  # client went away -> abort, blocks freed
-        yield from _stream(stream, ResponseBuilder(rid, params.n), context)
+        yield from _stream(stream, ResponseBuilder(rid, params.n), context, rec)
 
     def _add_prefilled(self, request, prompt: tuple[int, ...], params, context) -> OutputStream:
         rid = request.request_id
@@ -231,12 +257,30 @@ class _DecodeService(kv_pb2_grpc.DecodeNodeServicer):
         return serving_pb2.AbortResponse(found=running or reserved)
 
 
-def _stream(stream: OutputStream, builder: ResponseBuilder, context: grpc.ServicerContext):
+def _stream(stream: OutputStream, builder: ResponseBuilder, context: grpc.ServicerContext,
+            rec: RequestRecorder | None = None):
+    dtrace = DecodeStreamTrace()  # built here, where the Decode span is current
     try:
         for out in stream:
+            dtrace.output(out)
+            if rec is not None:
+                _record(rec, out)
             yield from builder.responses(out)
     except (RequestFailedError, EngineStoppedError) as err:
         code = grpc.StatusCode.UNAVAILABLE if isinstance(err, EngineStoppedError) else grpc.StatusCode.INTERNAL
         if builder.num_messages == 0:
             context.abort(code, str(err))
+        dtrace.failed(str(err), code.name)
         yield from builder.error(code.value[0], str(err))
+    finally:
+        dtrace.end()
+
+
+def _record(rec: RequestRecorder, out) -> None:
+    """One engine output into the node's request metrics (decode_node: docs/observability.md)."""
+    now = rec.clock()
+    rec.scheduled(out.metrics.first_scheduled_time)
+    for c in out.outputs:
+        rec.sample(c.index, len(c.new_token_ids), c.finish_reason, now)
+    if out.finished:
+        rec.finish(len(out.prompt_token_ids), now)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -150,16 +149,25 @@ def cmd_up(a: argparse.Namespace) -> int:
         engine=engine_config_from_args(a), prefill_nodes=a.prefill_nodes, decode_nodes=a.decode_nodes,
         host="127.0.0.1", grpc_port=a.grpc_port, redis_url=a.redis_url, dashboard_port=a.dashboard_port,
         short_prompt_tokens=a.short_prompt_tokens, node_threads=a.node_threads,
+        http_port=None if a.http_port < 0 else a.http_port, otlp_endpoint=a.otlp_endpoint,
     )
     return run_up(cfg, spinner_free, demo_prompt=a.demo)
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    """Nodes, pools, load and KV usage from the registry in Redis."""
+    """Nodes per pool with their load, cache and transfer figures, the index's size, freshness
+    and accuracy: the registry in Redis plus each node's (and the router's) /metrics
+    (deploy/status.py). ``--json``: one JSON object per refresh; ``--watch``: redraw until Ctrl-C."""
     import redis
 
     from deploy.launcher import state_file
-    from kv_index.reader import IndexReader
+    from deploy.status import gather, metrics_url, prometheus_targets, render
+
+    def write_targets(path: str, targets: list) -> None:
+        tmp = f"{path}.tmp"  # Prometheus re-reads the file on change: never let it see half of one
+        with open(tmp, "w") as f:
+            json.dump(targets, f, indent=1)
+        os.replace(tmp, path)
 
     url, ns = a.redis_url, a.namespace
     state = {}
@@ -169,22 +177,32 @@ def cmd_status(a: argparse.Namespace) -> int:
     if url is None:
         print("error: no running `pdserve up` found; pass --redis-url", file=sys.stderr)
         return 2
+    router = a.router_metrics or (metrics_url(state["http"]) if state.get("http") else None)
+    cluster = {"grpc": state.get("grpc"), "http": state.get("http"), "dashboard": state.get("dashboard"),
+               "redis_url": url, "namespace": ns}
+    r = redis.Redis.from_url(url)
+    prev = None
+    tty = sys.stdout.isatty()
     try:
-        nodes = IndexReader(redis.Redis.from_url(url), ns).live_nodes()
-    except redis.RedisError as e:
-        print(f"error: cannot read {url}: {e}", file=sys.stderr)
-        return 2
-    if a.json:
-        print(json.dumps({"cluster": state, "nodes": {k: dataclasses.asdict(v) for k, v in nodes.items()}}))
+        while True:
+            try:
+                report, prev = gather(r, ns, router_metrics=router, prev=prev, cluster=cluster)
+            except redis.RedisError as e:
+                print(f"error: cannot read {url}: {e}", file=sys.stderr)
+                return 2
+            if a.prometheus_sd:
+                write_targets(a.prometheus_sd, prometheus_targets(report, state.get("http")))
+            if a.json:
+                print(json.dumps(report), flush=True)
+            else:
+                print(("\033[H\033[J" if tty and a.watch else "") + render(report), flush=True)
+            if a.watch is None:
+                return 0
+            time.sleep(a.watch)
+    except KeyboardInterrupt:
         return 0
-    if state:
-        print(f"router grpc={state.get('grpc')}  dashboard={state.get('dashboard')}  redis={url}")
-    print(f"{'node':<12} {'role':<8} {'address':<22} {'waiting':>7} {'running':>7} {'tokens':>7} "
-          f"{'free blocks':>11} {'kv usage':>8}")
-    for n in sorted(nodes.values(), key=lambda n: (n.role, n.node_id)):
-        print(f"{n.node_id:<12} {n.role:<8} {n.grpc_address:<22} {n.waiting:>7} {n.running:>7} "
-              f"{n.running_tokens:>7} {n.free_blocks:>11} {n.kv_usage:>8.1%}")
-    return 0
+    finally:
+        r.close()
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -270,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--prefill-nodes", type=int, default=1)
     u.add_argument("--decode-nodes", type=int, default=1)
     u.add_argument("--grpc-port", type=int, default=50051)
+    u.add_argument("--http-port", type=int, default=8000,
+                   help="the router's OpenAI-compatible HTTP API and /metrics (-1: none)")
+    u.add_argument("--otlp-endpoint", default=None,
+                   help="export traces to this OTLP/gRPC collector (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else off)")
     u.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     u.add_argument("--dashboard-port", type=int, default=8265)
     u.add_argument("--short-prompt-tokens", type=int, default=16,
@@ -278,10 +300,18 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--demo", default=None, metavar="PROMPT",
                    help="once ready, stream an answer to PROMPT through the cluster, then keep serving")
 
-    st = sub.add_parser("status", help="nodes, load and KV usage of a running cluster")
-    st.add_argument("--redis-url", default=None)
+    st = sub.add_parser("status", help="nodes, load, caches, transfers and the index of a running cluster")
+    st.add_argument("--redis-url", default=None, help="default: the running `pdserve up`'s")
     st.add_argument("--namespace", default="pdserve")
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--router-metrics", default=None, metavar="URL",
+                    help="the router's /metrics (host:port or URL) for index accuracy; "
+                         "default: the running `pdserve up`'s HTTP address")
+    st.add_argument("--json", action="store_true", help="one JSON object per refresh instead of the table")
+    st.add_argument("--prometheus-sd", default=None, metavar="FILE",
+                    help="write Prometheus file_sd targets (router and every node's /metrics) to FILE "
+                         "on each refresh")
+    st.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                    help="refresh every SECONDS (default 2) until Ctrl-C; transfer rates need two refreshes")
 
     b = sub.add_parser("bench", help="benchmarks (pdserve bench NAME --help)", add_help=False)
     b.add_argument("name")

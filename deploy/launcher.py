@@ -4,11 +4,12 @@
     local Ray (dashboard on 127.0.0.1) with two custom resources: prefill_pool, decode_pool
       prefill-0 .. prefill-{P-1}   NodeActor running a PrefillServer  (one per prefill_pool unit)
       decode-0  .. decode-{D-1}    NodeActor running a DecodeServer   (one per decode_pool unit)
-    router (gRPC on 127.0.0.1:--grpc-port), in this process, torch-free
+    router (gRPC on 127.0.0.1:--grpc-port, OpenAI HTTP + /metrics on --http-port), in this
+    process, torch-free
 
 When every node has registered, one line goes to stdout so scripts can wait for it:
 
-    pdserve ready grpc=127.0.0.1:50051 dashboard=http://127.0.0.1:8265
+    pdserve ready grpc=127.0.0.1:50051 http=127.0.0.1:8000 dashboard=http://127.0.0.1:8265
 
 Ctrl-C or SIGTERM stops the router, the actors, Ray and Redis, in that order.
 """
@@ -35,6 +36,8 @@ class ClusterConfig:
     decode_nodes: int = 1
     host: str = "127.0.0.1"
     grpc_port: int = 50051
+    http_port: int | None = 8000  # the router's HTTP API and /metrics (0 = a free port, None = none)
+    otlp_endpoint: str | None = None  # traces to this OTLP collector (router and nodes)
     redis_url: str | None = None  # None: start a private redis-server
     dashboard_port: int = 8265
     namespace: str = "pdserve"
@@ -133,7 +136,7 @@ class LocalCluster:
                 node = NodeConfig(node_id=f"{role.value}-{i}", role=role, redis_url=self.redis_url,
                                   host=cfg.host, namespace=cfg.namespace, lease_s=cfg.lease_s,
                                   heartbeat_s=min(0.5, cfg.lease_s / 4), engine=role_engine,
-                                  load_tokenizer=role is Role.DECODE)
+                                  load_tokenizer=role is Role.DECODE, otlp_endpoint=cfg.otlp_endpoint)
                 # Nodes ask for no CPU slot: on a small machine the pools, not cores, place them.
                 self.actors[node.node_id] = spawn_node(node, server_builder(role), num_cpus=0)
         self.progress(f"loading the model on {len(self.actors)} nodes")
@@ -148,7 +151,8 @@ class LocalCluster:
             redis_url=self.redis_url, model_name=cfg.engine.model, tokenizer_dir=str(model_dir),
             max_model_len=min(model_cfg.max_model_len, cfg.engine.scheduler.max_model_len or 1 << 30),
             host=cfg.host, port=cfg.grpc_port, namespace=cfg.namespace,
-            short_prompt_tokens=cfg.short_prompt_tokens,
+            short_prompt_tokens=cfg.short_prompt_tokens, http_port=cfg.http_port,
+            ready_min_prefill=min(1, cfg.prefill_nodes), otlp_endpoint=cfg.otlp_endpoint,
         ))
         self._wait_registered(deadline)
         self._write_state()
@@ -169,13 +173,17 @@ class LocalCluster:
         path = state_file()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({
-            "grpc": self.address, "redis_url": self.redis_url, "dashboard": self.dashboard_url,
+            "grpc": self.address, "http": self.http_address, "redis_url": self.redis_url, "dashboard": self.dashboard_url,
             "namespace": self.config.namespace, "nodes": self.node_addresses, "pid": os.getpid(),
         }))
 
     @property
     def address(self) -> str | None:
         return self.router.address if self.router is not None else None
+
+    @property
+    def http_address(self) -> str | None:
+        return self.router.http_address if self.router is not None else None
 
     # ------------------------------------------------------------------ tear-down
     def stop(self) -> None:
@@ -249,7 +257,8 @@ def run_up(config: ClusterConfig, progress: Callable[[str], None], demo_prompt: 
         # process without tearing anything down.
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
-        print(f"pdserve ready grpc={cluster.address} dashboard={cluster.dashboard_url}", flush=True)
+        http = f" http={cluster.http_address}" if cluster.http_address else ""
+        print(f"pdserve ready grpc={cluster.address}{http} dashboard={cluster.dashboard_url}", flush=True)
         if demo_prompt:
             run_demo(cluster.address, demo_prompt)
             progress(f"serving on {cluster.address}; try `pdserve generate --url {cluster.address} \"...\"`, "

@@ -77,6 +77,9 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Times any of the request's sequences was preempted (recomputed) so far: a node's trace
+    # marks each new one as it streams the request's outputs.
+    num_preemptions: int = 0
 
     @property
     def queue_s(self) -> float | None:
@@ -459,6 +462,8 @@ class LLMEngine:
         if first is not None:
             req.metrics.first_scheduled_time = first.first_scheduled_time
             req.metrics.first_token_time = first.first_token_time
+            # max: a sample that finished early has left ``seqs``, its preemptions not the count
+            req.metrics.num_preemptions = max(req.metrics.num_preemptions, sum(s.num_preemptions for s in seqs))
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,

@@ -24,6 +24,7 @@ class NodeInfo:
     fingerprint: str
     block_size: int
     num_blocks: int
+    metrics_address: str = ""  # host:port of the node's Prometheus /metrics ("" = none)
     # load, as of the last heartbeat
     waiting: int = 0
     running: int = 0
@@ -49,6 +50,7 @@ class NodeInfo:
             fingerprint=g["fingerprint"],
             block_size=int(g["block_size"]),
             num_blocks=int(g["num_blocks"]),
+            metrics_address=g.get("metrics", ""),
             waiting=int(g.get("waiting", 0)),
             running=int(g.get("running", 0)),
             running_tokens=int(g.get("running_tokens", 0)),

@@ -4,8 +4,8 @@ sides need (the node side is publisher.py, the router side reader.py).
 Key schema (``ns`` defaults to ``pdserve``; several clusters can share one Redis)::
 
     {ns}:nodes                  SET    node ids ever registered (readers prune dead ones)
-    {ns}:node:{node_id}         HASH   role, grpc address, model fingerprint, block size,
-                                       num_blocks + load (waiting, running, running_tokens,
+    {ns}:node:{node_id}         HASH   role, grpc address, metrics address (Prometheus),
+                                       model fingerprint, block size, num_blocks + load (waiting, running, running_tokens,
                                        free_blocks, kv_usage, updated_at)
                                        + seq (last applied event batch), event_at (node clock
                                        when it was published); PEXPIRE = the lease

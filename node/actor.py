@@ -10,8 +10,10 @@ actor calls it in its own process, so torch and the model load there, never in t
 """
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import ray
@@ -23,6 +25,39 @@ if TYPE_CHECKING:  # the server module loads torch: only the actor's process imp
 
 ServerFactory = Callable[[NodeConfig], "NodeServer"]
 
+log = logging.getLogger(__name__)
+
+# How often the actor copies its node's figures into the Ray dashboard's gauges.
+DASHBOARD_PERIOD_S = 5.0
+# Ray dashboard gauge (exported as ray_<name>) -> what it shows. Names use "_" only (Ray
+# refuses ":"); the Prometheus names on the node's own /metrics are the pdserve: ones.
+DASHBOARD_GAUGES = {
+    "pdserve_num_requests_running": "Sequences in the node engine's running batch.",
+    "pdserve_num_requests_waiting": "Sequences waiting for a slot in the node's engine.",
+    "pdserve_kv_cache_usage_perc": "Fraction of the node's KV blocks in use (1 = full).",
+    "pdserve_running_tokens": "Tokens (prompt + output) of running sequences: their KV footprint.",
+    "pdserve_prefix_cache_hit_ratio": "Prompt tokens found in the prefix cache over those looked up, since start.",
+    "pdserve_spec_decode_acceptance": "Draft tokens accepted over draft tokens proposed, since start (decode).",
+    "pdserve_kv_transfer_failures": "KV transfers that failed on this node, since start.",
+}
+DASHBOARD_TAGS = ("node_id", "role", "model_name")
+
+
+def dashboard_values(stats: Mapping) -> dict[str, float]:
+    """A node's ``stats()`` -> the dashboard gauges' values (a figure the node lacks is left out)."""
+    out = {"pdserve_num_requests_running": stats.get("running"),
+           "pdserve_num_requests_waiting": stats.get("waiting"),
+           "pdserve_kv_cache_usage_perc": stats.get("kv_usage"),
+           "pdserve_running_tokens": stats.get("running_tokens"),
+           "pdserve_kv_transfer_failures": stats.get("transfer_failures")}
+    queries = stats.get("prefix_cache_query_tokens")
+    if queries:
+        out["pdserve_prefix_cache_hit_ratio"] = stats.get("prefix_cache_hit_tokens", 0) / queries
+    spec = stats.get("speculative") or {}
+    if spec.get("draft_tokens"):
+        out["pdserve_spec_decode_acceptance"] = spec.get("accepted_tokens", 0) / spec["draft_tokens"]
+    return {k: float(v) for k, v in out.items() if v is not None}
+
 
 @ray.remote
 class NodeActor:
@@ -31,6 +66,10 @@ class NodeActor:
     def __init__(self, config: NodeConfig, build_server: ServerFactory) -> None:
         self._server = build_server(config)
         self._address = self._server.start()
+        self._stop = threading.Event()
+        tags = {"node_id": config.node_id, "role": config.role.value, "model_name": config.engine.model}
+        threading.Thread(target=self._export_to_dashboard, args=(tags,), name="ray-dashboard-metrics",
+                         daemon=True).start()
 
     def address(self) -> str:
         return self._address
@@ -44,7 +83,24 @@ class NodeActor:
 
     def stop(self) -> None:
         """Leave the index and stop serving (then end the actor with ray.kill)."""
+        self._stop.set()
         self._server.stop()
+
+    def _export_to_dashboard(self, tags: dict[str, str]) -> None:
+        """Every DASHBOARD_PERIOD_S, the node's main figures into ``ray.util.metrics`` gauges,
+        so they show on the Ray dashboard's metrics view next to the named actor."""
+        from ray.util.metrics import Gauge
+
+        gauges = {name: Gauge(name, description=doc, tag_keys=DASHBOARD_TAGS)
+                  for name, doc in DASHBOARD_GAUGES.items()}
+        while True:
+            try:
+                for name, value in dashboard_values(self._server.stats()).items():
+                    gauges[name].set(value, tags=tags)
+            except Exception:  # the dashboard is a view: never let it take the actor down
+                log.exception("exporting dashboard metrics failed")
+            if self._stop.wait(DASHBOARD_PERIOD_S):
+                return
 
 
 def spawn_node(config: NodeConfig, build_server: ServerFactory, *, gpu: bool = False,

@@ -32,6 +32,12 @@ class NodeConfig:
     load_tokenizer: bool = True
     # gRPC worker threads: each Decode stream holds one for its whole duration.
     grpc_workers: int = 32
+    # Prometheus /metrics of this node on host:metrics_port (0 = a free port, registered in the
+    # index as the node's metrics address; None = no metrics endpoint).
+    metrics_port: int | None = 0
+    # OTLP/gRPC collector for traces (e.g. "http://otel-collector:4317"); None = the standard
+    # OTEL_EXPORTER_OTLP_ENDPOINT variable if set, else tracing off.
+    otlp_endpoint: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -47,6 +53,8 @@ class NodeConfig:
             )
         if not 0 <= self.grpc_port < 65536:
             raise ValueError(f"grpc_port must be in [0, 65535], got {self.grpc_port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535] or None, got {self.metrics_port}")
         if self.reservation_lease_s <= 0:
             raise ValueError(f"reservation_lease_s must be > 0, got {self.reservation_lease_s}")
         if self.grpc_workers < 2:

@@ -37,6 +37,9 @@ T = TypeVar("T")
 # How long a caller waits for a command to run: a command waits at most for the step in
 # progress, so this only trips when the loop is wedged.
 COMMAND_TIMEOUT_S = 60.0
+# The engine's cumulative stats (``stats``) are re-read at most this often while it steps, and
+# after the last step before it idles: a scrape reads the copy, never waits for a step.
+STATS_PERIOD_S = 0.05
 
 
 class EngineStoppedError(RuntimeError):
@@ -174,6 +177,8 @@ class AsyncEngine:
         # Owned by the loop thread (commands run there too): request id -> its stream.
         self._streams: dict[str, OutputStream] = {}
         self._load = self._snapshot()
+        self._stats: dict = engine.stats()
+        self._stats_at = time.monotonic()
         self.num_step_errors = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -244,6 +249,12 @@ class AsyncEngine:
     def load(self) -> LoadSnapshot:
         """Refreshed every loop iteration; safe to read from any thread (one attribute read)."""
         return self._load
+
+    @property
+    def stats(self) -> dict:
+        """``LLMEngine.stats()`` as of the last refresh (see STATS_PERIOD_S); safe to read from
+        any thread: the loop replaces the dict, never mutates it."""
+        return self._stats
 
     @property
     def alive(self) -> bool:
@@ -321,7 +332,11 @@ class AsyncEngine:
         self._publish_events()
         self._load = self._snapshot()
         progressed = bool(outputs) or eng.num_steps != steps_before
-        return progressed and eng.has_unfinished_requests()
+        busy = progressed and eng.has_unfinished_requests()
+        now = time.monotonic()
+        if not busy or now - self._stats_at >= STATS_PERIOD_S:
+            self._stats, self._stats_at = eng.stats(), now
+        return busy
 
     def _publish_events(self) -> None:
         events = self.engine.take_kv_events()

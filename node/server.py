@@ -5,9 +5,14 @@ A role's server subclasses ``NodeServer``: it names its role and its gRPC servic
 engine, adds its servicers, and may extend ``stop`` and ``role_stats``. Everything else (role
 check, bind, serve, register, heartbeat, stats, tear-down) is here, once.
 
+Health: the port is bound only once the model is loaded (the engine is built before the server),
+so while a node loads a probe gets no answer at all; from ``start`` it is SERVING, and ``stop``
+turns it NOT_SERVING before anything else (draining).
+
 Start order matters: the gRPC port is bound first (its address is what the node registers),
-the server starts serving, and only then does the node appear in Redis, so a router never
-sees an address that does not answer. Stop runs in reverse: leave Redis, stop serving, stop
+the Prometheus /metrics endpoint starts (its address is registered too), the server starts
+serving, and only then does the node appear in Redis, so a router never sees an address that
+does not answer. Stop runs in reverse: leave Redis, stop serving, stop
 the engine.
 """
 from __future__ import annotations
@@ -28,6 +33,8 @@ from kv_transfer.grpc_transport import KV_GRPC_OPTIONS
 from node.config import NodeConfig
 from node.engine_thread import AsyncEngine
 from node.publisher import IndexPublisherThread
+from telemetry import tracing
+from telemetry.metrics import MetricsServer, NodeMetrics
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +56,9 @@ class NodeServer:
                              f"got role={config.role.value!r}")
         self.config = config
         self.engine = engine
+        # Before any RPC: the servicers' spans come from the process's provider (one per process,
+        # so the first node in it names the service; in a cluster each node is its own process).
+        tracing.setup_tracing(f"pdserve-{self.role.value}", config.otlp_endpoint)
         # The KV stream's options on every node: a decode node receives PushBlocks on this server.
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix=f"grpc-{config.node_id}"),
@@ -62,6 +72,13 @@ class NodeServer:
         self.publisher: IndexPublisherThread | None = None
         self.address: str | None = None
         self._redis: redis.Redis | None = None
+        # Prometheus metrics (telemetry/metrics.py): the role servers record requests and
+        # transfers on ``self.metrics``; the engine's own figures are read at scrape time from
+        # the engine loop's cached stats, so a scrape never waits for a step.
+        self.metrics = NodeMetrics(config.engine.model, self.role.value, config.node_id,
+                                   engine_stats=self._engine_stats)
+        self.metrics_server: MetricsServer | None = None
+        self.metrics_address: str | None = None
 
     def start(self) -> str:
         """Bind, serve, register; returns "host:port"."""
@@ -70,11 +87,14 @@ class NodeServer:
         if port == 0:
             raise OSError(f"could not bind {cfg.host}:{cfg.grpc_port}")
         self.address = f"{cfg.host}:{port}"
+        if cfg.metrics_port is not None:  # answers before the node registers its address
+            self.metrics_server = MetricsServer(self.metrics.registry, cfg.host, cfg.metrics_port)
+            self.metrics_address = self.metrics_server.address
         self._redis = redis.Redis.from_url(cfg.redis_url)
         info = NodeInfo(
             node_id=cfg.node_id, role=cfg.role, grpc_address=self.address,
             fingerprint=self.engine.fingerprint, block_size=self.engine.block_size,
-            num_blocks=self.engine.num_blocks,
+            num_blocks=self.engine.num_blocks, metrics_address=self.metrics_address or "",
         )
         index = NodePublisher(self._redis, info, ns=cfg.namespace, lease_s=cfg.lease_s)
         self.publisher = IndexPublisherThread(index, self._load, cfg.heartbeat_s)
@@ -94,19 +114,32 @@ class NodeServer:
 
     def stop(self, deregister: bool = True, grace_s: float = 1.0) -> None:
         """``deregister=False`` leaves the Redis entry to expire with its lease, as a crash would."""
+        # Health first: from here on a probe (or a load balancer) sees NOT_SERVING while the
+        # node leaves the index and finishes its in-flight calls.
+        self.health.enter_graceful_shutdown()
         if self.publisher is not None:
             self.publisher.stop(deregister=deregister)
-        self.health.enter_graceful_shutdown()
         self.grpc_server.stop(grace_s).wait()
         if self.aengine is not None:
             self.aengine.shutdown()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+            self.metrics_server = None
         if self._redis is not None:
             self._redis.close()
+        tracing.flush()  # a stopping node's last spans are still in the batch exporter
 
     def stats(self) -> dict:
-        """What ``pdserve status`` and the actor's ``stats`` show: identity, load, role figures."""
+        """What ``pdserve status`` and the actor's ``stats`` show: identity, load, the engine's
+        cumulative counters (as on /metrics), role figures."""
+        s = self._engine_stats() or {}
+        counters = {k: s[k] for k in ("preemptions", "prefix_cache_query_tokens", "prefix_cache_hit_tokens") if k in s}
         return {"node_id": self.config.node_id, "role": self.role.value, "address": self.address,
-                **self._load(), **self.role_stats()}
+                "metrics_address": self.metrics_address, **self._load(), **counters, **self.role_stats()}
+
+    def _engine_stats(self) -> dict | None:
+        """The engine loop's cached ``LLMEngine.stats()`` (None before ``start``)."""
+        return self.aengine.stats if self.aengine is not None else None
 
     def role_stats(self) -> dict:
         """The role's own figures (prefills done, reservations held, ...)."""

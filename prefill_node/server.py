@@ -19,6 +19,7 @@ import threading
 import time
 
 import grpc
+from opentelemetry.trace import SpanKind
 
 from engine.engine import LLMEngine, RequestOutput
 from engine.errors import InvalidRequestError
@@ -27,9 +28,12 @@ from kv_transfer.grpc_transport import GrpcKVSender
 from kv_transfer.transport import KVSender, TransferError
 from node.config import NodeConfig
 from node.engine_thread import EngineStoppedError, RequestFailedError
+from node.rpc_trace import child_span, prefill_phases, traced_rpc
 from node.server import NodeServer
 from protos.convert import sampling_from_proto, token_logprobs_to_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
+from telemetry import tracing
+from telemetry.metrics import RequestRecorder
 from tokens.block_hash import hash_prompt_blocks
 from tokens.sampling_params import SamplingParams
 
@@ -76,6 +80,9 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
     def __init__(self, node: PrefillServer) -> None:
         self.node = node
 
+    @traced_rpc("prefill_node.Prefill", lambda r: {
+        tracing.REQUEST_ID: r.request_id, tracing.GEN_AI_USAGE_INPUT_TOKENS: len(r.prompt_token_ids),
+        "pdserve.decode_address": r.decode_address})
     def Prefill(self, request: kv_pb2.PrefillRequest, context: grpc.ServicerContext):
         node, eng = self.node, self.node.engine
         rid = request.request_id
@@ -85,6 +92,8 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
         if problem:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         t0 = time.monotonic()
+        # This node's part of the request: arrival -> first token (ttft) -> KV pushed (e2e).
+        rec = RequestRecorder(node.metrics.requests, arrival=t0)
         try:
             stream = node.aengine.add_request(prompt, first_token_params(params), request_id=rid, hold_kv=True)
         except InvalidRequestError as err:
@@ -104,6 +113,9 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
                     node._inflight -= 1
                     alone = alone and node._starts == starts  # nobody started meanwhile
             prefill_s = time.monotonic() - t0
+            prefill_phases(t0, final)
+            rec.scheduled(final.metrics.first_scheduled_time)
+            rec.sample(0, len(final.outputs[0].token_ids), now=t0 + prefill_s)
             if alone and node.publisher is not None:
                 node.publisher.submit_step(StepReport(
                     new_tokens=len(prompt) - final.num_cached_tokens, context_tokens=len(prompt),
@@ -111,8 +123,19 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
             blocks_sent = bytes_sent = 0
             t1 = time.monotonic()
             if request.reservation.block_ids:
-                blocks_sent, bytes_sent = self._push(rid, prompt, request, context)
+                with child_span("kv_transfer.push", context, {
+                        "pdserve.decode_address": request.decode_address,
+                        tracing.KV_CACHED_BLOCKS: request.reservation.num_cached_blocks}, SpanKind.CLIENT) as span:
+                    blocks_sent, bytes_sent = self._push(rid, prompt, request, context)
+                    # The receiver writes nothing unless the checksum matched: a push that
+                    # returns was verified.
+                    span.set_attributes({tracing.KV_BLOCKS: blocks_sent, tracing.KV_BYTES: bytes_sent,
+                                         tracing.KV_TRANSFER_S: time.monotonic() - t1,
+                                         tracing.KV_CHECKSUM_VERIFIED: True})
             transfer_s = time.monotonic() - t1 if request.reservation.block_ids else 0.0
+            if request.reservation.block_ids:
+                node.metrics.transfer_bytes.inc(bytes_sent)
+                node.metrics.transfer_seconds.observe(transfer_s)
         finally:
             # Always: the blocks stay in this node's prefix cache either way, unpinned.
             try:
@@ -120,6 +143,9 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
             except EngineStoppedError:
                 pass  # the engine and its blocks are gone with it
         node.num_prefills += 1
+        # The request leaves this node here: "prefilled", whatever the decode node makes of it.
+        rec.sample(0, 0, "prefilled")
+        rec.finish(len(prompt))
         c = final.outputs[0]
         first_logprobs = token_logprobs_to_proto(c.token_ids[:1], c.logprobs and c.logprobs[:1],
                                                  c.new_top_logprobs and c.new_top_logprobs[:1])
@@ -158,6 +184,7 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reservation: {err}")
         except TransferError as err:
             node.num_transfer_failures += 1
+            node.metrics.transfer_failures.inc()
             log.warning("KV transfer of %r to %s failed: %s", rid, request.decode_address, err)
             # The receiver's code (INVALID_ARGUMENT, DATA_LOSS, NOT_FOUND) or UNAVAILABLE /
             # DEADLINE_EXCEEDED when it could not be reached: the router recomputes on decode.

@@ -16,6 +16,14 @@ class RouterConfig:
     max_model_len: int  # prompt + output tokens of one request
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = pick a free port (RouterServer.address tells which)
+    # OpenAI-compatible HTTP API, /metrics, /health and /ready on host:http_port (0 = a free
+    # port, RouterServer.http_address tells which; None = no HTTP server).
+    http_port: int | None = 8000
+    # GET /ready needs at least this many live prefill nodes (and one decode node); 0 for a
+    # cluster that prefills on its decode nodes only.
+    ready_min_prefill: int = 1
+    # OTLP/gRPC collector for traces; None = OTEL_EXPORTER_OTLP_ENDPOINT if set, else off.
+    otlp_endpoint: str | None = None
     namespace: str = "pdserve"
     max_prompt_tokens: int | None = None  # None = max_model_len - 1
     max_tokens_limit: int | None = None  # None = no limit beyond max_model_len

@@ -25,9 +25,11 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from contextlib import aclosing
+from dataclasses import dataclass, field, replace
 
 import grpc
+from opentelemetry.context import Context
 
 from kv_index.nodes import NodeInfo, Role, index_freshness
 from kv_index.reader import IndexReader
@@ -40,7 +42,11 @@ from router.config import RouterConfig
 from router.cost_model import CostBook
 from router.node_view import IndexAccuracy, NodeRefresher, PrefillLedger
 from router.placement import NoCapacityError, Placement, PlacementPolicy, PlacementRequest
+from router.request_metrics import StreamObserver
+from router.request_trace import RequestTrace
 from router.tokenizer import ChatTemplateError, PromptTokenizer
+from telemetry import tracing
+from telemetry.metrics import RouterMetrics
 from tokens.block_hash import hash_prompt_blocks
 from tokens.detokenizer import IncrementalDetokenizer
 from tokens.sampling_params import SamplingParams
@@ -52,11 +58,23 @@ log = logging.getLogger(__name__)
 class RouterError(Exception):
     """A failure before any output: becomes the RPC's status (with retry-after-ms if set)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None,
+                 reason: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.retry_after_ms = retry_after_ms
+        # One word for the requests_rejected_total metric.
+        self.reason = reason or _REJECT_REASONS.get(code, code.name.lower())
+
+
+_REJECT_REASONS = {
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid",
+    grpc.StatusCode.NOT_FOUND: "not_found",
+    grpc.StatusCode.ALREADY_EXISTS: "duplicate_id",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+}
 
 
 # ----------------------------------------------------------------------------- per request
@@ -84,6 +102,7 @@ class Running:
     prefill_call: object | None = None
     aborted: bool = False
     timings: dict[str, float] = field(default_factory=dict)
+    trace: RequestTrace = field(default_factory=RequestTrace.off)  # the request's spans
 
 
 class Orchestrator:
@@ -91,8 +110,10 @@ class Orchestrator:
     (tokenizing and the Redis lookup block)."""
 
     def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer, refresher: NodeRefresher,
-                 reader: IndexReader, policy: PlacementPolicy, costs: CostBook | None = None) -> None:
+                 reader: IndexReader, policy: PlacementPolicy, costs: CostBook | None = None,
+                 metrics: RouterMetrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics if metrics is not None else RouterMetrics(config.model_name)
         self.costs = costs
         self.accuracy = IndexAccuracy()
         self.ledger = PrefillLedger()
@@ -108,15 +129,18 @@ class Orchestrator:
         self.inflight = 0
 
     # -- admission and validation ------------------------------------------------------------
-    def _prepare(self, req: pb.GenerateRequest, client_id: str) -> Prepared:
+    def _prepare(self, req: pb.GenerateRequest, client_id: str, max_tokens_to_context: bool = False) -> Prepared:
         cfg = self.config
         slo_class = slo_class_from_proto(req.slo_class) or cfg.default_slo_class
         if req.model and req.model != cfg.model_name:
             raise RouterError(grpc.StatusCode.NOT_FOUND,
                               f"model {req.model!r} is not served here; served models: [{cfg.model_name!r}]")
         prompt = self._prompt_ids(req)
+        tracing.event("tokenized", {tracing.GEN_AI_USAGE_INPUT_TOKENS: len(prompt)})
         try:
             params = sampling_from_proto(req.sampling)
+            if max_tokens_to_context:  # capped below, once the prompt's length is known
+                params = replace(params, max_tokens=cfg.max_model_len)
             params.validate(self.vocab_size)
         except ValueError as e:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
@@ -125,14 +149,23 @@ class Orchestrator:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty (0 tokens)")
         if n > cfg.effective_max_prompt_tokens:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"prompt has {n} tokens; max_prompt_tokens is {cfg.effective_max_prompt_tokens}")
+                              f"this model's maximum context length is {cfg.max_model_len} tokens and a prompt "
+                              f"may use {cfg.effective_max_prompt_tokens} of them (max_prompt_tokens); "
+                              f"the prompt has {n} tokens")
+        if max_tokens_to_context:
+            # OpenAI's chat default: no max_tokens = as many as the context leaves.
+            budget = max(params.min_tokens, cfg.max_model_len - n)
+            if cfg.max_tokens_limit is not None:
+                budget = min(budget, cfg.max_tokens_limit)
+            params = replace(params, max_tokens=budget)
         if cfg.max_tokens_limit is not None and params.max_tokens > cfg.max_tokens_limit:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"max_tokens is {params.max_tokens}; max_tokens_limit is {cfg.max_tokens_limit}")
         if n + params.max_tokens > cfg.max_model_len:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
-                              f"exceeds max_model_len {cfg.max_model_len}")
+                              f"the prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
+                              f"{n + params.max_tokens} exceeds this model's maximum context length of "
+                              f"{cfg.max_model_len} tokens (max_model_len)")
         view = self.refresher.view
         if not view.has_decode:
             raise RouterError(grpc.StatusCode.UNAVAILABLE,
@@ -143,16 +176,18 @@ class Orchestrator:
         except Exception as e:  # the index is a hint: route without it rather than fail
             log.warning("index lookup failed, placing without prefix information: %s", e)
             matched = {}
+        tracing.event("index_matched", {"pdserve.index.longest_match_blocks": max(matched.values(), default=0)})
         try:
             placement = self.policy.choose(
                 PlacementRequest(n, view.block_size, params.n, params.max_tokens, slo_class), list(view.nodes),
                 matched, self.ledger.backlog_s())
         except NoCapacityError as e:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        tracing.event("placed")
         if placement.estimate is not None:
             verdict = decide(placement.estimate, SLO_CLASSES[slo_class], n)
             if not verdict.admit:
-                raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, verdict.reason, verdict.retry_after_ms)
+                raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, verdict.reason, verdict.retry_after_ms, "slo")
         return Prepared(client_id, f"{client_id}-{uuid.uuid4().hex[:12]}", prompt, params,
                         sampling_to_proto(params), hashes, view.fingerprint, view.block_size, placement)
 
@@ -177,29 +212,72 @@ class Orchestrator:
         raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "no prompt: set one of text, chat or tokens")
 
     # -- the request ---------------------------------------------------------------------------
-    async def generate(self, req: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        """Yield the client's responses. Raises RouterError before the first one."""
+    async def generate(self, req: pb.GenerateRequest, *, trace_context: Context | None = None,
+                       **options) -> AsyncIterator[pb.GenerateResponse]:
+        """Yield the client's responses. Raises RouterError before the first one. ``options``:
+        those of ``_generate``. Every front-end comes through here, so every request gets its
+        root span (router/request_trace.py), rejections included; ``trace_context``: the
+        caller's trace (from gRPC metadata or HTTP headers), None to start one."""
+        rt = RequestTrace(self.config.model_name, req, trace_context)
+        # aclosing: a consumer that stops reading closes the inner generator now (its finally
+        # frees the in-flight slot), not whenever the garbage collector finds it.
+        async with aclosing(self._generate(req, rt, **options)) as responses:
+            try:
+                async for resp in responses:
+                    rt.feed(resp)
+                    yield resp
+            except BaseException as e:
+                rt.failed(e)
+                raise
+            finally:
+                rt.end()
+
+    async def _generate(self, req: pb.GenerateRequest, rt: RequestTrace, *,
+                        max_tokens_to_context: bool = False) -> AsyncIterator[pb.GenerateResponse]:
+        """Yield the client's responses. Raises RouterError before the first one.
+        ``max_tokens_to_context``: ignore the request's max_tokens and let it use the rest of the
+        context (the HTTP API's chat default)."""
         arrival = time.monotonic()
+        metrics = self.metrics
         if self.inflight >= self.config.max_inflight:
+            metrics.rejected("overloaded")
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"{self.inflight} requests in flight (max_inflight {self.config.max_inflight}); "
                               f"retry after {self.config.retry_after_ms} ms", self.config.retry_after_ms)
         client_id = req.request_id if req.HasField("request_id") and req.request_id else uuid.uuid4().hex
         if client_id in self._running:
+            metrics.rejected("duplicate_id")
             raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request id {client_id!r} is already running")
         self.inflight += 1
-        run = self._running[client_id] = Running()
+        metrics.running.inc()
+        run = self._running[client_id] = Running(trace=rt)
+        observer = StreamObserver(metrics.requests, arrival)
+        sent = False
         try:
-            prep = await asyncio.to_thread(self._prepare, req, client_id)
+            # to_thread runs it in a copy of this task's context: router.place is current there
+            prep = await asyncio.to_thread(rt.place, self._prepare, req, client_id, max_tokens_to_context)
+            metrics.decision(prep.placement.kind)
             async for resp in self._execute(prep, run, arrival):
+                if not sent:
+                    sent = True
+                    observer.queued(run.timings.get("queue_s", 0.0))
                 resp.request_id = client_id
+                observer.feed(resp)
                 yield resp
-        except asyncio.CancelledError:
-            # The client went away: stop the work on the nodes too (shielded from our own cancel).
+        except RouterError as e:
+            if not sent:
+                metrics.rejected(e.reason)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away (its task was cancelled, or it closed this stream): stop the
+            # work on the nodes too, shielded from our own cancellation.
             await asyncio.shield(self._abort_on_nodes(run))
             raise
         finally:
+            if sent:
+                observer.finish()
             self.inflight -= 1
+            metrics.running.dec()
             self._running.pop(client_id, None)
 
     async def _execute(self, prep: Prepared, run: Running, arrival: float) -> AsyncIterator[pb.GenerateResponse]:
@@ -237,24 +315,30 @@ class Orchestrator:
         """Reserve on the decode node, prefill on the prefill node. None: prefill locally."""
         cfg = self.config
         kv = kv_pb2_grpc.KVTransferStub(self._channel(decode.grpc_address))
+        span = run.trace.client_span("router.prefill", {tracing.PREFILL_NODE: prefill.node_id,
+                                                        tracing.DECODE_NODE: decode.node_id})
+        md = run.trace.metadata(span)  # both nodes' spans become children of router.prefill
         try:
             reservation = await kv.ReserveBlocks(kv_pb2.ReserveBlocksRequest(
                 request_id=prep.node_id, model_fingerprint=prep.fingerprint, block_size=prep.block_size,
                 num_tokens=len(prep.prompt), block_hashes=prep.block_hashes, prompt_token_ids=prep.prompt,
-            ), timeout=cfg.reserve_timeout_s)
+            ), timeout=cfg.reserve_timeout_s, metadata=md)
         except grpc.aio.AioRpcError as e:
             log.warning("request %s: ReserveBlocks on %s failed (%s: %s); prefilling on the decode node",
                         prep.client_id, decode.node_id, e.code().name, e.details())
+            run.trace.fallback(span, "reserve_failed", e)
+            span.end()
             return None
         call = kv_pb2_grpc.PrefillNodeStub(self._channel(prefill.grpc_address)).Prefill(kv_pb2.PrefillRequest(
             request_id=prep.node_id, prompt_token_ids=prep.prompt, sampling=prep.sampling,
             decode_address=decode.grpc_address, reservation=reservation,
-        ), timeout=cfg.prefill_timeout_s)
+        ), timeout=cfg.prefill_timeout_s, metadata=md)
         run.prefill_call = call
         est = prep.placement.estimate
         self.ledger.add(prefill.node_id, prep.node_id, est.prefill_s if est is not None else 0.0)
         try:
             resp = await call
+            run.trace.prefilled(span, resp)
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
             await self._release(decode.grpc_address, prep.node_id)
             if isinstance(e, asyncio.CancelledError) or run.aborted:
@@ -263,10 +347,12 @@ class Orchestrator:
                 return None
             log.warning("request %s: Prefill on %s failed (%s: %s); recomputing on decode node %s",
                         prep.client_id, prefill.node_id, e.code().name, e.details(), decode.node_id)
+            run.trace.fallback(span, "prefill_failed", e)
             return None
         finally:
             run.prefill_call = None
             self.ledger.done(prefill.node_id, prep.node_id)
+            span.end()
         self.accuracy.record(prep.client_id, prep.placement.predicted_cached_tokens, resp.cached_tokens)
         if self.costs is not None:
             self.costs.add_transfer(prefill.node_id, decode.node_id, resp.bytes_sent, resp.transfer_s,
@@ -306,7 +392,9 @@ class Orchestrator:
     async def _relay(self, prep: Prepared, dreq: kv_pb2.DecodeRequest, decode: NodeInfo,
                      first: kv_pb2.PrefillResponse | None, arrival: float, run: Running):
         stub = kv_pb2_grpc.DecodeNodeStub(self._channel(decode.grpc_address))
-        call = stub.Decode(dreq)
+        span = run.trace.client_span("router.decode", {tracing.DECODE_NODE: decode.node_id,
+                                                       tracing.RECOMPUTE: first is None})
+        call = stub.Decode(dreq, metadata=run.trace.metadata(span))
         sent = 0
         first_token_s: dict[int, float] = {}
         try:
@@ -321,6 +409,7 @@ class Orchestrator:
                 sent += 1
                 yield resp
         except grpc.aio.AioRpcError as e:
+            run.trace.call_failed(span, e)
             if sent == 0:
                 code = e.code()
                 retry = retry_after_ms(e.trailing_metadata()) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
@@ -334,6 +423,8 @@ class Orchestrator:
             for i in range(prep.params.n):
                 yield pb.GenerateResponse(complete=pb.Complete(index=i, finish_reason=finish_reason_to_proto(
                     FinishReason.ERROR)))
+        finally:
+            span.end()
 
     def _fill_complete(self, c: pb.Complete, run: Running, first, first_token_s: dict[int, float],
                        arrival: float) -> None:

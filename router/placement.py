@@ -37,6 +37,13 @@ class Placement:
     fetch_from: str | None = None
     fetch_tokens: int = 0
 
+    @property
+    def kind(self) -> str:
+        """The decision in one word (a metric label): where the prompt is computed."""
+        if self.prefill_node is None:
+            return "local"
+        return "disaggregated_fetch" if self.fetch_from else "disaggregated"
+
 
 class NoCapacityError(Exception):
     """No live node can take the request (no decode node)."""

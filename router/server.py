@@ -1,8 +1,9 @@
-"""The router's client-facing gRPC server: PdServe (Generate, Abort, ListModels), the standard
-grpc.health.v1 service and server reflection.
+"""The router process: its client-facing gRPC server (PdServe: Generate, Abort, ListModels;
+the standard grpc.health.v1 service; server reflection) and, beside it on the same event loop,
+the HTTP server (OpenAI-compatible API, /metrics, /health, /ready: router/http_server.py).
 
     python -m router.server --redis-url redis://127.0.0.1:6379/0 --tokenizer-dir DIR \
-        --model-name smollm2-135m --max-model-len 2048 --port 50051
+        --model-name smollm2-135m --max-model-len 2048 --port 50051 --http-port 8000
 
 It runs on grpc.aio: a request spends its life waiting on nodes, so one event loop carries
 thousands of them where a thread per stream would not. ``serve(config)`` runs that loop on a
@@ -15,22 +16,27 @@ import asyncio
 import logging
 import signal
 import threading
+import time
 
 import grpc
 import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kv_index.nodes import index_freshness
 from kv_index.reader import IndexReader
 from protos.conventions import grpc_options, retry_after_metadata
 from protos.pdserve.v1 import serving_pb2 as pb
 from protos.pdserve.v1 import serving_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.cost_model import CostBook
+from router.http_server import HttpServer, build_app, node_readiness
 from router.node_view import NodeRefresher
 from router.orchestrator import Orchestrator, RouterError
 from router.placement import PrefixLoadPolicy, TtftPolicy
 from router.tokenizer import PromptTokenizer
+from telemetry import tracing
+from telemetry.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +49,8 @@ class PdServeService(pb_grpc.PdServeServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            async for resp in self.orch.generate(request):
+            parent = tracing.context_from_metadata(context.invocation_metadata())  # a client's traceparent
+            async for resp in self.orch.generate(request, trace_context=parent):
                 yield resp
         except RouterError as e:
             md = retry_after_metadata(e.retry_after_ms) if e.retry_after_ms is not None else ()
@@ -70,6 +77,7 @@ class RouterServer:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._thread_main, name="router-server", daemon=True)
         self.orchestrator: Orchestrator | None = None  # set once started: stats(), accuracy
+        self.http_address: str | None = None  # host:port of the HTTP API (None: not serving HTTP)
 
     def start(self) -> "RouterServer":
         self._thread.start()
@@ -98,6 +106,7 @@ class RouterServer:
         cfg = self.config
         self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
+        tracing.setup_tracing("pdserve-router", cfg.otlp_endpoint)
         client = redis.Redis.from_url(cfg.redis_url)
         reader = IndexReader(client, cfg.namespace)
         costs = CostBook(kv_bytes_per_token=cfg.kv_bytes_per_token) if cfg.kv_bytes_per_token else CostBook()
@@ -106,8 +115,12 @@ class RouterServer:
             policy = TtftPolicy(costs, cfg.short_prompt_tokens, cfg.max_n, compute_weight=cfg.compute_weight)
         else:
             policy = PrefixLoadPolicy(cfg.load_alpha, cfg.short_prompt_tokens, cfg.max_n)
+        metrics = RouterMetrics(cfg.model_name)
         orch = self.orchestrator = Orchestrator(cfg, PromptTokenizer(cfg.tokenizer_dir), refresher, reader,
-                                                policy, costs)
+                                                policy, costs, metrics)
+        accuracy = orch.accuracy
+        metrics.watch_index(lambda: index_freshness(refresher.view.nodes, time.time()),
+                            lambda: accuracy.summary()["exact_fraction"] if accuracy.requests else None)
         server = grpc.aio.server(options=grpc_options(cfg.max_message_bytes))
         pb_grpc.add_PdServeServicer_to_server(PdServeService(orch), server)
         health_servicer = health.aio.HealthServicer()
@@ -119,17 +132,30 @@ class RouterServer:
         refresher.start()
         await server.start()
         self.address = f"{cfg.host}:{port}"
-        log.info("router serving %s on %s", cfg.model_name, self.address)
+        http = None
+        if cfg.http_port is not None:
+            app = build_app(orch, metrics.registry, node_readiness(orch, cfg.ready_min_prefill))
+            http = HttpServer(app, cfg.host, cfg.http_port)
+            try:
+                self.http_address = await http.start()
+            except BaseException:
+                await server.stop(0)
+                refresher.stop()
+                raise
+        log.info("router serving %s on %s (gRPC), %s (HTTP)", cfg.model_name, self.address, self.http_address)
         self._started.set()
         health_task = asyncio.create_task(_track_health(health_servicer, refresher, cfg.node_refresh_s))
         try:
             await self._stopping.wait()
         finally:
             health_task.cancel()
+            if http is not None:
+                await http.stop()
             await server.stop(self._grace)
             refresher.stop()
             await orch.close()
             client.close()
+            tracing.flush()  # the batch exporter holds the last requests' spans
 
 
 async def _track_health(servicer, refresher: NodeRefresher, every_s: float) -> None:
@@ -159,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP API, /metrics, /health, /ready (-1: none)")
+    p.add_argument("--ready-min-prefill", type=int, default=1,
+                   help="live prefill nodes GET /ready needs (0: a decode-only cluster)")
     p.add_argument("--namespace", default="pdserve")
     p.add_argument("--max-prompt-tokens", type=int)
     p.add_argument("--max-tokens-limit", type=int)
@@ -167,16 +197,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node-refresh-s", type=float, default=0.5)
     p.add_argument("--policy", choices=["ttft", "prefix_load"], default="ttft")
     p.add_argument("--default-slo-class", default="relaxed")
+    p.add_argument("--otlp-endpoint", help="OTLP/gRPC collector for traces, e.g. http://127.0.0.1:4317 "
+                   "(default: $OTEL_EXPORTER_OTLP_ENDPOINT if set, else no tracing)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = serve(RouterConfig(
         redis_url=args.redis_url, tokenizer_dir=args.tokenizer_dir, model_name=args.model_name,
         max_model_len=args.max_model_len, host=args.host, port=args.port, namespace=args.namespace,
+        http_port=None if args.http_port < 0 else args.http_port, ready_min_prefill=args.ready_min_prefill,
         max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
         short_prompt_tokens=args.short_prompt_tokens, max_inflight=args.max_inflight,
         node_refresh_s=args.node_refresh_s, policy=args.policy, default_slo_class=args.default_slo_class,
+        otlp_endpoint=args.otlp_endpoint,
     ))
-    print(f"router listening on {server.address}", flush=True)
+    print(f"router listening on grpc={server.address} http={server.http_address}", flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: threading.Thread(target=server.stop, args=(5.0,)).start())
     server.wait()

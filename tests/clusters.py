@@ -39,6 +39,7 @@ def local_cluster(request):
     marker = request.node.get_closest_marker("local_cluster")
     fields = dict(marker.kwargs) if marker is not None else {}
     engine = replace(SMOLLM2, **fields.pop("engine", {}))
+    fields.setdefault("http_port", 0)
     config = ClusterConfig(engine=engine, grpc_port=0, dashboard_port=0, **fields)
     with LocalCluster(config) as cluster:
         yield cluster

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import openai
 import pytest
 import redis
 
@@ -125,9 +126,9 @@ def test_pdserve_up_prints_ready_and_leaves_nothing_behind():
     from deploy.redis_server import free_port
 
     env = dict(os.environ)  # the root conftest set Ray and gRPC up for tests
-    port = free_port()
+    port, http_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--grpc-port", str(port),
-                             "--dashboard-port", "0", "--kv-cache-mib", "64"],
+                             "--http-port", str(http_port), "--dashboard-port", "0", "--kv-cache-mib", "64"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     children = []
     try:
@@ -137,12 +138,18 @@ def test_pdserve_up_prints_ready_and_leaves_nothing_behind():
             line = proc.stdout.readline()
             if line.startswith("pdserve ready") or not line:
                 break
-        assert line.startswith(f"pdserve ready grpc=127.0.0.1:{port} dashboard=http://127.0.0.1:"), line
+        assert line.startswith(f"pdserve ready grpc=127.0.0.1:{port} http=127.0.0.1:{http_port} "
+                               f"dashboard=http://127.0.0.1:"), line
         children = psutil.Process(proc.pid).children(recursive=True)
         assert any("redis-server" in " ".join(c.cmdline()) for c in children)
         with pdserve.Client(f"127.0.0.1:{port}", timeout=60) as client:
             text = client.complete(chat("What is the capital of France?"), max_tokens=8, temperature=0.0).text
         assert "Paris" in text
+        # What a new user does next: point the official OpenAI client at it and stream.
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0) as oc:
+            stream = oc.chat.completions.create(model="smollm2-135m", messages=chat("What is the capital of France?"),
+                                                max_tokens=8, temperature=0.0, stream=True)
+            assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
     finally:
         proc.terminate()
         proc.wait(60)

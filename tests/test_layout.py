@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("tokens", "engine", "kv_index", "kv_transfer", "node", "prefill_node", "decode_node", "router",
-            "pdserve", "deploy", "protos")
+            "pdserve", "deploy", "protos", "telemetry")
 NODE_PACKAGES = ("node", "prefill_node", "decode_node")
 
 
@@ -131,6 +131,8 @@ RULES = [
     (("prefill_node",), ("decode_node",), "roles do not import each other"),
     (("decode_node",), ("prefill_node",), "roles do not import each other"),
     (("protos",), ("torch", "ray", "engine", "router", *NODE_PACKAGES), "the wire is importable anywhere"),
+    (("telemetry",), ("torch", "ray", "grpc", "redis", "engine", "router", "kv_index", "kv_transfer", *NODE_PACKAGES),
+     "metrics and tracing are shared by the torch-free router and the nodes, and know neither"),
 ]
 
 

@@ -28,6 +28,7 @@ def tok_dir():
 
 def router_config(redis_url, tok_dir, ns, **kw):
     kw.setdefault("max_model_len", MAX_LEN)
+    kw.setdefault("http_port", 0)
     return RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0, namespace=ns,
                         node_refresh_s=0.1, **kw)
 
@@ -49,7 +50,8 @@ def test_router_and_sdk_import_no_torch_or_ray():
 
 def test_validation_errors_name_the_limits(bare_router):
     with pdserve.Client(bare_router.address, retries=0) as c:
-        with pytest.raises(pdserve.InvalidRequestError, match=r"prompt has 600 tokens; max_prompt_tokens is 511"):
+        with pytest.raises(pdserve.InvalidRequestError,
+                           match=r"maximum context length is 512 tokens .* \(max_prompt_tokens\); the prompt has 600"):
             c.complete(token_ids=[5] * 600)
         with pytest.raises(pdserve.InvalidRequestError, match=r"prompt \(500 tokens\) \+ max_tokens \(50\).*512"):
             c.complete(token_ids=[5] * 500, max_tokens=50)
@@ -70,6 +72,29 @@ def test_no_live_nodes_is_unavailable(bare_router):
         with pytest.raises(pdserve.UnavailableError, match="no live decode node"):
             c.complete("hello")
         assert c.health() is False
+
+
+def test_http_without_nodes_is_503_with_a_retry_hint_and_not_ready(bare_router):
+    import json
+    import urllib.error
+    import urllib.request
+
+    base = f"http://{bare_router.http_address}"
+    with urllib.request.urlopen(f"{base}/health", timeout=10) as r:
+        assert r.status == 200
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{base}/ready", timeout=10)
+    assert e.value.code == 503 and "no live decode node" in json.loads(e.value.read())["reason"]
+    req = urllib.request.Request(f"{base}/v1/chat/completions", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode())
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    body = json.loads(e.value.read())
+    assert e.value.code == 503 and int(e.value.headers["Retry-After"]) >= 1
+    assert body["error"]["type"] == "service_unavailable" and "decode node" in body["error"]["message"]
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert 'pdserve:requests_rejected_total{model_name="m",reason="unavailable"}' in text
 
 
 def test_list_models_health_and_reflection(bare_router):

@@ -1,0 +1,267 @@
+"""Prometheus metrics of the router and the nodes, named as vLLM users already chart them.
+
+Every name starts with ``pdserve:`` and carries a ``model_name`` label; node metrics add
+``role`` (prefill / decode) and ``node_id``. docs/observability.md says what each one means and
+where it is measured.
+
+Each process builds its metrics on a registry of its own (not prometheus_client's global one):
+tests run a router and several nodes in one process, and two nodes must not share counters.
+
+Counters that the engine already keeps (prefix-cache tokens, preemptions, speculative drafts)
+are not mirrored into prometheus objects on every step: ``EngineCollector`` reads the engine's
+cumulative figures at scrape time, so the engine loop pays nothing for metrics.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "pdserve:"
+
+# vLLM's buckets, so dashboards built for vLLM read ours unchanged.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+# The router's label values (router/placement.py Placement.kind, router/orchestrator.py RouterError.reason).
+DECISIONS = ("disaggregated", "disaggregated_fetch", "local")
+REJECTIONS = ("invalid", "not_found", "duplicate_id", "overloaded", "slo", "unavailable")
+
+
+def name(short: str) -> str:
+    return PREFIX + short
+
+
+class RequestMetrics:
+    """Per-request latencies and token counts, as seen by one process (the router sees what
+    clients see; a node sees its own part of the request)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: Mapping[str, str]) -> None:
+        self.labels = dict(labels)
+        keys = list(self.labels)
+
+        def hist(short, doc, buckets):
+            return Histogram(name(short), doc, keys, buckets=buckets, registry=registry).labels(**self.labels)
+
+        def counter(short, doc):
+            return Counter(name(short), doc, keys, registry=registry).labels(**self.labels)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between two consecutive streamed outputs of a "
+                        "sample, divided by the tokens the later one carried.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last sample's completion.",
+                        REQUEST_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Time from arrival until the request's prefill "
+                          "started.", REQUEST_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated for finished samples.")
+        self._success = Counter(name("request_success"), "Finished samples, by finish reason.",
+                                [*keys, "finished_reason"], registry=registry)
+
+    def success(self, finished_reason: str) -> None:
+        self._success.labels(**self.labels, finished_reason=finished_reason).inc()
+
+    def declare_reasons(self, finished_reasons) -> None:
+        """Export these reasons at 0 before any request, so rate() over them starts at once."""
+        for reason in finished_reasons:
+            self._success.labels(**self.labels, finished_reason=reason)
+
+
+class RouterMetrics:
+    """The router's metrics; ``RouterMetrics(model)`` builds its own registry."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        labels = {"model_name": model_name}
+        self.requests = RequestMetrics(self.registry, labels)
+        self.running = Gauge(name("num_requests_running"), "Requests in flight through this router.",
+                             ["model_name"], registry=self.registry).labels(**labels)
+        self._decisions = Counter(name("router_decisions"), "Placement decisions, by kind (disaggregated, "
+                                  "local: prefilled on the decode node, ...).", ["model_name", "reason"],
+                                  registry=self.registry)
+        self._rejected = Counter(name("requests_rejected"), "Requests refused before any output, by reason "
+                                 "(invalid, overloaded, slo, unavailable, not_found).", ["model_name", "reason"],
+                                 registry=self.registry)
+        self._model = model_name
+        # Exported at 0 from the start, so rate() and dashboards see every series at once.
+        self.requests.declare_reasons(("stop", "length", "abort", "error"))
+        for reason in DECISIONS:
+            self._decisions.labels(model_name=model_name, reason=reason)
+        for reason in REJECTIONS:
+            self._rejected.labels(model_name=model_name, reason=reason)
+
+    def decision(self, reason: str) -> None:
+        self._decisions.labels(model_name=self._model, reason=reason).inc()
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(model_name=self._model, reason=reason).inc()
+
+    def watch_index(self, freshness: Callable[[], Mapping[str, float]], accuracy: Callable[[], float | None]) -> None:
+        """Export the index's freshness (per node) and accuracy, read at scrape time."""
+        self.registry.register(_IndexCollector(self._model, freshness, accuracy))
+
+
+class _IndexCollector(Collector):
+    def __init__(self, model: str, freshness, accuracy) -> None:
+        self.model, self.freshness, self.accuracy = model, freshness, accuracy
+
+    def collect(self):
+        f = GaugeMetricFamily(name("index_freshness_seconds"), "Age of the newest block-event batch the index "
+                              "applied, per node.", labels=["model_name", "node_id"])
+        for node_id, age in sorted(self.freshness().items()):
+            f.add_metric([self.model, node_id], age)
+        yield f
+        a = GaugeMetricFamily(name("index_accuracy"), "Fraction of disaggregated requests whose predicted cached "
+                              "prompt tokens equalled those the prefill node reused.", labels=["model_name"])
+        acc = self.accuracy()
+        if acc is not None:
+            a.add_metric([self.model], acc)
+        yield a
+
+
+class NodeMetrics:
+    """A node's metrics. ``engine_stats`` returns the engine's cumulative figures (see
+    ``EngineCollector``); the node's servers record requests and transfers directly."""
+
+    def __init__(self, model_name: str, role: str, node_id: str,
+                 engine_stats: Callable[[], Mapping] | None = None,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        labels = {"model_name": model_name, "role": role, "node_id": node_id}
+        self.labels = labels
+        keys = list(labels)
+        self.requests = RequestMetrics(self.registry, labels)
+        # A prefill node's requests end once their KV is pushed ("prefilled"); a decode node's
+        # samples end as the engine says (stop, length, abort).
+        self.requests.declare_reasons(("prefilled",) if role == "prefill" else ("stop", "length", "abort"))
+        self.transfer_bytes = Counter(name("kv_transfer_bytes"), "KV bytes sent (prefill) or received (decode).",
+                                      keys, registry=self.registry).labels(**labels)
+        self.transfer_seconds = Histogram(name("kv_transfer_seconds"), "Duration of one request's KV transfer.",
+                                          keys, buckets=TRANSFER_BUCKETS, registry=self.registry).labels(**labels)
+        self.transfer_failures = Counter(name("kv_transfer_failures"), "KV transfers that failed (the request "
+                                         "was then recomputed).", keys, registry=self.registry).labels(**labels)
+        if engine_stats is not None:
+            self.registry.register(EngineCollector(labels, engine_stats))
+
+
+class EngineCollector(Collector):
+    """The engine's own figures at scrape time, from ``LLMEngine.stats()``-shaped dicts:
+    running, waiting, kv_usage, preemptions, prefix_cache_query_tokens / _hit_tokens,
+    speculative (drafts, draft_tokens, accepted_tokens)."""
+
+    def __init__(self, labels: Mapping[str, str], stats: Callable[[], Mapping]) -> None:
+        self.keys, self.values = list(labels), list(labels.values())
+        self.stats = stats
+
+    def _family(self, kind, short, doc, value):
+        fam = kind(name(short), doc, labels=self.keys)
+        fam.add_metric(self.values, float(value))
+        return fam
+
+    def collect(self):
+        s = self.stats()
+        if not s:
+            return
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(g, "num_requests_running", "Sequences in the engine's running batch.", s["running"])
+        yield self._family(g, "num_requests_waiting", "Sequences waiting for a slot.", s["waiting"])
+        yield self._family(g, "kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s["kv_usage"])
+        yield self._family(c, "num_preemptions", "Sequences preempted (recomputed later).", s["preemptions"])
+        yield self._family(c, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                           s["prefix_cache_query_tokens"])
+        yield self._family(c, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                           s["prefix_cache_hit_tokens"])
+        spec = s.get("speculative") or {}
+        yield self._family(c, "spec_decode_num_drafts", "Verification steps that carried draft tokens.",
+                           spec.get("drafts", 0))
+        yield self._family(c, "spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.get("draft_tokens", 0))
+        yield self._family(c, "spec_decode_num_accepted_tokens", "Draft tokens the target accepted.",
+                           spec.get("accepted_tokens", 0))
+
+
+class MetricsServer:
+    """prometheus_client's own HTTP exporter on ``host:port`` (0 = a free port), for processes
+    that have no HTTP server of their own (the nodes). ``address`` is what the node registers."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.address = f"{host}:{self._server.server_port}"
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+class RequestRecorder:
+    """One request's life on one process, recorded into ``RequestMetrics`` as it happens.
+
+    The caller feeds plain facts (no engine types here): when the request was first scheduled,
+    each streamed output of each sample, the finish. What gets observed:
+
+    - ``time_to_first_token_seconds``: ``arrival`` -> the first output that carries tokens;
+    - ``inter_token_latency_seconds``: per sample, between two outputs that carry tokens,
+      divided by the tokens the later one carried (one observation per output);
+    - ``request_queue_time_seconds``: ``arrival`` -> the first scheduled step (once);
+    - ``request_success_total{finished_reason}``: once per sample, when its reason is known;
+    - at ``finish``: ``e2e_request_latency_seconds``, the prompt tokens and the tokens counted
+      by ``sample`` so far.
+
+    Times are ``clock()`` values (``time.monotonic`` by default, the engine's clock too).
+    Each method is called by the one thread that serves the request.
+    """
+
+    def __init__(self, requests: RequestMetrics, arrival: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.requests = requests
+        self.clock = clock
+        self.arrival = clock() if arrival is None else arrival
+        self.first_token_at: float | None = None
+        self.generated = 0
+        self._queued = False
+        self._last: dict[int, float] = {}  # sample index -> time of its last output with tokens
+        self._finished = False
+
+    def scheduled(self, at: float | None) -> None:
+        """The engine's first scheduled step for the request (None: not yet, ignored)."""
+        if at is not None and not self._queued:
+            self._queued = True
+            self.requests.queue.observe(max(0.0, at - self.arrival))
+
+    def sample(self, index: int, new_tokens: int, finish_reason: str | None = None,
+               now: float | None = None) -> None:
+        """One output of sample ``index``: ``new_tokens`` tokens, and its finish reason if it
+        finished with this output."""
+        now = self.clock() if now is None else now
+        if new_tokens > 0:
+            if self.first_token_at is None:
+                self.first_token_at = now
+                self.requests.ttft.observe(max(0.0, now - self.arrival))
+            last = self._last.get(index)
+            if last is not None:
+                self.requests.itl.observe(max(0.0, now - last) / new_tokens)
+            self._last[index] = now
+            self.generated += new_tokens
+        if finish_reason is not None:
+            self.requests.success(finish_reason)
+
+    def finish(self, prompt_tokens: int, now: float | None = None) -> None:
+        """The request ended (every sample finished); idempotent."""
+        if self._finished:
+            return
+        self._finished = True
+        now = self.clock() if now is None else now
+        self.requests.e2e.observe(max(0.0, now - self.arrival))
+        self.requests.prompt_tokens.inc(prompt_tokens)
+        self.requests.generation_tokens.inc(self.generated)
+
+
