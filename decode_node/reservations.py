@@ -7,6 +7,7 @@ Life of one reservation::
                        |                     \
                        |                      Decode -> take (all layers in, no push in flight)
                        '-- ReleaseReservation / AbortDecode / lease expiry -> drop
+                       (RenewReservation restarts the lease while the prefill is queued)
 
 A reservation's blocks may only go back to the engine when no PushBlocks is writing into them:
 ``drop`` of a reservation with a push in flight only hides it (new pushes are refused), and
@@ -78,6 +79,15 @@ class ReservationTable:
             if e is not None and not e.dropped:
                 e.layers.update(layers)
                 e.deadline = self._clock() + self.lease_s
+
+    def renew(self, request_id: str) -> bool:
+        """Restart the lease of a live reservation (its request waits in a prefill queue)."""
+        with self._lock:
+            e = self._entries.get(request_id)
+            if e is None or e.dropped:
+                return False
+            e.deadline = max(e.deadline, self._clock() + self.lease_s)
+            return True
 
     def end_push(self, request_id: str) -> bool:
         """Returns True when the reservation was dropped meanwhile and its blocks can now be

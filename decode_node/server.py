@@ -175,6 +175,10 @@ class _KVTransferService(kv_pb2_grpc.KVTransferServicer):
         found, _ = self.node._drop_reservation(request.request_id)
         return kv_pb2.ReleaseReservationResponse(found=found)
 
+    def RenewReservation(self, request: kv_pb2.RenewReservationRequest, context):
+        found = self.node.reservations.renew(request.request_id)
+        return kv_pb2.RenewReservationResponse(found=found, lease_s=self.node.config.reservation_lease_s)
+
 
 def _reserve_problem(rid: str, prompt: list[int], request: kv_pb2.ReserveBlocksRequest, eng: LLMEngine) -> str:
     """Why a reservation can never be served ("" if it can): checked before blocks are taken."""

@@ -1,4 +1,5 @@
-"""`pdserve` command line: generate, up, status, bench."""
+"""`pdserve` command line: generate, up, status, bench; nodes and prepare-model for clusters
+that already run Ray (the Helm chart, `ray up`)."""
 from __future__ import annotations
 
 import argparse
@@ -313,6 +314,15 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
                     help="refresh every SECONDS (default 2) until Ctrl-C; transfer rates need two refreshes")
 
+    from deploy import model_files, nodes
+
+    n = sub.add_parser("nodes", help="spawn and keep the node actors on an existing Ray cluster (deploy/nodes.py)")
+    _add_engine_args(n)
+    nodes.add_arguments(n)
+
+    pm = sub.add_parser("prepare-model", help="put a model (or its tokenizer) into a directory, for pods")
+    model_files.add_arguments(pm)
+
     b = sub.add_parser("bench", help="benchmarks (pdserve bench NAME --help)", add_help=False)
     b.add_argument("name")
 
@@ -325,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_up(args)
     if args.cmd == "status":
         return cmd_status(args)
+    if args.cmd == "nodes":
+        return nodes.run(args, engine_config_from_args(args))
+    if args.cmd == "prepare-model":
+        return model_files.run(args, lambda m: print(m, file=sys.stderr, flush=True))
     return cmd_generate(args)
 
 

@@ -24,8 +24,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from deploy.nodes import NodeTemplate, server_builder
 from deploy.redis_server import RedisServer, free_port
-from engine.config import EngineConfig, SpeculativeConfig
+from engine.config import EngineConfig
 from kv_index.nodes import Role
 
 
@@ -44,19 +45,14 @@ class ClusterConfig:
     short_prompt_tokens: int = 16
     lease_s: float = 3.0
     node_threads: int = 1  # torch threads per node: nodes share this machine's cores
+    # Pin node i (prefill nodes first, then decode) to core i mod the core count: benchmarks
+    # compare layouts on the same cores, one core per node.
+    pin_cores: bool = False
     ready_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.prefill_nodes < 0 or self.decode_nodes < 1:
             raise ValueError("need at least one decode node and zero or more prefill nodes")
-
-
-def server_builder(role: Role):
-    """The role package's ``build_server``: what a node actor of ``role`` runs."""
-    import decode_node
-    import prefill_node
-
-    return {Role.PREFILL: prefill_node.build_server, Role.DECODE: decode_node.build_server}[role]
 
 
 def state_file() -> Path:
@@ -96,7 +92,7 @@ class LocalCluster:
         import ray
 
         from engine.models.loader import read_model_config, resolve_source
-        from node.config import NodeConfig, pool_resource
+        from node.config import pool_resource
         from router.config import RouterConfig
         from router.server import serve
 
@@ -129,14 +125,15 @@ class LocalCluster:
 
         from node.actor import spawn_node
 
+        # The same node configs `pdserve nodes` spawns on an existing Ray cluster (deploy/nodes.py).
+        template = NodeTemplate(engine=engine_cfg, redis_url=self.redis_url, namespace=cfg.namespace, host=cfg.host,
+                                lease_s=cfg.lease_s, otlp_endpoint=cfg.otlp_endpoint,
+                                served_model_name=cfg.engine.model)
+        cores = sorted(os.sched_getaffinity(0))
         for role, count in ((Role.PREFILL, cfg.prefill_nodes), (Role.DECODE, cfg.decode_nodes)):
-            # Speculation is a decode-role feature; prefill nodes produce one token per request.
-            role_engine = engine_cfg if role is Role.DECODE else replace(engine_cfg, speculative=SpeculativeConfig())
             for i in range(count):
-                node = NodeConfig(node_id=f"{role.value}-{i}", role=role, redis_url=self.redis_url,
-                                  host=cfg.host, namespace=cfg.namespace, lease_s=cfg.lease_s,
-                                  heartbeat_s=min(0.5, cfg.lease_s / 4), engine=role_engine,
-                                  load_tokenizer=role is Role.DECODE, otlp_endpoint=cfg.otlp_endpoint)
+                node = template.config(
+                    role, i, cpu_affinity=(cores[len(self.actors) % len(cores)],) if cfg.pin_cores else None)
                 # Nodes ask for no CPU slot: on a small machine the pools, not cores, place them.
                 self.actors[node.node_id] = spawn_node(node, server_builder(role), num_cpus=0)
         self.progress(f"loading the model on {len(self.actors)} nodes")

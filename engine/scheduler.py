@@ -164,8 +164,19 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> int:
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        """Arrival order, with one exception: once a sequence cannot get its blocks, only
+        sequences whose KV is already resident (a decode node's prefilled requests: their
+        prompt's blocks arrived with them) may pass it. They need a block or so to decode and
+        they hold memory until they run; making them wait behind a prompt that waits for memory
+        deadlocks a decode node whose blocks they hold (seen under load: nothing running, 32
+        waiting, the pool 88% full)."""
+        i = 0
+        blocked = False
+        while i < len(self.waiting) and budget > 0:
+            seq = self.waiting[i]
+            if blocked and seq.num_computed_tokens == 0:
+                i += 1
+                continue
             n_seqs = seq.params.n if seq.needs_fork else 1
             if len(self.running) + n_seqs > self.config.max_num_seqs and self.running:
                 break
@@ -180,8 +191,10 @@ class Scheduler:
                 break
             if not self.kv.allocate_slots(seq.seq_id, computed, computed + n, hit,
                                           reserve_blocks=self.watermark_blocks):
-                break
-            self.waiting.popleft()
+                blocked = True
+                i += 1
+                continue
+            del self.waiting[i]
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
                 if seq.num_computed_tokens == 0:  # else KV arrived with it (decode role)

@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import ray
@@ -59,11 +60,23 @@ def dashboard_values(stats: Mapping) -> dict[str, float]:
     return {k: float(v) for k, v in out.items() if v is not None}
 
 
+def with_advertised_host(config: NodeConfig, env: Mapping[str, str], node_ip: Callable[[], str]) -> NodeConfig:
+    """A node bound to every interface (a pod's 0.0.0.0) registers the address of where it runs:
+    ``$POD_IP`` (the chart sets it from the pod's status), else the Ray node's IP. The driver
+    that spawned the actor cannot know it: Ray picks the host."""
+    if config.advertised_host is not None:
+        return config
+    return replace(config, advertise_host=env.get("POD_IP") or node_ip())
+
+
 @ray.remote
 class NodeActor:
     """Starts the role's server in the actor process; its methods are idempotent reads."""
 
     def __init__(self, config: NodeConfig, build_server: ServerFactory) -> None:
+        if config.cpu_affinity:  # before the model loads: torch sizes its pools from what it may use
+            os.sched_setaffinity(0, set(config.cpu_affinity))
+        config = with_advertised_host(config, os.environ, ray.util.get_node_ip_address)
         self._server = build_server(config)
         self._address = self._server.start()
         self._stop = threading.Event()
@@ -104,7 +117,8 @@ class NodeActor:
 
 
 def spawn_node(config: NodeConfig, build_server: ServerFactory, *, gpu: bool = False,
-               accelerator_type: str | None = None, num_cpus: float = 1):
+               accelerator_type: str | None = None, num_cpus: float = 1, detached: bool = False):
     """Start a node actor named ``config.node_id`` in its role's pool; returns its handle."""
-    opts = ray_actor_options(config, gpu=gpu, accelerator_type=accelerator_type, num_cpus=num_cpus)
+    opts = ray_actor_options(config, gpu=gpu, accelerator_type=accelerator_type, num_cpus=num_cpus,
+                             detached=detached)
     return NodeActor.options(**opts).remote(config, build_server)

@@ -17,8 +17,12 @@ class NodeConfig:
     node_id: str
     role: Role
     redis_url: str
-    host: str = "127.0.0.1"
-    grpc_port: int = 0  # 0 = pick a free port (the bound address is what the node registers)
+    host: str = "127.0.0.1"  # the address the node binds; "0.0.0.0" / "::" = every interface
+    grpc_port: int = 0  # 0 = pick a free port (the bound port is what the node registers)
+    # The host other processes reach this node at: registered in the index with the bound ports.
+    # None = ``host``; a node bound to every interface must be given one (a node actor fills it
+    # in from its pod's or Ray node's address: node/actor.py).
+    advertise_host: str | None = None
     namespace: str = "pdserve"  # Redis key prefix; clusters sharing one Redis use different ones
     # The node's registry entry expires lease_s after its last heartbeat: a dead node stops
     # receiving work within lease_s. heartbeat_s must be well below it.
@@ -38,6 +42,12 @@ class NodeConfig:
     # OTLP/gRPC collector for traces (e.g. "http://otel-collector:4317"); None = the standard
     # OTEL_EXPORTER_OTLP_ENDPOINT variable if set, else tracing off.
     otlp_endpoint: str | None = None
+    # The model's name as clients and the router know it (the metrics' model_name label, so node
+    # and router series join); None = engine.model, which may be a local path.
+    served_model_name: str | None = None
+    # CPU cores this node's process may run on (os.sched_setaffinity), None = any. Benchmarks
+    # pin each node to its own core so that layouts compare on the same cores.
+    cpu_affinity: tuple[int, ...] | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -51,6 +61,8 @@ class NodeConfig:
             raise ValueError(
                 f"need 0 < heartbeat_s < lease_s, got heartbeat_s={self.heartbeat_s} lease_s={self.lease_s}"
             )
+        if self.advertise_host is not None and is_wildcard_host(self.advertise_host):
+            raise ValueError(f"advertise_host must be an address others can reach, got {self.advertise_host!r}")
         if not 0 <= self.grpc_port < 65536:
             raise ValueError(f"grpc_port must be in [0, 65535], got {self.grpc_port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
@@ -60,6 +72,24 @@ class NodeConfig:
         if self.grpc_workers < 2:
             raise ValueError(f"grpc_workers must be >= 2, got {self.grpc_workers}")
 
+    @property
+    def advertised_host(self) -> str | None:
+        """The host this node registers: ``advertise_host``, else the bound ``host`` unless that
+        is every interface (None: nothing routable is known)."""
+        if self.advertise_host is not None:
+            return self.advertise_host
+        return None if is_wildcard_host(self.host) else self.host
+
+
+def is_wildcard_host(host: str) -> bool:
+    """Whether binding ``host`` means every interface (not an address a peer can dial)."""
+    return host in ("", "0.0.0.0", "::", "[::]")
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
 
 def pool_resource(role: Role) -> str:
     """The Ray custom resource of a role's pool: a Ray node joins the prefill pool by offering
@@ -68,13 +98,15 @@ def pool_resource(role: Role) -> str:
 
 
 def ray_actor_options(
-    config: NodeConfig, *, gpu: bool = False, accelerator_type: str | None = None, num_cpus: float = 1
+    config: NodeConfig, *, gpu: bool = False, accelerator_type: str | None = None, num_cpus: float = 1,
+    detached: bool = False,
 ) -> dict:
     """``.options(...)`` for a node actor (plain dict, so this module stays Ray-free).
 
     Named after the node (it shows up by name on the dashboard and ``ray.get_actor`` finds it),
     pinned to its role's pool, restarted forever by Ray; method calls (address, ready, stats)
-    are idempotent reads, so a few are retried across a restart.
+    are idempotent reads, so a few are retried across a restart. ``detached``: the actor
+    outlives the driver that made it (``pdserve nodes`` on a long-lived Ray cluster).
     """
     options: dict = {
         "name": config.node_id,
@@ -83,6 +115,8 @@ def ray_actor_options(
         "max_task_retries": 3,
         "num_cpus": num_cpus,
     }
+    if detached:
+        options["lifetime"] = "detached"
     if gpu:
         options["num_gpus"] = 1
         if accelerator_type:

@@ -9,8 +9,8 @@ Health: the port is bound only once the model is loaded (the engine is built bef
 so while a node loads a probe gets no answer at all; from ``start`` it is SERVING, and ``stop``
 turns it NOT_SERVING before anything else (draining).
 
-Start order matters: the gRPC port is bound first (its address is what the node registers),
-the Prometheus /metrics endpoint starts (its address is registered too), the server starts
+Start order matters: the gRPC port is bound first (that port on the advertised host is what the
+node registers), the Prometheus /metrics endpoint starts (its address is registered too), the server starts
 serving, and only then does the node appear in Redis, so a router never sees an address that
 does not answer. Stop runs in reverse: leave Redis, stop serving, stop
 the engine.
@@ -30,7 +30,7 @@ from engine.engine import LLMEngine
 from kv_index.nodes import NodeInfo, Role
 from kv_index.publisher import NodePublisher
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS
-from node.config import NodeConfig
+from node.config import NodeConfig, host_port
 from node.engine_thread import AsyncEngine
 from node.publisher import IndexPublisherThread
 from telemetry import tracing
@@ -75,7 +75,7 @@ class NodeServer:
         # Prometheus metrics (telemetry/metrics.py): the role servers record requests and
         # transfers on ``self.metrics``; the engine's own figures are read at scrape time from
         # the engine loop's cached stats, so a scrape never waits for a step.
-        self.metrics = NodeMetrics(config.engine.model, self.role.value, config.node_id,
+        self.metrics = NodeMetrics(config.served_model_name or config.engine.model, self.role.value, config.node_id,
                                    engine_stats=self._engine_stats)
         self.metrics_server: MetricsServer | None = None
         self.metrics_address: str | None = None
@@ -83,13 +83,18 @@ class NodeServer:
     def start(self) -> str:
         """Bind, serve, register; returns "host:port"."""
         cfg = self.config
-        port = self.grpc_server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        advertised = cfg.advertised_host
+        if advertised is None:
+            raise ValueError(f"node {cfg.node_id} binds every interface ({cfg.host!r}): "
+                             "set advertise_host to the address peers reach it at")
+        port = self.grpc_server.add_insecure_port(host_port(cfg.host, cfg.grpc_port))
         if port == 0:
             raise OSError(f"could not bind {cfg.host}:{cfg.grpc_port}")
-        self.address = f"{cfg.host}:{port}"
+        # Bound on cfg.host, registered as the advertised host: peers dial what is registered.
+        self.address = host_port(advertised, port)
         if cfg.metrics_port is not None:  # answers before the node registers its address
             self.metrics_server = MetricsServer(self.metrics.registry, cfg.host, cfg.metrics_port)
-            self.metrics_address = self.metrics_server.address
+            self.metrics_address = host_port(advertised, self.metrics_server.port)
         self._redis = redis.Redis.from_url(cfg.redis_url)
         info = NodeInfo(
             node_id=cfg.node_id, role=cfg.role, grpc_address=self.address,

@@ -337,7 +337,7 @@ class Orchestrator:
         est = prep.placement.estimate
         self.ledger.add(prefill.node_id, prep.node_id, est.prefill_s if est is not None else 0.0)
         try:
-            resp = await call
+            resp = await self._await_renewing(call, kv, prep.node_id, reservation.lease_s)
             run.trace.prefilled(span, resp)
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
             await self._release(decode.grpc_address, prep.node_id)
@@ -361,6 +361,29 @@ class Orchestrator:
         run.timings["transfer_s"] = resp.transfer_s
         run.timings["first_token_at"] = time.monotonic()
         return resp
+
+    async def _await_renewing(self, call, kv: kv_pb2_grpc.KVTransferStub, node_request_id: str,
+                              lease_s: float) -> kv_pb2.PrefillResponse:
+        """Await the Prefill call, renewing the decode node's reservation every third of its
+        lease meanwhile. A request can wait in a busy prefill node's queue longer than the lease;
+        without renewal its reservation expires, the push is refused and the prompt is computed
+        a second time on the decode node."""
+        if lease_s <= 0:
+            return await call
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=lease_s / 3)
+                if done:
+                    return task.result()
+                try:
+                    await kv.RenewReservation(kv_pb2.RenewReservationRequest(request_id=node_request_id),
+                                              timeout=self.config.control_timeout_s)
+                except grpc.aio.AioRpcError as e:  # the push then fails and the request recomputes
+                    log.warning("RenewReservation %s failed: %s", node_request_id, e.details())
+        finally:
+            if not task.done():
+                task.cancel()
 
     def _first_token_finish(self, prep: Prepared, first: kv_pb2.PrefillResponse) -> FinishReason | None:
         """Whether the prefill node's token already ends the request, so no decode slot is

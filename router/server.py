@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import threading
 import time
@@ -25,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kv_index.nodes import index_freshness
 from kv_index.reader import IndexReader
+from kv_index.redis_url import resolve_redis_url
 from protos.conventions import grpc_options, retry_after_metadata
 from protos.pdserve.v1 import serving_pb2 as pb
 from protos.pdserve.v1 import serving_pb2_grpc as pb_grpc
@@ -179,7 +181,7 @@ def serve(config: RouterConfig) -> RouterServer:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="pdserve router (gRPC)")
-    p.add_argument("--redis-url", required=True)
+    p.add_argument("--redis-url", required=True, help="its password, if any, from $PDSERVE_REDIS_PASSWORD")
     p.add_argument("--tokenizer-dir", required=True)
     p.add_argument("--model-name", required=True)
     p.add_argument("--max-model-len", type=int, required=True)
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = serve(RouterConfig(
-        redis_url=args.redis_url, tokenizer_dir=args.tokenizer_dir, model_name=args.model_name,
+        redis_url=resolve_redis_url(args.redis_url, os.environ), tokenizer_dir=args.tokenizer_dir, model_name=args.model_name,
         max_model_len=args.max_model_len, host=args.host, port=args.port, namespace=args.namespace,
         http_port=None if args.http_port < 0 else args.http_port, ready_min_prefill=args.ready_min_prefill,
         max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,

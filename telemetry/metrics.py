@@ -194,7 +194,8 @@ class MetricsServer:
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
         self._server, self._thread = start_http_server(port, addr=host, registry=registry)
-        self.address = f"{host}:{self._server.server_port}"
+        self.port: int = self._server.server_port
+        self.address = f"{host}:{self.port}"
 
     def stop(self) -> None:
         self._server.shutdown()

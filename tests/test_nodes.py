@@ -152,6 +152,14 @@ def test_reservation_table_defers_release_until_the_push_ends():
     table.add("late", Reservation(0, (1,), ()), (5,))
     now[0] = 2.0
     assert table.expire() == ["late"] and len(table) == 0
+    # Renewing restarts the lease of a waiting reservation, and of nothing else.
+    table.add("queued", Reservation(0, (1,), ()), (5,))
+    now[0] = 2.9
+    assert table.renew("queued") and not table.renew("late")
+    now[0] = 3.5
+    assert table.expire() == []  # would have expired at 3.0
+    now[0] = 3.95
+    assert table.expire() == ["queued"] and not table.renew("queued")
 
 
 def test_disaggregated_greedy_equals_one_engine(tiny_dir, cluster):
@@ -324,6 +332,13 @@ def test_reservation_lease_expires_without_decode(tiny_dir, redis_url):
         with pytest.raises(grpc.RpcError) as err:
             c.prefill_rpc("slow", prompt, GREEDY, res)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        # Renewed every lease/3 while "queued" for twice the lease, the reservation survives.
+        res = c.reserve("renewed", prompt)
+        for _ in range(6):
+            time.sleep(0.1)
+            assert c.kv_stub.RenewReservation(kv_pb2.RenewReservationRequest(request_id="renewed")).found
+        assert c.prefill_rpc("renewed", prompt, GREEDY, res).blocks_sent > 0
+        assert not c.kv_stub.RenewReservation(kv_pb2.RenewReservationRequest(request_id="never")).found
     finally:
         c.close()
 

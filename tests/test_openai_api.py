@@ -197,7 +197,7 @@ def test_a_closed_stream_frees_its_kv_on_the_nodes(client, local_cluster):
     assert _wait_free(local_cluster, before) == before
 
 
-def test_router_metrics_after_requests(base_url, client):
+def test_router_metrics_after_requests(base_url, client, local_cluster):
     client.chat.completions.create(model=MODEL, messages=chat("Say ok."), max_tokens=2, temperature=0.0)
     status, text = get(f"{base_url}/metrics")
     assert status == 200
@@ -208,3 +208,29 @@ def test_router_metrics_after_requests(base_url, client):
                  "pdserve:index_freshness_seconds", "pdserve:index_accuracy"):
         assert f"\n{name}" in text, name
     assert 'model_name="smollm2-135m"' in text
+    # Node series carry the same model name (not the model's local path), so they join the router's.
+    node_metrics = ray.get(local_cluster.actors["decode-0"].stats.remote())["metrics_address"]
+    status, node_text = get(f"http://{node_metrics}/metrics")
+    assert status == 200 and 'pdserve:num_requests_running{model_name="smollm2-135m",node_id="decode-0",role="decode"}' in node_text
+
+
+@pytest.mark.parametrize("api", ["grpc", "openai"])
+def test_bench_serve_against_the_cluster(local_cluster, api, tmp_path, capsys):
+    from deploy.cli import main
+
+    url = local_cluster.address if api == "grpc" else f"http://{local_cluster.http_address}"
+    records = tmp_path / "records.jsonl"
+    rc = main(["bench", "serve", "--url", url, "--api", api, "--workload", "chat", "--num-requests", "4",
+               "--max-tokens-cap", "12",
+               "--rates", "8,16", "--slo-ttft", "60", "--slo-tpot", "10", "--records", str(records),
+               "--plot", str(tmp_path / "serve"), "--json"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [p["rate"] for p in result["points"]] == [8.0, 16.0]
+    for p in result["points"]:
+        assert p["completed"] == 4 and p["failed"] == 0
+        assert p["ttft_s"]["p50"] > 0 and p["tpot_s"]["p50"] > 0 and p["goodput_rps"] > 0
+        assert p["output_throughput"] > 0
+    lines = [json.loads(x) for x in records.read_text().splitlines()]
+    assert len(lines) == 8 and all(x["output_tokens"] == x["max_tokens"] for x in lines)  # ignore_eos
+    assert (tmp_path / "serve_cdf.png").stat().st_size > 0 and (tmp_path / "serve_goodput.png").stat().st_size > 0

@@ -5,12 +5,17 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 
 import pytest
 
 from deploy.bench import Reporter, load
-from router.replay.simulator import LruCache, SimConfig, time_scale
+from router.cost_model import CostBook, PrefillCost
+from router.node_view import PrefillLedger
+from router.placement import Placement, PlacementPolicy, TtftPolicy
+from router.replay.baselines import RoundRobin
+from router.replay.simulator import LruCache, NodeTruth, SimConfig, simulate, time_scale
 from router.replay.traces import TraceRequest, load_trace
 
 TRACES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -33,8 +38,114 @@ def test_lru_evicts_chain_tails_first_and_reports_events():
 def test_time_scale_sets_the_offered_load():
     cfg = SimConfig(prefill_nodes=2, load=0.5)
     reqs = [TraceRequest(float(t), 1000, 10) for t in range(11)]  # 10 s span
-    work = 11 * cfg.prefill_cost.predict(1000)
+    work = 11 * cfg.truth.seconds(1000)
     assert time_scale(reqs, cfg) == pytest.approx(work / (2 * 0.5 * 10))
+
+
+def test_node_truth_is_not_the_routers_prior():
+    truth, prior = NodeTruth(), PrefillCost()
+    assert truth.seconds(100) == pytest.approx(truth.seconds(512), rel=0.01)  # a floor the fitted family lacks
+    assert truth.seconds(7000) < 0.85 * prior.predict(7000)
+    assert truth.seconds(85000) > 1.05 * prior.predict(85000)
+    cfg = SimConfig(prefill_nodes=8, speed_spread=0.4)
+    assert cfg.speed(0) == pytest.approx(0.8) and cfg.speed(7) == pytest.approx(1.2)
+
+
+class Recorder(PlacementPolicy):
+    """Sends every request to prefill-0 and records what the router saw when it chose."""
+
+    uses_index = False
+
+    def __init__(self, costs: CostBook, probe=lambda: None) -> None:
+        self.inner = TtftPolicy(costs, short_prompt_tokens=0)
+        self.probe = probe
+        self.seen: list[tuple] = []
+
+    def choose(self, request, nodes, matched_blocks, backlog_s=None) -> Placement:
+        self.seen.append(({n.node_id: n for n in nodes}, dict(backlog_s), self.probe()))
+        only = [n for n in nodes if n.node_id == "prefill-0" or n.role == "decode"]
+        return self.inner.choose(request, only, matched_blocks, backlog_s)
+
+
+def test_simulated_router_sees_the_live_ledger_and_heartbeats():
+    """Three 20k-token prompts 1 ms apart on one node: at the third arrival the first is
+    running and the second waiting. The heartbeat counts each once (the running one's tokens,
+    one waiting request); the queue view is the live ledger's, the predicted prefill seconds
+    of both in full: nothing is taken off for the time the running one has had."""
+    cfg = SimConfig(prefill_nodes=2, decode_nodes=1, speed_spread=0.0, step_noise=0.0)
+    reqs = [TraceRequest(i * 0.001, 20_000, 10) for i in range(3)]
+    costs = CostBook()
+    pol = Recorder(costs)
+    res = simulate("rec", reqs, cfg, pol, costs, None, admission="none", scale=1.0)
+    assert res.rejected == 0 and all(not math.isnan(x) for x in res.ttft_s)
+    nodes, backlog, _ = pol.seen[2]
+    p0 = nodes["prefill-0"]
+    assert (p0.running, p0.waiting, p0.running_tokens) == (1, 1, 20_000)
+    assert p0.kv_usage == pytest.approx(-(-20_000 // cfg.block_size) / (cfg.cache_tokens // cfg.block_size))
+    predicted = costs.prior.predict(20_000)  # no step report has arrived yet: the prior
+    live = PrefillLedger()
+    live.add("prefill-0", "0", predicted)
+    live.add("prefill-0", "1", predicted)
+    assert live.backlog_s() == pytest.approx({"prefill-0": 2 * predicted})
+    assert backlog == pytest.approx(live.backlog_s())
+    assert "decode-0" not in backlog  # the live ledger has no decode backlog
+
+
+def test_step_reports_reach_the_cost_book_only_after_the_prefill_and_a_refresh():
+    cfg = SimConfig(prefill_nodes=1, decode_nodes=1, speed_spread=0.0, step_noise=0.0, report_delay_s=0.5)
+    first = cfg.truth.seconds(8000)
+    reqs = [TraceRequest(0.0, 8000, 10), TraceRequest(first + 0.25, 8000, 10), TraceRequest(first + 0.75, 8000, 10)]
+
+    class Book(CostBook):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reports = []
+
+        def add_step(self, node_id, report) -> None:
+            self.reports.append(report)
+            super().add_step(node_id, report)
+
+    costs = Book()
+    pol = Recorder(costs, probe=lambda: len(costs.reports))
+    simulate("rec", reqs, cfg, pol, costs, None, admission="none", scale=1.0)
+    assert [probe for _, _, probe in pol.seen] == [0, 0, 1]  # done at `first`, known at first + 0.5
+    assert costs.reports[0].seconds == pytest.approx(first) and costs.reports[0].new_tokens == 8000
+
+
+def test_the_cost_book_learns_each_nodes_speed_from_a_generic_prior():
+    cfg = SimConfig(prefill_nodes=4, decode_nodes=1, speed_spread=0.6, step_noise=0.1)
+    reqs = [TraceRequest(i * 0.5, 2000 + (i * 7919) % 30000, 10) for i in range(600)]
+    costs = CostBook()
+    simulate("rr", reqs, cfg, RoundRobin(), costs, None, admission="none")
+    for i in range(4):
+        truth = cfg.truth.seconds(16000) * cfg.speed(i)
+        assert costs.prefill(f"prefill-{i}").predict(16000) == pytest.approx(truth, rel=0.05)
+    assert costs.prior.predict(16000) != pytest.approx(cfg.truth.seconds(16000), rel=0.05)
+
+
+def test_one_admission_gate_for_every_policy_and_rejections_are_misses():
+    cfg = SimConfig(prefill_nodes=2, decode_nodes=1, load=3.0, step_noise=0.0)  # overloaded
+    reqs = [TraceRequest(i * 0.1, 6000, 10) for i in range(200)]
+    gated = simulate("rr", reqs, cfg, RoundRobin(), CostBook(), None, admission="same_for_all")
+    open_ = simulate("rr", reqs, cfg, RoundRobin(), CostBook(), None, admission="none")
+    assert gated.rejected > 0 and open_.rejected == 0
+    assert sum(math.isnan(x) for x in gated.ttft_s) == gated.rejected and len(gated.ttft_s) == 200
+    for r in (gated, open_):
+        s = r.summary()
+        assert s["goodput_rps"] == pytest.approx(r.ttft_met / r.span_s)
+        assert r.slo_met <= r.ttft_met <= r.requests - r.rejected
+    assert gated.ttft_met > open_.ttft_met  # shedding what would miss keeps the queue short for the rest
+
+
+def test_summary_over_a_common_set_of_requests():
+    cfg = SimConfig(prefill_nodes=2, decode_nodes=1, load=3.0, step_noise=0.0)
+    reqs = [TraceRequest(i * 0.1, 6000, 10) for i in range(100)]
+    r = simulate("rr", reqs, cfg, RoundRobin(), CostBook(), None, admission="same_for_all")
+    served = [not math.isnan(x) for x in r.ttft_s]
+    first_ten = [i < 10 for i in range(100)]
+    s = r.summary([a and b for a, b in zip(served, first_ten)])
+    assert s["ttft_requests"] == sum(served[:10])
+    assert s["ttft_mean_s"] == pytest.approx(sum(x for x in r.ttft_s[:10] if not math.isnan(x)) / sum(served[:10]))
 
 
 @needs_traces
@@ -47,13 +158,11 @@ def test_trace_loaders():
     assert all(b.arrival_s >= a.arrival_s for a, b in zip(az, az[1:]))
 
 
-def _run(redis_url, trace, n, policies=None):
+def _run(redis_url, trace, n, *extra):
     mod = load("router")
     p = argparse.ArgumentParser()
     mod.add_arguments(p)
-    argv = ["--trace", trace, "--max-requests", str(n), "--redis-url", redis_url]
-    if policies:
-        argv += ["--policies", *policies]
+    argv = ["--trace", trace, "--max-requests", str(n), "--redis-url", redis_url, *extra]
     out = mod.run(p.parse_args(argv), Reporter(io.StringIO()))
     json.dumps(out)  # JSON-able
     return out
@@ -62,24 +171,42 @@ def _run(redis_url, trace, n, policies=None):
 @needs_traces
 def test_replay_conversation_slice_every_policy(redis_url):
     out = _run(redis_url, CONV, 400)
+    assert out["admission"] == "same_for_all" and out["tuned_on"] == "conversation_trace.jsonl:tune"
     pol = out["policies"]
     assert set(pol) >= {"pdserve", "round_robin", "least_loaded", "longest_prefix", "sglang_cache_aware",
                         "dynamo_kv", "llmd_weighted", "global_pool"}
     for name, s in pol.items():
-        assert {"hit_ratio", "ttft_mean_s", "ttft_p99_s", "imbalance", "rejected", "redis_rtt_per_request"} <= set(s)
+        assert {"hit_ratio", "goodput_rps", "ttft_mean_s", "ttft_p99_s", "imbalance", "rejected",
+                "redis_rtt_per_request"} <= set(s)
         assert s["redis_rtt_per_request"] <= 1.0
+        assert s["ttft_requests"] == out["ttft_requests"]  # TTFT statistics over the same requests
         assert s["hit_ratio"] <= out["global_pool_hit_ratio"] + 0.02, name  # the pool is an upper bound
     assert pol["pdserve"]["redis_rtt_per_request"] == 1.0
-    assert pol["round_robin"]["redis_rtt_per_request"] == 0.0  # needs no index
+    for own_tree in ("round_robin", "sglang_cache_aware", "llmd_weighted"):  # no KV-event index
+        assert pol[own_tree]["redis_rtt_per_request"] == 0.0
     # prefix-aware placement finds the conversations' prefixes; round robin mostly misses them
     assert pol["pdserve"]["hit_ratio"] > 2 * pol["round_robin"]["hit_ratio"]
     assert pol["pdserve"]["index_exact_fraction"] >= 0.95
+    assert pol["pdserve"]["constant"] == load("router").constants("pdserve")
 
 
 @needs_traces
-def test_replay_azure_slice_matches_least_loaded(redis_url):
-    out = _run(redis_url, AZURE, 400, ["pdserve", "least_loaded", "global_pool"])
+def test_replay_without_admission_serves_everything(redis_url):
+    out = _run(redis_url, AZURE, 400, "--policies", "pdserve", "least_loaded", "global_pool", "--admission", "none")
     pol = out["policies"]
+    assert out["admission"] == "none" and out["ttft_requests"] == 400
+    assert all(s["rejected"] == 0 for s in pol.values())
     assert pol["pdserve"]["hit_ratio"] == pol["least_loaded"]["hit_ratio"] == 0.0
     assert pol["pdserve"]["redis_rtt_per_request"] == 0.0  # no prefix blocks: nothing to look up
-    assert pol["pdserve"]["ttft_mean_s"] <= pol["least_loaded"]["ttft_mean_s"] * 1.05
+
+
+@needs_traces
+def test_splits_and_tuning(redis_url):
+    tune = _run(redis_url, CONV, 200, "--split", "tune", "--policies", "pdserve", "round_robin")
+    hold = _run(redis_url, CONV, 200, "--split", "holdout", "--policies", "pdserve")
+    assert (tune["requests"], hold["requests"], tune["split"]) == (100, 100, "tune")
+    swept = _run(redis_url, CONV, 200, "--split", "tune", "--tune", "--policies", "pdserve", "round_robin")
+    assert set(swept["chosen"]) == {"pdserve"}  # round robin has nothing to tune
+    runs = swept["tuning"]["pdserve"]
+    assert [r["constants"]["compute_weight"] for r in runs] == [0.0, 0.5, 1.0, 2.0, 4.0]
+    assert swept["chosen"]["pdserve"] in [r["constants"] for r in runs]

@@ -281,3 +281,38 @@ def test_prefill_node_down_falls_back_to_decode(cluster, reference):
         time.sleep(2.0)
         done = c.complete(token_ids=ids, max_tokens=6, temperature=0.0, ignore_eos=True)
         assert done.token_ids == reference(ids, 6)
+
+
+def test_a_queued_prefill_keeps_renewing_its_reservation():
+    """While the Prefill call waits (a busy prefill node's queue), the router renews the decode
+    node's reservation every third of its lease; once the call returns it stops."""
+    import asyncio
+
+    from protos.pdserve.v1 import kv_pb2
+    from router.orchestrator import Orchestrator
+
+    renewed: list[float] = []
+
+    class KV:
+        async def RenewReservation(self, req, timeout=None):
+            renewed.append(asyncio.get_running_loop().time())
+            return kv_pb2.RenewReservationResponse(found=True, lease_s=0.3)
+
+    async def slow_prefill():
+        await asyncio.sleep(0.75)
+        return kv_pb2.PrefillResponse(blocks_sent=3)
+
+    orch = Orchestrator.__new__(Orchestrator)  # only the config is read
+    orch.config = RouterConfig(redis_url="redis://x", model_name="m", tokenizer_dir="/x", max_model_len=64)
+
+    async def run():
+        t0 = asyncio.get_running_loop().time()
+        resp = await orch._await_renewing(slow_prefill(), KV(), "r-1", 0.3)
+        n = len(renewed)
+        await asyncio.sleep(0.25)
+        return resp, t0, n
+
+    resp, t0, n = asyncio.run(run())
+    assert resp.blocks_sent == 3
+    assert n == len(renewed) >= 3  # about every 0.1 s while the call waited (7 on an idle machine), none after
+    assert renewed[0] - t0 < 0.3  # the first well within the first lease

@@ -7,7 +7,7 @@ import pytest
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.scheduler import SampledTokens, Scheduler
-from engine.sequence import FinishReason, Sequence
+from engine.sequence import FinishReason, Sequence, seq_id_of
 from tokens.sampling_params import SamplingParams
 
 
@@ -193,3 +193,24 @@ def test_lookahead_slots_never_preempt_another_sequence():
     assert not out.preempted
     assert [it.num_lookahead for it in out.scheduled] == [0, 0]
     assert {it.seq.seq_id for it in out.scheduled} == {a.seq_id, b.seq_id}
+
+
+def test_resident_kv_passes_a_prompt_that_waits_for_memory():
+    """A decode node's prefilled request holds its prompt's blocks while it waits. If it had to
+    queue behind a prompt that waits for memory, and nothing runs to free any, the node would
+    deadlock (it did under load); such a request may pass, a new prompt may not."""
+    sched, kv = make(num_blocks=10, block_size=4, budget=64, caching=False)
+    big = add(sched, "big", list(range(3, 3 + 36)), max_tokens=2)  # 9 blocks + growth: cannot fit yet
+    prompt = list(range(50, 66))  # 4 blocks, its KV already in the pool (pushed by a prefill node)
+    assert kv.allocate_slots(seq_id_of("resident", 0), 0, len(prompt))
+    resident = Sequence(request_id="resident", index=0, token_ids=prompt + [next_token(prompt)],
+                        num_prompt_tokens=len(prompt), params=SamplingParams(max_tokens=3, temperature=0.0),
+                        arrival_time=0.0, num_computed_tokens=len(prompt))
+    sched.add_sequence(resident)
+    small = add(sched, "small", [7, 8, 9], max_tokens=2)  # would fit, but arrived after "big": waits
+    out = step(sched)
+    assert [i.seq.request_id for i in out.scheduled] == ["resident"]
+    assert [s.request_id for s in sched.waiting] == ["big", "small"]
+    run_all(sched)
+    assert big.is_finished and small.is_finished and resident.is_finished
+    assert kv.num_free_blocks == 10

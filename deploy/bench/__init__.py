@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "router": "router_replay",
     "specdec": "specdec",
     "verify-cost": "verify_cost",
+    "serve": "serve",
 }
 
 

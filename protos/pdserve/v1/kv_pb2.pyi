@@ -144,6 +144,20 @@ class ReleaseReservationResponse(_message.Message):
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
+class RenewReservationRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class RenewReservationResponse(_message.Message):
+    __slots__ = ("found", "lease_s")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    lease_s: float
+    def __init__(self, found: _Optional[bool] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "reservation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -52,6 +52,11 @@ class KVTransferStub:
                 request_serializer=pdserve_dot_v1_dot_kv__pb2.ReleaseReservationRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kv__pb2.ReleaseReservationResponse.FromString,
                 _registered_method=True)
+        self.RenewReservation = channel.unary_unary(
+                '/pdserve.v1.KVTransfer/RenewReservation',
+                request_serializer=pdserve_dot_v1_dot_kv__pb2.RenewReservationRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kv__pb2.RenewReservationResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -89,6 +94,14 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewReservation(self, request, context):
+        """Restarts a reservation's lease: the router calls it while the request waits in a prefill
+        node's queue, so a long queue does not expire the blocks the push will land in.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +119,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.ReleaseReservation,
                     request_deserializer=pdserve_dot_v1_dot_kv__pb2.ReleaseReservationRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kv__pb2.ReleaseReservationResponse.SerializeToString,
+            ),
+            'RenewReservation': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewReservation,
+                    request_deserializer=pdserve_dot_v1_dot_kv__pb2.RenewReservationRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kv__pb2.RenewReservationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -191,6 +209,33 @@ class KVTransfer:
             '/pdserve.v1.KVTransfer/ReleaseReservation',
             pdserve_dot_v1_dot_kv__pb2.ReleaseReservationRequest.SerializeToString,
             pdserve_dot_v1_dot_kv__pb2.ReleaseReservationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewReservation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/RenewReservation',
+            pdserve_dot_v1_dot_kv__pb2.RenewReservationRequest.SerializeToString,
+            pdserve_dot_v1_dot_kv__pb2.RenewReservationResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,278 @@
+"""Node actors on a Ray cluster: the configs `pdserve up` spawns on its own local Ray, and
+`pdserve nodes`, which keeps them running on a Ray cluster that already exists (a KubeRay
+RayCluster from the Helm chart, or `ray up` on plain VMs).
+
+    pdserve nodes --ray-address 127.0.0.1:6379 --redis-url redis://redis:6379/0 \\
+        --prefill-nodes auto --decode-nodes auto --host 0.0.0.0 --grpc-port 50061 \\
+        --metrics-port 9400 --model /models/llama [engine flags as for `pdserve up`]
+
+Every pass (``--interval-s``) it compares the named node actors in its Ray namespace with the
+wanted count per role and spawns or stops the difference:
+
+    wanted  = --prefill-nodes N, or "auto": one per unit of the pool's custom resource in the
+              cluster right now (a worker pod offers {"prefill_pool": 1}: scaling the worker
+              group in Kubernetes scales the nodes)
+    spawn   = the lowest free indexes: prefill-0, prefill-1, ...
+    stop    = the surplus, those that do not answer first (a node whose pod went away is
+              pending a restart), then the highest index; each leaves the index before it dies
+
+Actors are detached: they outlive this process, so a restarted supervisor adopts them by name
+instead of starting a second set. The node binds ``--host`` and registers the address of the
+machine it lands on (node/actor.py ``with_advertised_host``).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+from engine.config import EngineConfig, SpeculativeConfig
+from kv_index.nodes import Role
+from node.config import NodeConfig, pool_resource
+
+log = logging.getLogger(__name__)
+
+
+def server_builder(role: Role):
+    """The role package's ``build_server``: what a node actor of ``role`` runs."""
+    import decode_node
+    import prefill_node
+
+    return {Role.PREFILL: prefill_node.build_server, Role.DECODE: decode_node.build_server}[role]
+
+
+def node_id(role: Role, index: int) -> str:
+    return f"{Role(role).value}-{index}"
+
+
+def node_index(name: str, role: Role) -> int | None:
+    """``prefill-3`` -> 3 for the prefill role; None for any other name."""
+    m = re.fullmatch(rf"{Role(role).value}-(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeTemplate:
+    """What every node of one cluster shares; ``config`` adds a node's role and index."""
+
+    engine: EngineConfig
+    redis_url: str
+    namespace: str = "pdserve"
+    host: str = "127.0.0.1"
+    grpc_port: int = 0
+    metrics_port: int | None = 0
+    lease_s: float = 3.0
+    otlp_endpoint: str | None = None
+    served_model_name: str | None = None  # the router's --model-name (metrics label)
+
+    def config(self, role: Role, index: int, **fields) -> NodeConfig:
+        role = Role(role)
+        # Speculation is a decode-role feature; prefill nodes produce one token per request.
+        engine = self.engine if role is Role.DECODE else replace(self.engine, speculative=SpeculativeConfig())
+        return NodeConfig(node_id=node_id(role, index), role=role, redis_url=self.redis_url, host=self.host,
+                          grpc_port=self.grpc_port, metrics_port=self.metrics_port, namespace=self.namespace,
+                          lease_s=self.lease_s, heartbeat_s=min(0.5, self.lease_s / 4), engine=engine,
+                          load_tokenizer=role is Role.DECODE, otlp_endpoint=self.otlp_endpoint,
+                          served_model_name=self.served_model_name, **fields)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolResources:
+    """What each node actor of a role asks Ray for besides one unit of its pool."""
+
+    gpu: bool = False
+    accelerator_type: str | None = None
+    num_cpus: float = 0  # the pool unit, not CPU slots, places a node
+
+
+class Plan(NamedTuple):
+    spawn: tuple[str, ...]
+    stop: tuple[str, ...]
+
+
+def plan(role: Role, want: int, existing: Mapping[str, bool]) -> Plan:
+    """Names to spawn and to stop so that ``want`` actors of ``role`` exist.
+
+    ``existing``: actor name -> whether it answered; names of other roles are ignored. The
+    surplus goes unanswering first, then highest index; new actors take the lowest free indexes.
+    """
+    mine = {name: alive for name, alive in existing.items() if node_index(name, role) is not None}
+    surplus = max(0, len(mine) - want)
+    order = sorted(mine, key=lambda n: (mine[n], -node_index(n, role)))
+    stop = tuple(order[:surplus])
+    taken = {node_index(n, role) for n in mine}
+    free = (i for i in range(len(mine) + want) if i not in taken)
+    spawn = tuple(node_id(role, next(free)) for _ in range(max(0, want - len(mine))))
+    return Plan(spawn, stop)
+
+
+def pool_capacity(resources: Mapping[str, float], role: Role) -> int:
+    """Node actors of ``role`` the cluster has room for: its pool resource's total."""
+    return int(resources.get(pool_resource(role), 0))
+
+
+class NodeSupervisor:
+    """Keeps the wanted node actors alive on the connected Ray cluster (``ray.init`` first).
+
+    ``counts``: role -> wanted actors, None = the pool's capacity. ``build_server`` gives the
+    role's server factory (``server_builder``; tests pass their own).
+    """
+
+    def __init__(self, template: NodeTemplate, counts: Mapping[Role, int | None],
+                 resources: Mapping[Role, PoolResources] | None = None,
+                 build_server: Callable[[Role], Callable] = server_builder, probe_s: float = 2.0) -> None:
+        self.template = template
+        self.counts = dict(counts)
+        self.resources = dict(resources or {})
+        self.build_server = build_server
+        self.probe_s = probe_s
+
+    def wanted(self, role: Role) -> int:
+        import ray
+
+        count = self.counts.get(role)
+        return pool_capacity(ray.cluster_resources(), role) if count is None else count
+
+    def _existing(self) -> dict[str, object]:
+        import ray
+
+        handles = {}
+        for name in ray.util.list_named_actors():
+            if any(node_index(name, r) is not None for r in Role):
+                try:
+                    handles[name] = ray.get_actor(name)
+                except ValueError:  # died between the listing and the lookup
+                    continue
+        return handles
+
+    def _answering(self, handles: Mapping[str, object]) -> dict[str, bool]:
+        import ray
+
+        refs = {name: h.ready.remote() for name, h in handles.items()}
+        done, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.probe_s) if refs else ([], [])
+        answered = set(done)
+        out = {}
+        for name, ref in refs.items():
+            try:
+                out[name] = ref in answered and bool(ray.get(ref))
+            except ray.exceptions.RayError:
+                out[name] = False
+        return out
+
+    def step(self) -> dict[Role, Plan]:
+        """One pass: spawn the missing actors, stop the surplus. Returns what it did per role."""
+        import ray
+
+        from node.actor import spawn_node
+
+        handles = self._existing()
+        alive = self._answering(handles)
+        done = {}
+        for role in Role:
+            p = done[role] = plan(role, self.wanted(role), alive)
+            for name in p.stop:
+                log.info("stopping %s", name)
+                try:  # leave the index and stop serving, then end the actor for good
+                    ray.get(handles[name].stop.remote(), timeout=10)
+                except ray.exceptions.RayError as e:
+                    log.info("%s did not stop cleanly (%s); killing it", name, type(e).__name__)
+                ray.kill(handles[name], no_restart=True)
+            res = self.resources.get(role, PoolResources())
+            for name in p.spawn:
+                log.info("spawning %s", name)
+                cfg = self.template.config(role, node_index(name, role))
+                spawn_node(cfg, self.build_server(role), gpu=res.gpu, accelerator_type=res.accelerator_type,
+                           num_cpus=res.num_cpus, detached=True)
+        return done
+
+    def run(self, stop: threading.Event, interval_s: float) -> None:
+        while True:
+            self.step()
+            if stop.wait(interval_s):
+                return
+
+
+# ---------------------------------------------------------------------- `pdserve nodes`
+def _count(text: str) -> int | None:
+    if text == "auto":
+        return None
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"a node count is >= 0 or 'auto', got {text}")
+    return n
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`pdserve nodes` flags beyond the engine's (deploy/cli.py adds those)."""
+    p.add_argument("--ray-address", default="auto", help="the Ray cluster's GCS address (HOST:PORT, or auto)")
+    p.add_argument("--redis-url", default=os.environ.get("PDSERVE_REDIS_URL"),
+                   help="the index (default $PDSERVE_REDIS_URL); its password from $PDSERVE_REDIS_PASSWORD")
+    p.add_argument("--namespace", default="pdserve", help="Redis key prefix and Ray namespace of the actors")
+    for role in Role:
+        p.add_argument(f"--{role.value}-nodes", type=_count, default=None, metavar="N|auto",
+                       help=f"{role.value} node actors (default auto: one per {pool_resource(role)} unit)")
+        p.add_argument(f"--{role.value}-gpu", action="store_true", help=f"each {role.value} node takes one GPU")
+        p.add_argument(f"--{role.value}-accelerator-type", default=None,
+                       help=f"Ray accelerator type {role.value} nodes need (e.g. H100)")
+    p.add_argument("--host", default="0.0.0.0", help="the address nodes bind (they register where they run)")
+    p.add_argument("--grpc-port", type=int, default=0, help="each node's gRPC port (0: a free one)")
+    p.add_argument("--metrics-port", type=int, default=0, help="each node's /metrics port (0: a free one, -1: none)")
+    p.add_argument("--lease-s", type=float, default=3.0)
+    p.add_argument("--otlp-endpoint", default=None)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's name as the router serves it (the metrics' model_name; default: --model)")
+    p.add_argument("--interval-s", type=float, default=10.0, help="seconds between two passes")
+    p.add_argument("--once", action="store_true", help="one pass, then exit (the actors stay)")
+    p.add_argument("--connect-timeout-s", type=float, default=300.0, help="how long to wait for Ray to answer")
+
+
+def template_from_args(a: argparse.Namespace, engine: EngineConfig, env: Mapping[str, str]) -> NodeTemplate:
+    from kv_index.redis_url import resolve_redis_url
+
+    if not a.redis_url:
+        raise SystemExit("error: pass --redis-url or set PDSERVE_REDIS_URL")
+    return NodeTemplate(engine=engine, redis_url=resolve_redis_url(a.redis_url, env), namespace=a.namespace,
+                        host=a.host, grpc_port=a.grpc_port, metrics_port=None if a.metrics_port < 0 else a.metrics_port,
+                        lease_s=a.lease_s, otlp_endpoint=a.otlp_endpoint, served_model_name=a.served_model_name)
+
+
+def _connect(address: str, namespace: str, timeout_s: float) -> None:
+    """``ray.init`` until the cluster answers: beside a Ray head that is still starting, the
+    first tries fail."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.init(address=address, namespace=namespace, log_to_driver=False, configure_logging=False)
+            return
+        except ConnectionError as e:
+            if time.monotonic() > deadline:
+                raise
+            log.info("Ray at %s not answering yet (%s); retrying", address, e)
+            time.sleep(2.0)
+
+
+def run(a: argparse.Namespace, engine: EngineConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    template = template_from_args(a, engine, os.environ)
+    counts = {role: getattr(a, f"{role.value}_nodes") for role in Role}
+    resources = {role: PoolResources(gpu=getattr(a, f"{role.value}_gpu"),
+                                     accelerator_type=getattr(a, f"{role.value}_accelerator_type")) for role in Role}
+    _connect(a.ray_address, a.namespace, a.connect_timeout_s)
+    supervisor = NodeSupervisor(template, counts, resources)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
+        signal.signal(sig, lambda *_: stop.set())
+    if a.once:
+        supervisor.step()
+    else:
+        supervisor.run(stop, a.interval_s)
+    return 0

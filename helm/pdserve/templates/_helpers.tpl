@@ -1,0 +1,246 @@
+{{/* Names, labels and the pieces several templates share. */}}
+
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* release-chart, or the release name alone when it already contains the chart name. Kept
+short: KubeRay appends "-head-svc" and worker-group suffixes to the RayCluster's name. */}}
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "pdserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Selector labels of one component: include with (dict "ctx" $ "component" "router"). */}}
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* The RayCluster's name; KubeRay labels its pods ray.io/cluster=<this>. */}}
+{{- define "pdserve.rayCluster" -}}
+{{- include "pdserve.fullname" . }}
+{{- end }}
+
+{{- define "pdserve.routerName" -}}
+{{- printf "%s-router" (include "pdserve.fullname" .) }}
+{{- end }}
+
+{{- define "pdserve.redisName" -}}
+{{- printf "%s-redis" (include "pdserve.fullname" .) }}
+{{- end }}
+
+{{/* image reference: include with an images.* entry. */}}
+{{- define "pdserve.image" -}}
+{{- if .digest }}{{ printf "%s@%s" .repository .digest }}{{ else }}{{ printf "%s:%s" .repository .tag }}{{ end }}
+{{- end }}
+
+{{/* The Redis URL without its password (the password travels in PDSERVE_REDIS_PASSWORD). */}}
+{{- define "pdserve.redisUrl" -}}
+{{- if eq .Values.redis.mode "builtin" }}
+{{- printf "redis://%s:6379/0" (include "pdserve.redisName" .) }}
+{{- else }}
+{{- required "redis.external.url is required when redis.mode is external" .Values.redis.external.url }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret and key holding the Redis password; empty name: none. */}}
+{{- define "pdserve.redisSecretName" -}}
+{{- if eq .Values.redis.mode "builtin" }}
+{{- default (include "pdserve.redisName" .) .Values.redis.builtin.existingSecret }}
+{{- else }}
+{{- .Values.redis.external.passwordSecret.name }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.redisSecretKey" -}}
+{{- if eq .Values.redis.mode "builtin" }}password{{ else }}{{ .Values.redis.external.passwordSecret.key }}{{ end }}
+{{- end }}
+
+{{/* env entries every pdserve process that talks to Redis needs. */}}
+{{- define "pdserve.redisEnv" -}}
+{{- $secret := include "pdserve.redisSecretName" . }}
+{{- if $secret }}
+- name: PDSERVE_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: {{ include "pdserve.redisSecretKey" . }}
+{{- end }}
+{{- end }}
+
+{{/* The Ray token for processes that join the cluster from outside KubeRay's own container. */}}
+{{- define "pdserve.rayAuthEnv" -}}
+{{- if .Values.ray.auth.enabled }}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ default (include "pdserve.rayCluster" .) .Values.ray.auth.existingSecret }}
+      key: auth_token
+{{- end }}
+{{- end }}
+
+{{/* Where the model's files are inside a pod, and the --model a node gets. */}}
+{{- define "pdserve.nodeModel" -}}
+{{- if eq .Values.model.source "builtin" }}
+{{- .Values.model.builtin.name }}
+{{- else if eq .Values.model.source "pvc" }}
+{{- printf "/models/%s" (required "model.pvc.path is required when model.source is pvc" .Values.model.pvc.path | trimPrefix "/") }}
+{{- else }}
+{{- "/models/model" }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes of a pod that reads the model: `cache` (PDSERVE_CACHE_DIR: the builtin model's
+conversion, CPU kernel plans) always, `model` for a PVC or a download. */}}
+{{- define "pdserve.modelVolumes" -}}
+- name: cache
+  emptyDir: {}
+{{- if eq .Values.model.source "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ required "model.pvc.claimName is required when model.source is pvc" .Values.model.pvc.claimName }}
+    readOnly: true
+{{- else if eq .Values.model.source "download" }}
+- name: model
+  emptyDir:
+    sizeLimit: {{ .Values.model.download.sizeLimit }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.modelMounts" -}}
+- name: cache
+  mountPath: /cache
+{{- if ne .Values.model.source "builtin" }}
+- name: model
+  mountPath: /models
+  readOnly: {{ eq .Values.model.source "pvc" }}
+{{- end }}
+{{- end }}
+
+{{/* An init container that puts the model (or, with tokenizerOnly, its tokenizer) into the
+model volume: include with (dict "ctx" $ "tokenizerOnly" true). None for a PVC. */}}
+{{- define "pdserve.modelInit" -}}
+{{- $v := .ctx.Values }}
+{{- if ne $v.model.source "pvc" }}
+- name: prepare-model
+  image: {{ include "pdserve.image" $v.images.tools }}
+  imagePullPolicy: {{ $v.images.tools.pullPolicy }}
+  command: ["pdserve", "prepare-model"]
+  args:
+    {{- if eq $v.model.source "builtin" }}
+    - {{ $v.model.builtin.name | quote }}
+    - /cache/tokenizer
+    {{- else }}
+    - {{ printf "hf:%s" (required "model.download.repo is required when model.source is download" $v.model.download.repo) | quote }}
+    - /models/model
+    - --revision
+    - {{ $v.model.download.revision | quote }}
+    {{- end }}
+    {{- if .tokenizerOnly }}
+    - --tokenizer-only
+    {{- end }}
+  env:
+    - name: PDSERVE_CACHE_DIR
+      value: /cache
+    {{- if eq $v.model.source "download" }}
+    - name: HF_HUB_OFFLINE
+      value: "0"
+    {{- if $v.model.download.tokenSecret.name }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ $v.model.download.tokenSecret.name }}
+          key: {{ $v.model.download.tokenSecret.key }}
+    {{- end }}
+    {{- end }}
+  volumeMounts:
+    {{- include "pdserve.modelMounts" .ctx | nindent 4 }}
+  securityContext:
+    {{- include "pdserve.containerSecurity" .ctx | nindent 4 }}
+{{- end }}
+{{- end }}
+
+{{/* The router's tokenizer directory, where modelInit (or the PVC) put it. */}}
+{{- define "pdserve.tokenizerDir" -}}
+{{- if eq .Values.model.source "builtin" }}/cache/tokenizer{{ else }}{{ include "pdserve.nodeModel" . }}{{ end }}
+{{- end }}
+
+{{- define "pdserve.podSecurity" -}}
+runAsNonRoot: true
+runAsUser: 1000
+runAsGroup: 1000
+fsGroup: 1000
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{- define "pdserve.containerSecurity" -}}
+allowPrivilegeEscalation: false
+capabilities:
+  drop: ["ALL"]
+{{- end }}
+
+{{/* `pdserve nodes` engine flags, from .Values.engine (one to one with `pdserve up`'s). */}}
+{{- define "pdserve.engineArgs" -}}
+{{- $e := .Values.engine }}
+- --model
+- {{ include "pdserve.nodeModel" . | quote }}
+- --dtype
+- {{ $e.dtype }}
+- --block-size
+- {{ $e.blockSize | int | quote }}
+- --kv-cache-mib
+- {{ $e.kvCacheMiB | int | quote }}
+- --max-num-batched-tokens
+- {{ $e.maxNumBatchedTokens | int | quote }}
+- --max-num-seqs
+- {{ $e.maxNumSeqs | int | quote }}
+{{- if $e.threads }}
+- --threads
+- {{ $e.threads | int | quote }}
+{{- end }}
+{{- if not $e.prefixCaching }}
+- --no-prefix-caching
+{{- end }}
+- --spec-method
+- {{ $e.specMethod | quote }}
+- --spec-tokens
+- {{ $e.specTokens | int | quote }}
+{{- if gt (int .Values.prefill.gpu.count) 0 }}
+- --prefill-gpu
+{{- end }}
+{{- with .Values.prefill.gpu.type }}
+- --prefill-accelerator-type
+- {{ . | quote }}
+{{- end }}
+{{- if gt (int .Values.decode.gpu.count) 0 }}
+- --decode-gpu
+{{- end }}
+{{- with .Values.decode.gpu.type }}
+- --decode-accelerator-type
+- {{ . | quote }}
+{{- end }}
+{{- range $e.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end }}

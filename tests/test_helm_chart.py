@@ -1,0 +1,574 @@
+"""The Helm chart, offline: lint and render every example values file with helm-python-sdk (the Helm
+v4 SDK, no helm binary), validate built-in kinds with kubernetes-validate --strict and each
+RayCluster against KubeRay's CRD schema (../shared/data/k8s/), then check what users rely on:
+probes on real ports, the NetworkPolicy admitting the router, secrets only through secretKeyRef,
+worker groups whose requests match their values, a schema that refuses misspelt values, and
+every value documented."""
+from __future__ import annotations
+
+import json
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+helm_python = pytest.importorskip("helm_python")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+jsonschema = pytest.importorskip("jsonschema")
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "helm" / "pdserve"
+EXAMPLES = sorted((REPO / "helm" / "examples").glob("*.yaml"))
+CRD = REPO.parent / "shared" / "data" / "k8s" / "ray.io_rayclusters.yaml"
+K8S_VERSION = "1.33.0"
+# Kinds of other operators: checked against their CRD where we have it (KubeRay), by hand otherwise.
+CUSTOM_KINDS = {"RayCluster", "ServiceMonitor", "PodMonitor"}
+
+
+def example_values(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+@cache
+def _render(values_json: str) -> tuple[dict, ...]:
+    out = helm_python.Chart.load(str(CHART)).render(json.loads(values_json), name="pd", namespace="serving")
+    docs = []
+    for path, text in sorted(out.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        docs.extend(d for d in yaml.safe_load_all(text) if d)
+    return tuple(docs)
+
+
+def render(values: dict | None = None) -> list[dict]:
+    return list(_render(json.dumps(values or {}, sort_keys=True)))
+
+
+def notes(values: dict | None = None) -> str:
+    out = helm_python.Chart.load(str(CHART)).render(values or {}, name="pd", namespace="serving")
+    return next(text for path, text in out.items() if path.endswith("NOTES.txt"))
+
+
+def one(docs: list[dict], kind: str, name_suffix: str = "") -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(name_suffix)]
+    assert len(found) == 1, f"{kind} *{name_suffix}: {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def containers(pod_spec: dict) -> list[dict]:
+    return pod_spec.get("initContainers", []) + pod_spec["containers"]
+
+
+def pod_specs(docs: list[dict]) -> list[tuple[str, dict]]:
+    """(where, pod spec) of every pod template in the release, the RayCluster's included."""
+    out = []
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            out.append((d["metadata"]["name"], d["spec"]["template"]["spec"]))
+        elif d["kind"] == "RayCluster":
+            out.append(("head", d["spec"]["headGroupSpec"]["template"]["spec"]))
+            out += [(g["groupName"], g["template"]["spec"]) for g in d["spec"]["workerGroupSpecs"]]
+    return out
+
+
+# ---------------------------------------------------------------------- lint, render, validate
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_example_lints_clean(example):
+    result = helm_python.lint(str(CHART), example_values(example), strict=True)
+    assert result["errors"] == []
+    assert [m for m in result["messages"] if m["severity"] > 1] == []  # info ("icon is recommended") only
+
+
+def test_the_three_examples_exist():
+    assert {p.stem for p in EXAMPLES} == {"cpu-toy", "gpu-single", "h100-4p4d"}
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_builtin_kinds_validate_strictly(example):
+    docs = render(example_values(example))
+    checked = 0
+    for doc in docs:
+        if doc["kind"] in CUSTOM_KINDS:
+            continue
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        checked += 1
+    assert checked >= 8
+
+
+# Corners the examples do not reach: no secret at all, a download, no optional object.
+CORNERS = {
+    "bare": {"ray": {"auth": {"enabled": False}}, "networkPolicy": {"enabled": False},
+             "redis": {"mode": "external", "external": {"url": "redis://cache:6379/0"}},
+             "router": {"pdb": {"enabled": False}}, "prefill": {"replicas": 0}},
+    "download": {"model": {"source": "download", "download": {"repo": "Org/Model"}}},
+}
+
+
+@pytest.mark.parametrize("corner", sorted(CORNERS))
+def test_corner_values_validate_strictly(corner):
+    docs = render(CORNERS[corner])
+    for doc in docs:
+        if doc["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    rc = one(docs, "RayCluster")
+    jsonschema.validate(rc, raycluster_schema())
+    for where, spec in pod_specs([rc]):
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": where}, "spec": spec},
+                                     K8S_VERSION, strict=True)
+
+
+def test_strict_validation_catches_a_misplaced_field():
+    deployment = one(render(), "Deployment", "-router")
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenessprobe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+
+
+@cache
+def raycluster_schema() -> dict:
+    crd = yaml.safe_load(CRD.read_text())
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return v1["schema"]["openAPIV3Schema"]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_raycluster_matches_kuberays_crd(example):
+    rc = one(render(example_values(example)), "RayCluster")
+    assert rc["apiVersion"] == "ray.io/v1"
+    jsonschema.validate(rc, raycluster_schema())
+    # The CRD leaves unknown fields of embedded pod templates to the API server: check those
+    # pod specs as built-in PodSpecs, strictly.
+    for where, spec in pod_specs([rc]):
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": where}, "spec": spec},
+                                     K8S_VERSION, strict=True)
+
+
+def test_the_crd_schema_catches_a_wrong_field():
+    rc = one(render(), "RayCluster")
+    rc["spec"]["workerGroupSpecs"][0]["replicas"] = "two"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(rc, raycluster_schema())
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_monitors_are_well_formed(example):
+    docs = render(example_values(example))
+    for kind, port_key in (("ServiceMonitor", "endpoints"), ("PodMonitor", "podMetricsEndpoints")):
+        for m in (d for d in docs if d["kind"] == kind):
+            assert m["apiVersion"] == "monitoring.coreos.com/v1"
+            assert set(m["spec"]) == {"selector", port_key}
+            assert all(set(e) <= {"port", "path", "interval"} and e["path"] == "/metrics" for e in m["spec"][port_key])
+
+
+def test_what_each_example_renders():
+    kinds = {p.stem: sorted(d["kind"] for d in render(example_values(p))) for p in EXAMPLES}
+    base = ["Deployment", "NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget", "PodDisruptionBudget",
+            "PodDisruptionBudget", "RayCluster", "Service"]
+    builtin_redis = ["NetworkPolicy", "Secret", "Service", "StatefulSet"]
+    monitoring = ["ConfigMap", "PodMonitor", "ServiceMonitor"]
+    assert kinds["cpu-toy"] == sorted(base + builtin_redis)
+    assert kinds["gpu-single"] == sorted(base + builtin_redis + monitoring)
+    assert kinds["h100-4p4d"] == sorted(base + monitoring + ["HorizontalPodAutoscaler"])
+
+
+# ---------------------------------------------------------------------- probes and ports
+def _port(container: dict, ref) -> int:
+    if isinstance(ref, int):
+        assert ref in {p["containerPort"] for p in container["ports"]}, f"{ref} is not a port of {container['name']}"
+        return ref
+    (p,) = [p for p in container["ports"] if p["name"] == ref]
+    return p["containerPort"]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_router_probes_point_at_its_ports(example):
+    values = example_values(example)
+    docs = render(values)
+    router = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]
+    (c,) = router["containers"]
+    args = c["args"]
+    grpc_port = int(args[args.index("--port") + 1])
+    http_port = int(args[args.index("--http-port") + 1])
+    assert args[args.index("--host") + 1] == "0.0.0.0"
+    assert _port(c, c["startupProbe"]["grpc"]["port"]) == grpc_port
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert _port(c, c["readinessProbe"]["httpGet"]["port"]) == http_port
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert _port(c, c["livenessProbe"]["httpGet"]["port"]) == http_port
+    # The Service forwards to the same ports by name.
+    svc = one(docs, "Service", "-router")
+    assert {p["name"]: _port(c, p["targetPort"]) for p in svc["spec"]["ports"]} == {"grpc": grpc_port, "http": http_port}
+
+
+def test_router_drains_before_it_is_killed():
+    values = {"router": {"shutdown": {"drainSeconds": 45}}}
+    router = one(render(values), "Deployment", "-router")["spec"]["template"]["spec"]
+    (c,) = router["containers"]
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "45"]
+    # the sleep, then the router's own stop (gRPC grace and uvicorn's wait) must fit the grace period
+    assert router["terminationGracePeriodSeconds"] >= 45 + 15
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_nodes_serve_on_the_ports_the_chart_declares(example):
+    rc = one(render(example_values(example)), "RayCluster")
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]
+    (sup,) = [c for c in head["containers"] if c["name"] == "pdserve-nodes"]
+    args = sup["args"]
+    assert sup["command"] == ["pdserve", "nodes"]
+    grpc_port, metrics_port = int(args[args.index("--grpc-port") + 1]), int(args[args.index("--metrics-port") + 1])
+    assert args[args.index("--host") + 1] == "0.0.0.0"
+    assert metrics_port != 8080  # KubeRay's port for Ray's own metrics
+    for group in rc["spec"]["workerGroupSpecs"]:
+        (worker,) = group["template"]["spec"]["containers"]
+        assert _port(worker, "node-grpc") == grpc_port and _port(worker, "node-metrics") == metrics_port
+        env = {e["name"]: e for e in worker["env"]}
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"  # what the node registers
+
+
+def test_the_supervisor_reaches_the_head_it_runs_beside():
+    rc = one(render(), "RayCluster")
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]
+    ray_head, sup = head["containers"]
+    assert ray_head["name"] == "ray-head"  # KubeRay starts Ray in the first container
+    gcs = _port(ray_head, "gcs-server")
+    assert sup["args"][sup["args"].index("--ray-address") + 1] == f"127.0.0.1:{gcs}"
+    shared = {m["name"] for m in ray_head["volumeMounts"] if m["mountPath"] == "/tmp/ray"}
+    assert shared and shared == {m["name"] for m in sup["volumeMounts"] if m["mountPath"] == "/tmp/ray"}
+    assert rc["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"  # no node on the head
+
+
+# ---------------------------------------------------------------------- worker groups
+def _cli_flags(args: list[str]) -> dict[str, str | bool]:
+    out: dict[str, str | bool] = {}
+    for i, a in enumerate(args):
+        if a.startswith("--"):
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            out[a] = nxt if nxt is not None and not nxt.startswith("--") else True
+    return out
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_worker_groups_match_their_values(example):
+    values = example_values(example)
+    rc = one(render(values), "RayCluster")
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]
+    flags = _cli_flags(next(c for c in head["containers"] if c["name"] == "pdserve-nodes")["args"])
+    groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+    assert set(groups) == {"prefill", "decode"}
+    for role, g in groups.items():
+        want = values.get(role, {})
+        assert g["replicas"] == want.get("replicas", 1)
+        assert g["minReplicas"] <= g["replicas"] <= g["maxReplicas"]
+        # one unit of the role's pool per pod: the supervisor's "auto" count is the pod count
+        assert json.loads(json.loads(g["rayStartParams"]["resources"])) == {f"{role}_pool": 1}
+        assert flags[f"--{role}-nodes"] == "auto"
+        (c,) = g["template"]["spec"]["containers"]
+        res = c["resources"]
+        for kind in ("requests", "limits"):
+            expected = {k: str(v) for k, v in want.get("resources", {}).get(kind, {}).items()}
+            got = {k: str(v) for k, v in res[kind].items()}
+            gpu = want.get("gpu", {})
+            if gpu.get("count", 0):
+                assert got.pop(gpu["resourceName"]) == str(gpu["count"])
+            if expected:
+                assert got == expected
+        gpu = want.get("gpu", {})
+        assert flags.get(f"--{role}-gpu", False) is bool(gpu.get("count", 0))
+        assert flags.get(f"--{role}-accelerator-type") == (gpu.get("type") or None)
+        assert g["template"]["spec"].get("nodeSelector", {}) == want.get("nodeSelector", {})
+        assert g["template"]["spec"].get("tolerations", []) == want.get("tolerations", [])
+        assert g["template"]["spec"].get("affinity", {}) == want.get("affinity", {})
+
+
+def test_engine_values_map_onto_pdserve_nodes_flags():
+    import argparse
+
+    from deploy import nodes
+    from deploy.cli import _add_engine_args, engine_config_from_args
+
+    values = example_values(REPO / "helm" / "examples" / "h100-4p4d.yaml")
+    rc = one(render(values), "RayCluster")
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]
+    args = next(c for c in head["containers"] if c["name"] == "pdserve-nodes")["args"]
+    p = argparse.ArgumentParser()
+    _add_engine_args(p)
+    nodes.add_arguments(p)
+    a = p.parse_args(args)  # every flag the chart passes exists
+    engine = engine_config_from_args(a)
+    assert engine.model == "/models/Meta-Llama-3.1-8B-Instruct"
+    assert (engine.dtype, engine.cache.kv_cache_bytes, engine.scheduler.max_num_seqs) == ("bfloat16", 40960 << 20, 256)
+    assert engine.speculative.method == "ngram"
+    assert (a.prefill_nodes, a.decode_nodes, a.grpc_port, a.metrics_port) == (None, None, 50061, 9400)
+    assert (a.prefill_gpu, a.prefill_accelerator_type, a.decode_gpu) == (True, "H100", True)
+    # Node metrics carry the router's model name, not the model's path: their series join.
+    router_args = one(render(values), "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert a.served_model_name == router_args[router_args.index("--model-name") + 1] == values["model"]["name"]
+
+
+def test_pdbs_select_the_worker_groups_and_the_router():
+    docs = render()
+    rc = one(docs, "RayCluster")
+    for role in ("prefill", "decode"):
+        pdb = one(docs, "PodDisruptionBudget", f"-{role}")
+        assert pdb["spec"]["selector"]["matchLabels"] == {"ray.io/cluster": rc["metadata"]["name"], "ray.io/group": role}
+    router_pdb = one(docs, "PodDisruptionBudget", "-router")
+    router_pods = one(docs, "Deployment", "-router")["spec"]["template"]["metadata"]["labels"]
+    assert router_pdb["spec"]["selector"]["matchLabels"].items() <= router_pods.items()
+    assert not [d for d in render({"prefill": {"replicas": 0}}) if d["metadata"]["name"].endswith("-prefill")]
+
+
+# ---------------------------------------------------------------------- network policy
+def _admits(policy: dict, pod_labels: dict, port: int) -> bool:
+    for rule in policy["spec"]["ingress"]:
+        ports = rule.get("ports")
+        if ports and port not in {p["port"] for p in ports}:
+            continue
+        peers = rule.get("from")
+        if not peers:
+            return True
+        for peer in peers:
+            sel = peer.get("podSelector")
+            if sel is not None and "namespaceSelector" not in peer and sel.get("matchLabels", {}).items() <= pod_labels.items():
+                return True
+    return False
+
+
+def _selects(policy: dict, labels: dict) -> bool:
+    return policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+
+
+def test_network_policy_admits_the_router_and_keeps_ray_inside():
+    docs = render()
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    rc = one(docs, "RayCluster")
+    router_pod = one(docs, "Deployment", "-router")["spec"]["template"]["metadata"]["labels"]
+    redis_pod = one(docs, "StatefulSet", "-redis")["spec"]["template"]["metadata"]["labels"]
+    # KubeRay labels every Ray pod with its cluster (and group)
+    ray_pod = {"ray.io/cluster": rc["metadata"]["name"], "ray.io/group": "decode"}
+    outsider = {"app": "somebody-else"}
+    ray_pol, = [p for p in policies if _selects(p, ray_pod)]
+    redis_pol, = [p for p in policies if _selects(p, redis_pod)]
+    router_pol, = [p for p in policies if _selects(p, router_pod)]
+
+    assert _admits(ray_pol, router_pod, 50061)  # the router calls the nodes
+    assert _admits(ray_pol, ray_pod, 50061)  # node-to-node KV transfer
+    for port in (6379, 8265, 10001, 50061, 9400):  # GCS, dashboard, client, KV, metrics
+        assert not _admits(ray_pol, outsider, port)
+    assert not _admits(ray_pol, router_pod, 8265)  # the router has no business on the dashboard
+    assert _admits(redis_pol, router_pod, 6379) and _admits(redis_pol, ray_pod, 6379)
+    assert not _admits(redis_pol, outsider, 6379)
+    assert _admits(router_pol, outsider, 8000) and _admits(router_pol, outsider, 50051)  # clients: anyone by default
+
+
+def test_router_clients_narrow_who_reaches_the_router():
+    clients = [{"podSelector": {"matchLabels": {"app": "gateway"}}}]
+    docs = render({"networkPolicy": {"routerClients": clients}})
+    router_pod = one(docs, "Deployment", "-router")["spec"]["template"]["metadata"]["labels"]
+    (router_pol,) = [p for p in docs if p["kind"] == "NetworkPolicy" and _selects(p, router_pod)]
+    assert _admits(router_pol, {"app": "gateway"}, 8000) and _admits(router_pol, {"app": "gateway"}, 50051)
+    assert not _admits(router_pol, {"app": "somebody-else"}, 8000)
+    assert not [d for d in render({"networkPolicy": {"enabled": False}}) if d["kind"] == "NetworkPolicy"]
+
+
+# ---------------------------------------------------------------------- secrets
+SECRET_NAME = re.compile(r"PASSWORD|TOKEN|SECRET|AUTH", re.I)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_secrets_reach_pods_only_through_secret_refs(example):
+    docs = render(example_values(example))
+    for where, spec in pod_specs(docs):
+        for c in containers(spec):
+            for e in c.get("env", []):
+                if SECRET_NAME.search(e["name"]) and e["name"] != "RAY_AUTH_MODE":
+                    assert "secretKeyRef" in e.get("valueFrom", {}), f"{where}/{c['name']}: {e['name']} is not from a Secret"
+            text = " ".join(c.get("command", []) + c.get("args", []))
+            assert not re.search(r"rediss?://[^/\s]*:[^/\s]*@", text), f"{where}/{c['name']}: a password in a URL"
+            assert "--requirepass" not in text and "-a " not in text
+    # the one generated password is in its Secret only: in no other object
+    secrets = [d for d in docs if d["kind"] == "Secret"]
+    others = json.dumps([d for d in docs if d["kind"] != "Secret"])
+    for s in secrets:
+        for value in s["data"].values():
+            import base64
+            assert base64.b64decode(value).decode() not in others
+
+
+def test_values_hold_no_secret_only_references_to_secrets():
+    """No value takes a password or token itself: the schema has no such property, and every
+    property that names a secret is a Secret's name or key."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+
+    def walk(node, path):
+        for key, sub in node.get("properties", {}).items():
+            if re.fullmatch(r"(?i).*(password|token|apikey|credential)(secret)?", key):
+                assert sub.get("type") == "object" and set(sub["properties"]) == {"name", "key"}, \
+                    f"{path + key} must reference a Secret, not hold one"
+            walk(sub, f"{path}{key}.")
+
+    walk(schema, "")
+    for example in EXAMPLES:
+        text = example.read_text()
+        assert not re.search(r"hf_[A-Za-z0-9]{10,}|password:\s*\S", text), example.name
+
+
+def test_existing_secrets_are_used_as_named():
+    docs = render({"redis": {"builtin": {"existingSecret": "my-redis"}}, "ray": {"auth": {"existingSecret": "my-ray"}}})
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    rc = one(docs, "RayCluster")
+    assert rc["spec"]["authOptions"] == {"mode": "token", "secretName": "my-ray"}
+    refs = {(e["name"], e["valueFrom"]["secretKeyRef"]["name"])
+            for _, spec in pod_specs(docs) for c in containers(spec) for e in c.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
+    assert ("PDSERVE_REDIS_PASSWORD", "my-redis") in refs and ("RAY_AUTH_TOKEN", "my-ray") in refs
+    assert ("REDIS_PASSWORD", "my-redis") in refs
+
+
+def test_ray_token_auth_is_on_by_default():
+    rc = one(render(), "RayCluster")
+    assert rc["spec"]["authOptions"]["mode"] == "token"
+    assert rc["spec"]["headGroupSpec"]["serviceType"] == "ClusterIP"  # dashboard: inside the cluster
+
+
+# ---------------------------------------------------------------------- model sources and Redis modes
+def test_model_sources():
+    def router_and_workers(values):
+        docs = render(values)
+        router = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]
+        rc = one(docs, "RayCluster")
+        return router, [g["template"]["spec"] for g in rc["spec"]["workerGroupSpecs"]], rc
+
+    router, workers, _ = router_and_workers({})
+    (init,) = router["initContainers"]
+    assert init["args"] == ["smollm2-135m", "/cache/tokenizer", "--tokenizer-only"]
+    assert router["containers"][0]["args"][router["containers"][0]["args"].index("--tokenizer-dir") + 1] == "/cache/tokenizer"
+    assert all("initContainers" not in w for w in workers)  # each node converts the builtin itself
+
+    router, workers, rc = router_and_workers({"model": {"source": "download", "download": {
+        "repo": "Org/Model", "revision": "v1", "tokenSecret": {"name": "hf", "key": "token"}}}})
+    for spec, tokenizer_only in [(router, True)] + [(w, False) for w in workers]:
+        (init,) = spec["initContainers"]
+        assert init["args"][:4] == ["hf:Org/Model", "/models/model", "--revision", "v1"]
+        assert ("--tokenizer-only" in init["args"]) is tokenizer_only
+        env = {e["name"]: e for e in init["env"]}
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+        assert env["HF_HUB_OFFLINE"]["value"] == "0"
+
+    router, workers, rc = router_and_workers({"model": {"source": "pvc", "pvc": {"claimName": "models", "path": "llama"}}})
+    assert "initContainers" not in router and all("initContainers" not in w for w in workers)
+    for spec in [router] + workers:
+        (vol,) = [v for v in spec["volumes"] if v["name"] == "model"]
+        assert vol["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    sup = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][1]
+    assert sup["args"][sup["args"].index("--model") + 1] == "/models/llama"
+
+
+def test_redis_modes():
+    docs = render()
+    sts = one(docs, "StatefulSet", "-redis")
+    assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    secret = one(docs, "Secret", "-redis")
+    assert len(secret["data"]["password"]) > 0
+    router_args = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]["args"]
+    url = router_args[router_args.index("--redis-url") + 1]
+    svc = one(docs, "Service", "-redis")
+    assert url == f"redis://{svc['metadata']['name']}:{svc['spec']['ports'][0]['port']}/0"
+
+    docs = render({"redis": {"mode": "external", "external": {
+        "url": "rediss://cache.example:6380/2", "passwordSecret": {"name": "ext", "key": "pw"}}}})
+    assert not [d for d in docs if d["kind"] in ("StatefulSet", "Secret")]
+    router = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
+    assert router["args"][router["args"].index("--redis-url") + 1] == "rediss://cache.example:6380/2"
+    (pw,) = [e for e in router["env"] if e["name"] == "PDSERVE_REDIS_PASSWORD"]
+    assert pw["valueFrom"]["secretKeyRef"] == {"name": "ext", "key": "pw"}
+
+
+def test_optional_objects():
+    docs = render({"router": {"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 9}},
+                   "metrics": {"grafanaDashboard": {"enabled": True}}})
+    hpa = one(docs, "HorizontalPodAutoscaler")
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (3, 9)
+    assert "replicas" not in one(docs, "Deployment", "-router")["spec"]  # the HPA owns it
+    dash = one(docs, "ConfigMap", "-grafana-dashboard")
+    assert json.loads(dash["data"]["pdserve.json"]) == json.loads((REPO / "deploy/grafana/pdserve.json").read_text())
+    assert "port-forward svc/pd-pdserve-router" in notes()
+
+
+def test_the_charts_dashboard_is_the_repos():
+    assert (CHART / "files" / "pdserve.json").read_bytes() == (REPO / "deploy" / "grafana" / "pdserve.json").read_bytes()
+
+
+# ---------------------------------------------------------------------- values and schema
+@pytest.mark.parametrize("bad", [
+    {"prefil": {"replicas": 2}},  # a misspelt key at the top
+    {"decode": {"gpu": {"cuont": 1}}},  # ... and deep down
+    {"router": {"replicass": 3}},
+    {"engine": {"dtype": "fp8"}},
+    {"decode": {"replicas": 0}},
+    {"prefill": {"gpu": {"count": 8}}},
+    {"images": {"node": {"repository": "pdserve/node-cpu", "tag": "latest"}}},
+    {"model": {"source": "pvc"}},  # a PVC source without its claim
+    {"redis": {"mode": "external", "external": {"url": "redis://:hunter2@cache:6379/0"}}},  # a password in the URL
+], ids=lambda v: json.dumps(v))
+def test_schema_rejects(bad):
+    with pytest.raises(helm_python.HelmValuesError):
+        helm_python.Chart.load(str(CHART)).render(bad, name="pd", namespace="serving")
+
+
+def _value_paths(node, prefix=()) -> set[tuple[str, ...]]:
+    out = set()
+    for key, sub in node.items():
+        out.add(prefix + (key,))
+        if isinstance(sub, dict) and sub and not _free_form(prefix + (key,)):
+            out |= _value_paths(sub, prefix + (key,))
+    return out
+
+
+def _free_form(path: tuple[str, ...]) -> bool:
+    """Kubernetes objects passed through as they are (their keys are the API's, not ours)."""
+    return path[-1] in {"resources", "supervisorResources", "nodeSelector", "affinity", "labels", "annotations"}
+
+
+def _schema_paths(node, prefix=()) -> set[tuple[str, ...]]:
+    out = set()
+    for key, sub in node.get("properties", {}).items():
+        out.add(prefix + (key,))
+        if not _free_form(prefix + (key,)):
+            out |= _schema_paths(sub, prefix + (key,))
+    return out
+
+
+def test_schema_and_values_list_the_same_keys():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert _value_paths(values) == _schema_paths(schema)
+
+
+def test_every_value_is_documented():
+    """Each key of values.yaml (outside pass-through Kubernetes objects) has a `# --` comment
+    right above it, or its parent has (a key that groups others)."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    stack: list[tuple[int, str]] = []
+    documented: dict[tuple[str, ...], bool] = {}
+    for i, line in enumerate(lines):
+        m = re.match(r"^( *)([A-Za-z0-9_]+):", line)
+        if not m:
+            continue
+        indent, key = len(m.group(1)), m.group(2)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = tuple(k for _, k in stack) + (key,)
+        stack.append((indent, key))
+        if any(_free_form(path[:j]) for j in range(1, len(path))):
+            continue
+        j = i - 1
+        while j >= 0 and lines[j].strip().startswith("#") and not lines[j].strip().startswith("# --"):
+            j -= 1  # a comment's continuation lines
+        documented[path] = j >= 0 and lines[j].strip().startswith("# --")
+    groups = {p[:-1] for p in documented}
+    missing = [".".join(p) for p, ok in documented.items() if not ok and p not in groups]
+    assert not missing, "values without a `# --` comment: " + ", ".join(missing)
+    assert len(documented) > 80
