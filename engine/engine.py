@@ -117,6 +117,9 @@ class _Request:
     params: SamplingParams
     metrics: RequestMetrics
     texts: dict[int, _SeqText] = field(default_factory=dict)
+    # Output tokens this request produced elsewhere before it came here (a migrated request):
+    # not streamed again; the detokenizer replays them (_append_text).
+    resumed: int = 0
 
 
 class LLMEngine:
@@ -209,9 +212,17 @@ class LLMEngine:
         prompt_token_ids: Seq[int] | None = None,
         arrival_time: float | None = None,
         hold_kv: bool = False,
+        resumed_output_tokens: int = 0,
     ) -> str:
         """Queue a request. ``hold_kv`` (prefill role) keeps its blocks after it finishes, for
-        ``held_block_table`` / ``release_kv`` once they have been streamed to a decode node."""
+        ``held_block_table`` / ``release_kv`` once they have been streamed to a decode node.
+
+        ``resumed_output_tokens``: the last k of ``prompt_token_ids`` are output tokens the
+        request already produced on a node that failed. The sequence then starts exactly as a
+        preempted one (prompt + k outputs, no KV): max_tokens, min_tokens, penalties and the
+        seeded generator of each step see the k outputs, so the continuation is the run that
+        never failed. Only for n = 1 (forks happen at the first output token).
+        """
         params = params or SamplingParams()
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
@@ -222,15 +233,30 @@ class LLMEngine:
                 raise InvalidRequestError("a request needs a prompt or prompt_token_ids")
             prompt_token_ids = self.encode(prompt)
         tokens = [int(t) for t in prompt_token_ids]
-        self._validate(tokens, params)
+        k = self._check_resumed(tokens, params, resumed_output_tokens)
+        self._validate(tokens[: len(tokens) - k], params)
         now = time.monotonic() if arrival_time is None else arrival_time
-        req = _Request(request_id, tokens, params, RequestMetrics(arrival_time=now))
+        req = _Request(request_id, tokens[: len(tokens) - k], params, RequestMetrics(arrival_time=now), resumed=k)
         self._requests[request_id] = req
         self.scheduler.add_sequence(
             Sequence(request_id=request_id, index=0, token_ids=list(tokens),
-                     num_prompt_tokens=len(tokens), params=params, arrival_time=now, hold_kv=hold_kv)
+                     num_prompt_tokens=len(tokens) - k, params=params, arrival_time=now, hold_kv=hold_kv)
         )
         return request_id
+
+    @staticmethod
+    def _check_resumed(tokens: list[int], params: SamplingParams, k: int) -> int:
+        if k == 0:
+            return 0
+        if params.n != 1:
+            raise InvalidRequestError(f"a resumed request continues one sequence: n must be 1, got {params.n}")
+        if not 0 < k < len(tokens):
+            raise InvalidRequestError(f"resumed_output_tokens is {k} but the prompt has {len(tokens)} tokens "
+                                      "(at least one must be prompt)")
+        if k >= params.max_tokens:
+            raise InvalidRequestError(f"resumed_output_tokens is {k}: max_tokens ({params.max_tokens}) leaves "
+                                      "nothing to generate")
+        return k
 
     # ------------------------------------------------------------------ role modes
     def reserve_kv(self, request_id: str, prompt_token_ids: Seq[int]) -> tuple[list[int], int] | None:
@@ -258,26 +284,29 @@ class LLMEngine:
         params: SamplingParams,
         num_cached_tokens: int = 0,
         arrival_time: float | None = None,
+        resumed_output_tokens: int = 0,
     ) -> None:
         """Decode role: continue a request whose prompt KV now sits in its reserved blocks.
 
         ``output_token_ids`` are the tokens the prefill node already sampled (usually one);
         the first ``step`` reports them as new tokens, so the decode node is the only stream.
+        ``resumed_output_tokens``: as in ``add_request`` (the KV covers them too).
         """
         seq_id = seq_id_of(request_id, 0)
         if not self.kv.has_seq(seq_id):
             raise InvalidRequestError(f"no KV reserved for request {request_id!r}")
         prompt = [int(t) for t in prompt_token_ids]
         outs = [int(t) for t in output_token_ids]
-        self._validate(prompt, params)
+        k = self._check_resumed(prompt, params, resumed_output_tokens)
+        self._validate(prompt[: len(prompt) - k], params)
         if not outs:
             raise InvalidRequestError("a prefilled request needs the prefill node's first token")
         self.kv.cache_computed_blocks(seq_id, prompt, len(prompt))
         now = time.monotonic() if arrival_time is None else arrival_time
-        req = _Request(request_id, prompt, params, RequestMetrics(arrival_time=now))
+        req = _Request(request_id, prompt[: len(prompt) - k], params, RequestMetrics(arrival_time=now), resumed=k)
         self._requests[request_id] = req
         seq = Sequence(request_id=request_id, index=0, token_ids=prompt + outs,
-                       num_prompt_tokens=len(prompt), params=params, arrival_time=now,
+                       num_prompt_tokens=len(prompt) - k, params=params, arrival_time=now,
                        num_computed_tokens=len(prompt), num_cached_tokens=num_cached_tokens)
         seq.first_token_time = now
         self.scheduler.add_sequence(seq)
@@ -410,11 +439,21 @@ class LLMEngine:
         """-> (text delta, a stop string matched). ``final``: the sequence ends with this token."""
         st = req.texts.get(seq.index)
         if st is None:
-            detok = (IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+            detok = (IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
                      if self.tokenizer is not None else None)
             stops = (StopStringMatcher(tuple(req.params.stop), req.params.include_stop_str_in_output)
                      if req.params.stop and detok is not None else None)
             st = req.texts[seq.index] = _SeqText(detok, stops)
+            if detok is not None and req.resumed:
+                # A resumed request's earlier outputs, replayed one by one as the node that
+                # streamed them did: their text was sent, and what that node held back (part
+                # of a character, the start of a stop string) is held here too, so the text
+                # goes on exactly where the client's stopped.
+                start = seq.num_prompt_tokens
+                for earlier in seq.token_ids[start : start + req.resumed]:
+                    sent = detok.step([earlier])
+                    if stops is not None:
+                        stops.feed(sent)
         if st.detok is None:
             return "", False
         delta = st.detok.step([token])

@@ -33,6 +33,15 @@ plans with the best of the request's and the best bucket's acceptance.
 
 Hard cap: the step's speculative tokens never exceed ``max_tokens_per_step * (1 - (B - 1) /
 max_batch_size)`` for B running sequences.
+
+Step gate (``StepGate``): everything above rests on predicted costs, and a step's real cost has
+parts the model learns late (a verifying step's fixed extra, the drafting time). So the
+controller also keeps, per batch size, what whole steps actually yielded: emitted tokens per ms
+of steps that verified drafts (drafting time included) against plain steps of the same batch
+size (measured, or predicted by ``StepCost`` until one is seen). Where verifying steps yield
+less, speculation is off for every sequence of a step of that size, and a verifying step is let
+through now and then (``GATE_PROBE_EVERY``, doubling while it keeps losing) to notice when the
+text turns repetitive. This is what keeps a batch from getting slower with speculation on.
 """
 from __future__ import annotations
 
@@ -137,6 +146,68 @@ def step_budget(cfg: SpeculativeConfig, batch_size: int) -> int:
     return int(cfg.max_tokens_per_step * shrink)
 
 
+GATE_MIN_STEPS = 3  # verifying steps of one batch size before the gate judges them
+GATE_DECAY = 0.9  # per observed step: the gate follows the text as it changes
+GATE_PROBE_EVERY = 8  # steps an off gate first waits before letting a verifying step through
+GATE_MAX_PROBE_EVERY = 64
+
+
+class StepGate:
+    """Per batch size: do verifying steps yield more tokens per ms than plain ones? (pure logic)
+
+    ``plain_ms``: the predicted time of a plain step of B rows, used until plain steps of that
+    size have been observed (a batch that always speculates never measures one)."""
+
+    def __init__(self, plain_ms: Callable[[int], float]) -> None:
+        self.plain_ms = plain_ms
+        self._plain: dict[int, list[float]] = {}  # B -> [decayed tokens, decayed ms, steps]
+        self._spec: dict[int, list[float]] = {}
+        self._off_steps: dict[int, int] = {}
+        self._probe_every: dict[int, int] = {}
+
+    def observe(self, batch: int, tokens: int, ms: float, verifying: bool) -> None:
+        """A decode step of ``batch`` sequences emitted ``tokens`` in ``ms`` (drafting included)."""
+        if batch < 1 or ms <= 0:
+            return
+        acc = (self._spec if verifying else self._plain).setdefault(batch, [0.0, 0.0, 0])
+        acc[0] = GATE_DECAY * acc[0] + tokens
+        acc[1] = GATE_DECAY * acc[1] + ms
+        acc[2] += 1
+
+    def rates(self, batch: int) -> tuple[float | None, float]:
+        """(verifying steps' tokens per ms or None before GATE_MIN_STEPS, plain steps' tokens per ms)."""
+        s = self._spec.get(batch)
+        spec = s[0] / s[1] if s is not None and s[2] >= GATE_MIN_STEPS else None
+        p = self._plain.get(batch)
+        plain = p[0] / p[1] if p is not None and p[2] >= 1 else batch / max(self.plain_ms(batch), 1e-9)
+        return spec, plain
+
+    def allow(self, batch: int) -> bool:
+        """May this step (``batch`` running sequences) verify drafts at all?"""
+        spec, plain = self.rates(batch)
+        if spec is None or spec >= plain:
+            self._off_steps[batch] = 0
+            self._probe_every[batch] = GATE_PROBE_EVERY
+            return True
+        off = self._off_steps.get(batch, 0) + 1
+        every = self._probe_every.get(batch, GATE_PROBE_EVERY)
+        if off < every:
+            self._off_steps[batch] = off
+            return False
+        self._off_steps[batch] = 0
+        self._probe_every[batch] = min(GATE_MAX_PROBE_EVERY, 2 * every)
+        return True
+
+    def snapshot(self) -> dict[str, float]:
+        """"B" -> verifying / plain yield, for the batch sizes judged so far."""
+        out = {}
+        for b in sorted(self._spec):
+            spec, plain = self.rates(b)
+            if spec is not None:
+                out[str(b)] = round(spec / plain, 3)
+        return out
+
+
 NODE_DECAY = 0.99  # the node-wide estimate remembers a few hundred verifications
 # Speculating must beat not speculating by this factor in expected tokens per ms: the cost
 # model is an estimate, and a choice inside its error (a bf16 draft that costs nearly what it
@@ -156,6 +227,7 @@ class SpecController:
         self.draft_cost = draft_cost
         self.batched = batched  # the proposer drafts all sequences of a step in shared rounds
         self.step_cost = step_cost if step_cost is not None else StepCost(cfg)
+        self.gate = StepGate(lambda b: self.step_cost.cost(b, False))
         # A free drafter (n-gram) probes with several tokens to measure acceptance; a costly one
         # with a single token, the cheapest verification that still tells.
         self.probe_k = 1 if draft_cost > 0 else max(1, (cfg.num_speculative_tokens + 1) // 2)
@@ -212,6 +284,8 @@ class SpecController:
     def plan(self, candidates: list[str], batch_size: int) -> dict[str, int]:
         """seq ids that could speculate now -> k (only entries with k > 0)."""
         budget = step_budget(self.cfg, batch_size)
+        if self.cfg.adaptive and budget > 0 and not self.gate.allow(batch_size):
+            return {}
         k_max = self.cfg.num_speculative_tokens
         states = []
         # Reserving room is free for a free drafter: trim() decides per draft, so plan with the

@@ -5,7 +5,8 @@
     plan_lookahead   the controller picks k per decoding sequence; the scheduler reserves k slots
     propose          the proposer fills each scheduled sequence's slots with draft tokens
     (the runner verifies every k + 1 positions in the step's one forward)
-    observe_step     step time -> the cost model; accepted lengths -> the controller and counters
+    observe_step     step time -> the cost model; accepted lengths -> the controller and counters;
+                     the step's yield (tokens per ms, drafting included) -> the controller's gate
 
 The engine owns the mechanism's state-free parts (scheduler lookahead, verification in the
 runner); this object owns what speculation learns and counts. The proposer is injected (the
@@ -34,6 +35,7 @@ class SpeculativeDecoding:
         self.controller = SpecController(config, proposer.draft_cost, self.step_cost, batched=proposer.batched)
         self.stats = SpecStats()  # node totals
         self._seq_stats: dict[str, SpecStats] = {}
+        self._draft_ms = 0.0  # drafting time of the step being run
 
     def plan_lookahead(self, scheduler: Scheduler) -> dict[str, int] | None:
         """seq id -> draft slots to reserve this step (None: no decoding sequence)."""
@@ -46,6 +48,7 @@ class SpeculativeDecoding:
         ``draft_probs``, ``draft_bucket`` on each item), trimmed to what pays."""
         if sched.block_copies:
             self.proposer.copy_blocks(sched.block_copies)
+        self._draft_ms = 0.0
         items = [it for it in sched.scheduled if it.num_lookahead > 0]
         if not items:
             return
@@ -54,7 +57,8 @@ class SpeculativeDecoding:
         proposals = self.proposer.propose(reqs)
         # The proposer's own estimate of its cost is a guess; what it took here is not.
         rounds = max(r.k for r in reqs) if self.proposer.batched else sum(r.k for r in reqs)
-        self.controller.observe_draft(rounds, (time.perf_counter() - t0) * 1e3)
+        self._draft_ms = (time.perf_counter() - t0) * 1e3
+        self.controller.observe_draft(rounds, self._draft_ms)
         lengths = [min(len(p.token_ids), it.num_lookahead) for it, p in zip(items, proposals)]
         if any(p.bucket is not None for p in proposals):
             lengths = self.controller.trim(
@@ -71,6 +75,12 @@ class SpeculativeDecoding:
             rows = sum(1 + len(it.draft_token_ids) for it in sched.scheduled)
             verifying = any(it.draft_token_ids for it in sched.scheduled)
             self.step_cost.observe(rows, forward_ms, verifying)
+            # A step whose drafts were all trimmed away still paid for drafting: it counts
+            # against speculation in the gate like a verifying step.
+            emitted = sum(len(sampled[it.seq.seq_id].token_ids) for it in sched.scheduled
+                          if it.seq.seq_id in sampled)
+            self.controller.gate.observe(len(sched.scheduled), emitted, forward_ms + self._draft_ms,
+                                         verifying or self._draft_ms > 0)
         for it in sched.scheduled:
             if not it.draft_token_ids or it.seq.seq_id not in sampled:
                 continue
@@ -94,4 +104,5 @@ class SpeculativeDecoding:
         # The counters plus what the controller currently believes a step and a draft cost:
         # the numbers to look at when speculation switches itself off.
         return {**self.stats.as_dict(), "step_cost_ms": self.step_cost.snapshot(),
+                "gate_yield_ratio": self.controller.gate.snapshot(),
                 "draft_round_ms": round(self.controller.draft_round_ms, 3)}

@@ -25,12 +25,16 @@ class NodeInfo:
     block_size: int
     num_blocks: int
     metrics_address: str = ""  # host:port of the node's Prometheus /metrics ("" = none)
+    # KV data-plane endpoints besides gRPC, fastest first ("tcp://host:port"; decode nodes)
+    kv_endpoints: tuple[str, ...] = ()
     # load, as of the last heartbeat
     waiting: int = 0
     running: int = 0
     running_tokens: int = 0
     free_blocks: int = 0
     kv_usage: float = 0.0
+    draining: bool = False  # finishing its requests before it stops: place nothing new here
+    step_s: float = 0.0  # seconds per engine step, recent average (0: unknown, e.g. idle)
     updated_at: float = 0.0
     # index bookkeeping: last applied event batch and when the node published it (-1/0: none)
     index_seq: int = -1
@@ -51,11 +55,14 @@ class NodeInfo:
             block_size=int(g["block_size"]),
             num_blocks=int(g["num_blocks"]),
             metrics_address=g.get("metrics", ""),
+            kv_endpoints=tuple(e for e in g.get("kv_endpoints", "").split(",") if e),
             waiting=int(g.get("waiting", 0)),
             running=int(g.get("running", 0)),
             running_tokens=int(g.get("running_tokens", 0)),
             free_blocks=int(g.get("free_blocks", 0)),
             kv_usage=float(g.get("kv_usage", 0.0)),
+            draining=g.get("draining", "0") not in ("0", ""),
+            step_s=float(g.get("step_s", 0.0)),
             updated_at=float(g.get("updated_at", 0.0)),
             index_seq=int(g.get("seq", -1)),
             event_at=float(g.get("event_at", 0.0)),

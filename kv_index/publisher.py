@@ -52,7 +52,8 @@ class NodePublisher:
     def _identity(self) -> dict:
         i = self.info
         return {"role": i.role, "grpc": i.grpc_address, "fingerprint": i.fingerprint,
-                "block_size": i.block_size, "num_blocks": i.num_blocks, "metrics": i.metrics_address}
+                "block_size": i.block_size, "num_blocks": i.num_blocks, "metrics": i.metrics_address,
+                "kv_endpoints": ",".join(i.kv_endpoints)}
 
     def register(self) -> None:
         """Announce a fresh node: no blocks, sequence 0. A restarted node reuses no state:

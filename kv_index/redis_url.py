@@ -33,3 +33,16 @@ def resolve_redis_url(url: str, env: Mapping[str, str]) -> str:
     """``url`` with the password from ``$PDSERVE_REDIS_PASSWORD`` when that is set and non-empty."""
     password = env.get(PASSWORD_ENV)
     return with_password(url, password) if password else url
+
+
+def redact(url: str) -> str:
+    """``url`` safe to print: its password replaced by ``***`` (a URL without one is returned
+    as it is; anything unparseable is hidden whole)."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+    except ValueError:
+        return "<redis url>"
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{parts.netloc.rpartition('@')[2]}"))

@@ -6,7 +6,7 @@ Key schema (``ns`` defaults to ``pdserve``; several clusters can share one Redis
     {ns}:nodes                  SET    node ids ever registered (readers prune dead ones)
     {ns}:node:{node_id}         HASH   role, grpc address, metrics address (Prometheus),
                                        model fingerprint, block size, num_blocks + load (waiting, running, running_tokens,
-                                       free_blocks, kv_usage, updated_at)
+                                       free_blocks, kv_usage, step_s, updated_at)
                                        + seq (last applied event batch), event_at (node clock
                                        when it was published); PEXPIRE = the lease
     {ns}:blk:{hash:016x}        HASH   node id -> storage tier ("0" device, "1" host, "2" disk)
@@ -18,7 +18,10 @@ Key schema (``ns`` defaults to ``pdserve``; several clusters can share one Redis
 from __future__ import annotations
 
 DEFAULT_NS = "pdserve"
-LOAD_FIELDS = ("waiting", "running", "running_tokens", "free_blocks", "num_blocks", "kv_usage")
+# "draining": 1 while the node finishes its requests before it stops (routers skip it).
+# "step_s": seconds per engine step, recent average (0: unknown).
+LOAD_FIELDS = ("waiting", "running", "running_tokens", "free_blocks", "num_blocks", "kv_usage", "draining",
+               "step_s")
 TIER_DEVICE, TIER_HOST, TIER_DISK = 0, 1, 2
 STEP_STREAM_MAXLEN = 512  # step reports kept per node: enough for the router's fit window
 

@@ -1,2 +1,3 @@
 """KV block transfer between nodes: wire format (wire.py), receiver checks (validate.py),
-transports (grpc_transport.py). Pool layout: kv_transfer/layout.py."""
+the transport interface and fallback (transport.py), transports (shm_transport.py,
+tcp_transport.py, grpc_transport.py). Pool layout: kv_transfer/layout.py."""

@@ -34,6 +34,7 @@ from kv_transfer.wire import (
 )
 from protos.conventions import grpc_options
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
+from security.tls import TlsFiles, channel
 
 # Chunks are ~1 MiB and headers of long prompts (~13 bytes per block) stay far below this;
 # the default 4 MiB receive limit would already do, 16 MiB leaves room for larger chunk_bytes.
@@ -216,12 +217,14 @@ class GrpcKVSender:
     """``KVSender`` over gRPC: one long-lived channel per receiving node, so connection setup
     stays off the hot path. Thread-safe (a prefill node pushes from several gRPC threads)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TlsFiles | None = None) -> None:
+        self._tls = tls  # mutual TLS to the receivers when set (security/tls.py)
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()  # guards _channels
 
-    def push(self, address: str, pool: torch.Tensor, **blocks) -> PushResult:
-        """``push_blocks`` to the node at ``address``; ``blocks`` are its keyword arguments.
+    def push(self, address: str, pool: torch.Tensor, *, endpoints: Sequence[str] = (), **blocks) -> PushResult:
+        """``push_blocks`` to the node at ``address``; ``blocks`` are its keyword arguments
+        (``endpoints``, the decode node's other transports, are not this sender's concern).
         A refusal or an unreachable receiver raises TransferError with the gRPC status."""
         try:
             resp = push_blocks(self._channel(address), pool, **blocks)
@@ -239,5 +242,5 @@ class GrpcKVSender:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = grpc.insecure_channel(address, options=KV_GRPC_OPTIONS)
+                ch = self._channels[address] = channel(address, self._tls, KV_GRPC_OPTIONS)
             return ch

@@ -3,19 +3,34 @@
 A sender pushes one request's blocks from its pool into the reservation a decode node made
 for them; the receiver validates every header, byte count and checksum before writing (see
 validate.py), so a transport only moves bytes. Implementations: ``GrpcKVSender`` (any two
-hosts, grpc_transport.py). Transports for the same host (shared memory) and for GPUs (NCCL)
-go behind the same ``push``.
+hosts, grpc_transport.py), ``TcpKVSender`` (a raw TCP data stream beside gRPC,
+tcp_transport.py), ``ShmKVSender`` (shared memory on one host, shm_transport.py); NCCL for
+GPU pools is not built. ``FallbackKVSender`` picks one per transfer from the endpoints the decode
+node advertises, fastest first, and falls back to gRPC; when that fails too, the prefill fails
+and the router recomputes the prompt on the decode node (docs/cluster.md, "KV data plane").
 """
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 import grpc
+
+log = logging.getLogger(__name__)
+
+# Codes that say the transport failed rather than that the receiver refused the transfer:
+# another transport may succeed. A refusal (INVALID_ARGUMENT, NOT_FOUND, ...) would only repeat.
+TRANSPORT_FAILURES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+})
 
 
 class PushResult(NamedTuple):
     blocks_written: int
     bytes_written: int
+    transport: str = "grpc"  # what carried it: "grpc", or an endpoint's scheme ("tcp")
 
 
 class TransferError(Exception):
@@ -32,11 +47,65 @@ class TransferError(Exception):
 class KVSender(Protocol):
     def push(self, address: str, pool, *, request_id: str, fingerprint: str, src_block_ids, block_hashes,
              num_tokens: int, dest_block_ids, skip_leading_blocks: int = 0, layers: range | None = None,
-             timeout: float | None = None) -> PushResult:
+             timeout: float | None = None, endpoints: Sequence[str] = ()) -> PushResult:
         """Send blocks ``src_block_ids[skip_leading_blocks:]`` of ``pool`` (all layers, or
-        ``layers``) into ``dest_block_ids`` of the node at ``address``. Raises TransferError."""
+        ``layers``) into ``dest_block_ids`` of the node at ``address`` (its gRPC address;
+        ``endpoints``: its other transports, ReserveBlocksResponse.kv_endpoints). Raises
+        TransferError."""
         ...
 
     def close(self) -> None:
         """Release connections; the sender is not used afterwards."""
         ...
+
+
+class EndpointSender(Protocol):
+    """A fast transport: pushes to one of the decode node's advertised endpoints
+    (``scheme://...``); same keyword arguments and errors as ``KVSender.push``."""
+
+    scheme: str
+
+    def push(self, endpoint: str, pool, **blocks) -> PushResult: ...
+
+    def close(self) -> None: ...
+
+
+def endpoint_scheme(endpoint: str) -> str:
+    return endpoint.partition("://")[0]
+
+
+class FallbackKVSender:
+    """``KVSender`` that tries the decode node's advertised endpoints it has a transport for,
+    in the order advertised, then the gRPC sender. Only a transport failure (TRANSPORT_FAILURES)
+    moves on to the next; the last error is raised. Thread-safe if the senders are."""
+
+    def __init__(self, fast: Sequence[EndpointSender], grpc_sender) -> None:
+        self._fast = {s.scheme: s for s in fast}
+        self._grpc = grpc_sender
+        self.num_fallbacks = 0  # fast transfers that failed and were retried on another transport
+
+    @property
+    def schemes(self) -> tuple[str, ...]:
+        return tuple(self._fast)
+
+    def push(self, address: str, pool, *, endpoints: Sequence[str] = (), **blocks) -> PushResult:
+        """``blocks`` as for ``KVSender.push``; ``endpoints`` from the decode node's reservation."""
+        for endpoint in endpoints:
+            sender = self._fast.get(endpoint_scheme(endpoint))
+            if sender is None:
+                continue
+            try:
+                result = sender.push(endpoint, pool, **blocks)
+            except TransferError as err:
+                if err.code not in TRANSPORT_FAILURES:
+                    raise
+                self.num_fallbacks += 1
+                log.warning("KV transfer of %r over %s failed (%s); falling back",
+                            blocks.get("request_id"), endpoint, err)
+                continue
+            return result._replace(transport=sender.scheme)
+        return self._grpc.push(address, pool, **blocks)
+
+    def close(self) -> None:
+        for s in (*self._fast.values(), self._grpc):
+            s.close()

@@ -6,6 +6,7 @@ trailer arrives, still before the pool is touched.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import NamedTuple
 
 from kv_transfer import checksum
@@ -33,10 +34,17 @@ class Reservation(NamedTuple):
     block_hashes: tuple[int, ...]  # chained hashes of the sent full blocks, in order
 
 
+_SHOWN_CHARS = 200  # of a value in an error: a peer's header may list a million block ids
+
+
+def _shown(value: object) -> str:
+    text = value if isinstance(value, str) else repr(value)  # a condition ("unique") or a value
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}... ({len(text)} characters)"
+
+
 def _require(ok: bool, field: str, got: object, want: object) -> None:
     if not ok:
-        shown = want if isinstance(want, str) else repr(want)  # a condition ("unique") or a value
-        raise KVValidationError(f"{field}: got {got!r}, expected {shown}")
+        raise KVValidationError(f"{field}: got {_shown(repr(got))}, expected {_shown(want)}")
 
 
 def _enum_name(enum, value: int) -> str:
@@ -76,7 +84,8 @@ def validate_header(
     _require(n >= 1, "len(dest_block_ids)", n, ">= 1")
     bad = [b for b in ids if b >= layout.num_blocks]
     _require(not bad, "dest_block_ids out of range", bad, f"< num_blocks={layout.num_blocks}")
-    _require(len(set(ids)) == n, "dest_block_ids duplicated", sorted({b for b in ids if ids.count(b) > 1}), "unique")
+    if len(set(ids)) != n:  # ids.count per id would be quadratic in a peer's id list
+        _require(False, "dest_block_ids duplicated", sorted(b for b, k in Counter(ids).items() if k > 1), "unique")
 
     # The sent blocks cover token positions [first * bs, (first + n) * bs); the last one may be
     # partial and only full blocks carry a hash.

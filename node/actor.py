@@ -2,7 +2,8 @@
 
 Ray places, restarts and names the node; gRPC carries everything else (no tensors through
 Ray). A restarted actor builds a fresh engine and registers again, which drops whatever its
-previous life published to the index (NodePublisher.register).
+previous life published to the index (NodePublisher.register). SIGTERM drains the node (it
+finishes its requests, leaves the index) and the actor then exits for good (NodeServer.drain).
 
 The role's server comes from ``build_server``, a module-level function of the role's package
 (``prefill_node.build_server``, ``decode_node.build_server``). Ray ships it by reference and the
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -83,6 +85,28 @@ class NodeActor:
         tags = {"node_id": config.node_id, "role": config.role.value, "model_name": config.engine.model}
         threading.Thread(target=self._export_to_dashboard, args=(tags,), name="ray-dashboard-metrics",
                          daemon=True).start()
+        # SIGTERM (a pod going away, an operator) drains instead of dropping the requests in
+        # flight. Ray runs a sync actor's __init__ on the process's main thread, the only one
+        # that may set a handler; its own handler (exit at once) is replaced.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if not self._stop.is_set():  # the handler must return at once: drain on a thread
+            self._stop.set()
+            threading.Thread(target=self._drain_and_exit, name="drain", daemon=True).start()
+
+    def _drain_and_exit(self) -> None:
+        try:
+            self._server.drain()
+        except Exception:  # exit anyway: the lease expires what a failed drain left
+            log.exception("drain failed")
+        # An exit through the actor's own method is intentional: Ray does not restart it. No
+        # retries: a retry pending on the exiting actor would keep its process alive.
+        ray.get_runtime_context().current_actor.exit_drained.options(max_task_retries=0).remote()
+
+    def exit_drained(self) -> None:
+        ray.actor.exit_actor()
 
     def address(self) -> str:
         return self._address
@@ -94,10 +118,21 @@ class NodeActor:
         # The pid tells restarts apart (a restarted actor is a new process).
         return {**self._server.stats(), "pid": os.getpid()}
 
-    def stop(self) -> None:
-        """Leave the index and stop serving (then end the actor with ray.kill)."""
+    def set_step_delay(self, seconds: float) -> None:
+        """Fault injection for `pdserve chaos` (a slow node): sleep this long after each engine
+        step. Reached through Ray's control plane only, never from a pdserve socket."""
+        self._server.aengine.step_delay_s = float(seconds)
+
+    def set_kv_fault(self, mode: str | None) -> None:
+        """Fault injection for `pdserve chaos --scenario corrupt-kv` (prefill nodes): damage
+        every KV push ("flip", "cut"), or None to stop. Ray's control plane only."""
+        self._server.set_kv_fault(mode)
+
+    def stop(self, drain_timeout_s: float | None = None) -> None:
+        """Drain (up to ``drain_timeout_s``, default the config's), leave the index and stop
+        serving (then end the actor with ray.kill)."""
         self._stop.set()
-        self._server.stop()
+        self._server.drain(drain_timeout_s)
 
     def _export_to_dashboard(self, tags: dict[str, str]) -> None:
         """Every DASHBOARD_PERIOD_S, the node's main figures into ``ray.util.metrics`` gauges,

@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from kv_index.nodes import Role
+from security.tls import TlsFiles, tls_files
 
 
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
     node_id: str
     role: Role
-    redis_url: str
+    redis_url: str = field(repr=False)  # may hold the Redis password: never in a repr
     host: str = "127.0.0.1"  # the address the node binds; "0.0.0.0" / "::" = every interface
     grpc_port: int = 0  # 0 = pick a free port (the bound port is what the node registers)
     # The host other processes reach this node at: registered in the index with the bound ports.
@@ -35,7 +36,20 @@ class NodeConfig:
     # never detokenize (the decode node streams the text), so they skip it.
     load_tokenizer: bool = True
     # gRPC worker threads: each Decode stream holds one for its whole duration.
-    grpc_workers: int = 32
+    grpc_workers: int = 128
+    # Backpressure (node/admission.py). Long RPCs (Decode, Prefill, PushBlocks) in flight at
+    # once; beyond it RESOURCE_EXHAUSTED with a retry hint. None = grpc_workers less a quarter
+    # of them, at most 8: those stay free for control calls (abort, release, renew, health).
+    max_streams: int | None = None
+    # Requests waiting in the engine for a slot in its running batch; a new request beyond it is
+    # refused (RESOURCE_EXHAUSTED + retry hint) instead of queueing without bound.
+    max_waiting: int = 64
+    # RPCs the gRPC server holds at once, running or queued for a thread (grpc's
+    # maximum_concurrent_rpcs); None = 2 x grpc_workers.
+    max_concurrent_rpcs: int | None = None
+    # SIGTERM / stop: seconds a draining node waits for its in-flight requests before it stops
+    # (it takes no new ones, reports NOT_SERVING and is skipped by routers meanwhile).
+    drain_timeout_s: float = 30.0
     # Prometheus /metrics of this node on host:metrics_port (0 = a free port, registered in the
     # index as the node's metrics address; None = no metrics endpoint).
     metrics_port: int | None = 0
@@ -45,9 +59,21 @@ class NodeConfig:
     # The model's name as clients and the router know it (the metrics' model_name label, so node
     # and router series join); None = engine.model, which may be a local path.
     served_model_name: str | None = None
+    # Decode role: port of the raw TCP KV data stream beside gRPC (kv_transfer/tcp_transport.py),
+    # advertised as tcp://host:port (0 = a free port, None = gRPC only). Plaintext: a node with
+    # TLS configured does not open it, so its KV moves over the TLS-protected gRPC port.
+    kv_data_port: int | None = 0
     # CPU cores this node's process may run on (os.sched_setaffinity), None = any. Benchmarks
     # pin each node to its own core so that layouts compare on the same cores.
     cpu_affinity: tuple[int, ...] | None = None
+    # Mutual TLS between cluster members (docs/security.md): this node's certificate and key,
+    # and the CA that signs every member; its gRPC port then admits only callers holding such
+    # a certificate, and it dials peers with its own. All None: plaintext.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None
+    # The name peers' certificates are verified against instead of the address dialled.
+    tls_server_name: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -67,10 +93,41 @@ class NodeConfig:
             raise ValueError(f"grpc_port must be in [0, 65535], got {self.grpc_port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535] or None, got {self.metrics_port}")
+        if self.kv_data_port is not None and not 0 <= self.kv_data_port < 65536:
+            raise ValueError(f"kv_data_port must be in [0, 65535] or None, got {self.kv_data_port}")
         if self.reservation_lease_s <= 0:
             raise ValueError(f"reservation_lease_s must be > 0, got {self.reservation_lease_s}")
         if self.grpc_workers < 2:
             raise ValueError(f"grpc_workers must be >= 2, got {self.grpc_workers}")
+        if self.max_streams is not None and not 1 <= self.max_streams <= self.grpc_workers - 1:
+            raise ValueError(f"max_streams must be in [1, grpc_workers - 1 = {self.grpc_workers - 1}] "
+                             f"(a thread stays free for control calls), got {self.max_streams}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs < self.grpc_workers:
+            raise ValueError(f"max_concurrent_rpcs must be >= grpc_workers ({self.grpc_workers}), "
+                             f"got {self.max_concurrent_rpcs}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        tls = self.tls
+        if tls is not None and not tls.mutual:
+            raise ValueError("node TLS is mutual: give tls_cert_file, tls_key_file and tls_ca_file together")
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        return tls_files(self.tls_cert_file, self.tls_key_file, self.tls_ca_file, self.tls_server_name)
+
+    @property
+    def stream_limit(self) -> int:
+        """Long RPCs in flight at once (``max_streams`` or its default)."""
+        if self.max_streams is not None:
+            return self.max_streams
+        return self.grpc_workers - max(1, min(8, self.grpc_workers // 4))
+
+    @property
+    def rpc_limit(self) -> int:
+        """RPCs the gRPC server holds at once (``max_concurrent_rpcs`` or its default)."""
+        return self.max_concurrent_rpcs if self.max_concurrent_rpcs is not None else 2 * self.grpc_workers
 
     @property
     def advertised_host(self) -> str | None:

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
 from engine.engine import LLMEngine, RequestOutput
@@ -40,6 +40,11 @@ COMMAND_TIMEOUT_S = 60.0
 # The engine's cumulative stats (``stats``) are re-read at most this often while it steps, and
 # after the last step before it idles: a scrape reads the copy, never waits for a step.
 STATS_PERIOD_S = 0.05
+# The step time a node heartbeats (LoadSnapshot.step_s): an exponential average with this
+# weight on the newest step, so a slowdown shows within a few steps; forgotten this long after
+# the last step.
+STEP_S_ALPHA = 0.3
+STEP_S_STALE_S = 30.0
 
 
 class EngineStoppedError(RuntimeError):
@@ -60,6 +65,10 @@ class LoadSnapshot:
     free_blocks: int = 0
     num_blocks: int = 0
     kv_usage: float = 0.0
+    # Seconds per engine step, averaged over recent steps: what a running sequence waits per
+    # token. 0 = unknown (no step within STEP_S_STALE_S). Routers avoid a node whose steps are
+    # several times slower than its peers' (router/placement.py, without_stragglers).
+    step_s: float = 0.0
 
     def as_dict(self) -> dict[str, int | float]:
         return asdict(self)
@@ -176,10 +185,15 @@ class AsyncEngine:
         self._stopping = False
         # Owned by the loop thread (commands run there too): request id -> its stream.
         self._streams: dict[str, OutputStream] = {}
+        self._step_s = 0.0  # see LoadSnapshot.step_s; loop thread writes, _snapshot reads
+        self._stepped_at = 0.0
         self._load = self._snapshot()
         self._stats: dict = engine.stats()
         self._stats_at = time.monotonic()
         self.num_step_errors = 0
+        # Fault injection (tests and `pdserve chaos`: a slow node): seconds to sleep after each
+        # step. Set in the node's own process only; nothing on the wire reaches it.
+        self.step_delay_s = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -205,12 +219,13 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         hold_kv: bool = False,
+        resumed_output_tokens: int = 0,
     ) -> OutputStream:
         """Queue a request; raises InvalidRequestError right away when it can never run."""
 
         def add(eng: LLMEngine) -> OutputStream:
             rid = eng.add_request(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                  params=params, hold_kv=hold_kv)
+                                  params=params, hold_kv=hold_kv, resumed_output_tokens=resumed_output_tokens)
             return self._open_stream(rid)
 
         return self.run(add)
@@ -222,12 +237,13 @@ class AsyncEngine:
         output_token_ids: Sequence[int],
         params: SamplingParams,
         num_cached_tokens: int = 0,
+        resumed_output_tokens: int = 0,
     ) -> OutputStream:
         """Decode role: continue a request whose prompt KV sits in its reserved blocks."""
 
         def add(eng: LLMEngine) -> OutputStream:
             eng.add_prefilled_request(request_id, prompt_token_ids, output_token_ids, params,
-                                      num_cached_tokens=num_cached_tokens)
+                                      num_cached_tokens=num_cached_tokens, resumed_output_tokens=resumed_output_tokens)
             return self._open_stream(request_id)
 
         return self.run(add)
@@ -247,8 +263,13 @@ class AsyncEngine:
 
     @property
     def load(self) -> LoadSnapshot:
-        """Refreshed every loop iteration; safe to read from any thread (one attribute read)."""
-        return self._load
+        """Refreshed every loop iteration; safe to read from any thread (one attribute read).
+        An idle loop refreshes nothing, so the step time is dropped here once it is stale: a
+        node once slow must not stay avoided forever for want of steps to measure."""
+        load = self._load
+        if load.step_s and time.monotonic() - self._stepped_at > STEP_S_STALE_S:
+            return replace(load, step_s=0.0)
+        return load
 
     @property
     def stats(self) -> dict:
@@ -317,7 +338,12 @@ class AsyncEngine:
         outputs: list[RequestOutput] = []
         try:
             if eng.has_unfinished_requests():
+                t0 = time.monotonic()
                 outputs = eng.step()
+                if self.step_delay_s > 0:
+                    time.sleep(self.step_delay_s)
+                if outputs:
+                    self._measured(time.monotonic() - t0)
         except Exception as err:
             self.num_step_errors += 1
             log.exception("engine step failed; failing its %d open requests", len(self._streams))
@@ -337,6 +363,12 @@ class AsyncEngine:
         if not busy or now - self._stats_at >= STATS_PERIOD_S:
             self._stats, self._stats_at = eng.stats(), now
         return busy
+
+    def _measured(self, seconds: float) -> None:
+        """Fold one step's wall time into the average."""
+        prev = self._step_s if time.monotonic() - self._stepped_at <= STEP_S_STALE_S else 0.0
+        self._step_s = seconds if prev <= 0 else prev + STEP_S_ALPHA * (seconds - prev)
+        self._stepped_at = time.monotonic()
 
     def _publish_events(self) -> None:
         events = self.engine.take_kv_events()
@@ -381,4 +413,5 @@ class AsyncEngine:
             free_blocks=eng.kv.num_free_blocks,
             num_blocks=eng.num_blocks,
             kv_usage=eng.kv.usage,
+            step_s=round(self._step_s, 6) if time.monotonic() - self._stepped_at <= STEP_S_STALE_S else 0.0,
         )

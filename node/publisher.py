@@ -13,18 +13,23 @@ recovers without the node dropping its cache.
 
 Redis trouble never stops serving: the index is a hint. A failed round trip is logged and the
 next success starts with a resync.
+
+Bounded: when the engine hands over batches faster than this thread takes them (Redis slow
+or down), the queued batches are folded into one net batch (the last word per block hash), so
+the queue holds at most ``max_batches`` batches plus one per distinct hash; step reports (samples)
+keep only the newest ``max_steps``.
 """
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 
 import redis
 
-from kv_index.events import fold_kv_events
+from kv_index.events import AllBlocksCleared, BlockRemoved, BlockStored, fold_kv_events
 from kv_index.nodes import StepReport
 from kv_index.publisher import NodePublisher
 
@@ -40,15 +45,21 @@ class IndexPublisherThread:
         publisher: NodePublisher,
         load: Callable[[], Mapping[str, float | int]],
         heartbeat_s: float,
+        max_batches: int = 1024,
+        max_steps: int = 256,
     ) -> None:
         self.publisher = publisher
         self._load = load
         self._heartbeat_s = heartbeat_s
-        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._max_batches = max_batches
+        self._events: deque[list | None] = deque()
+        self._lock = threading.Condition()
+        self._beat_now = False
         self._stop = threading.Event()
         self._needs_resync = False
         self._held: set[int] = set()  # the snapshot; only the publisher thread touches it
-        self._steps: queue.SimpleQueue = queue.SimpleQueue()
+        self._steps: deque[StepReport] = deque(maxlen=max_steps)
+        self.num_coalesced = 0
         self._thread = threading.Thread(target=self._run, name=f"index-{publisher.info.node_id}", daemon=True)
         self.num_resyncs = 0
 
@@ -58,16 +69,48 @@ class IndexPublisherThread:
 
     def submit_events(self, events: list) -> None:
         """Thread-safe; called by the engine loop with each batch of block events."""
-        self._events.put(events)
+        with self._lock:
+            self._events.append(events)
+            if len(self._events) > self._max_batches:
+                self._coalesce()
+            self._lock.notify()
 
     def submit_step(self, report: StepReport) -> None:
         """Thread-safe; a measured unit of prefill work for the router's cost model."""
-        self._steps.put(report)
-        self._events.put([])  # wake the thread; an empty batch publishes nothing
+        with self._lock:
+            self._steps.append(report)
+            self._lock.notify()
+
+    def beat_now(self) -> None:
+        """Heartbeat at once (a load change routers must see now: draining)."""
+        with self._lock:
+            self._beat_now = True
+            self._lock.notify()
+
+    @property
+    def queued_batches(self) -> int:
+        return len(self._events)
+
+    def _coalesce(self) -> None:
+        """Fold every queued batch into one with the same net effect (lock held)."""
+        stop = None in self._events
+        stored, removed, cleared = fold_kv_events(ev for b in self._events if b for ev in b)
+        net: list = [AllBlocksCleared()] if cleared else []
+        if removed:
+            net.append(BlockRemoved(tuple(removed)))
+        if stored:
+            net.append(BlockStored(tuple(stored), None, ()))
+        self._events.clear()
+        self._events.append(net)
+        if stop:
+            self._events.append(None)
+        self.num_coalesced += 1
 
     def stop(self, deregister: bool = True, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._events.put(None)  # wake the thread
+        with self._lock:
+            self._events.append(None)  # wake the thread
+            self._lock.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
         if deregister:
@@ -88,7 +131,9 @@ class IndexPublisherThread:
                     if not self._needs_resync:
                         self._needs_resync = not self.publisher.publish(stored=stored, removed=removed,
                                                                         cleared=cleared)
-                if time.monotonic() >= next_beat:
+                with self._lock:
+                    beat_now, self._beat_now = self._beat_now, False
+                if beat_now or time.monotonic() >= next_beat:
                     if not self.publisher.heartbeat(self._load()):
                         self._needs_resync = True
                     next_beat = time.monotonic() + self._heartbeat_s
@@ -110,26 +155,18 @@ class IndexPublisherThread:
         self._held.update(stored)
 
     def _flush_steps(self) -> None:
-        steps = []
-        while True:
-            try:
-                steps.append(self._steps.get_nowait())
-            except queue.Empty:
-                break
+        with self._lock:
+            steps = list(self._steps)
+            self._steps.clear()
         if steps:
             self.publisher.report_steps(steps)  # lost on a Redis error: they are samples
 
     def _take_events(self, timeout: float) -> list[list]:
-        """Every queued batch, waiting up to ``timeout`` for the first one."""
-        batches = []
-        try:
-            first = self._events.get(timeout=timeout)
-        except queue.Empty:
+        """Every queued batch, waiting up to ``timeout`` for one (or a step report, or a
+        heartbeat asked for)."""
+        with self._lock:
+            if not (self._events or self._steps or self._beat_now):
+                self._lock.wait(timeout)
+            batches = [b for b in self._events if b is not None]
+            self._events.clear()
             return batches
-        while True:
-            if first is not None:
-                batches.append(first)
-            try:
-                first = self._events.get_nowait()
-            except queue.Empty:
-                return batches

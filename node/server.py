@@ -6,8 +6,14 @@ engine, adds its servicers, and may extend ``stop`` and ``role_stats``. Everythi
 check, bind, serve, register, heartbeat, stats, tear-down) is here, once.
 
 Health: the port is bound only once the model is loaded (the engine is built before the server),
-so while a node loads a probe gets no answer at all; from ``start`` it is SERVING, and ``stop``
-turns it NOT_SERVING before anything else (draining).
+so while a node loads a probe gets no answer at all; from ``start`` it is SERVING, and ``drain``
+or ``stop`` turns it NOT_SERVING before anything else.
+
+Drain (SIGTERM on a node actor, ``stop`` from a supervisor): refuse new requests, heartbeat
+``draining`` so routers skip the node, let the requests in flight finish (up to
+``drain_timeout_s``), then stop. Backpressure: long calls are bounded (``node/admission.py``)
+and so is the engine's waiting queue (``admit``); overload answers RESOURCE_EXHAUSTED with a
+retry hint instead of queueing.
 
 Start order matters: the gRPC port is bound first (that port on the advertised host is what the
 node registers), the Prometheus /metrics endpoint starts (its address is registered too), the server starts
@@ -18,6 +24,7 @@ the engine.
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent import futures
 from typing import ClassVar
 
@@ -30,9 +37,11 @@ from engine.engine import LLMEngine
 from kv_index.nodes import NodeInfo, Role
 from kv_index.publisher import NodePublisher
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS
+from node.admission import InflightGate, LongRpcInterceptor, refuse_busy, refuse_draining
 from node.config import NodeConfig, host_port
 from node.engine_thread import AsyncEngine
 from node.publisher import IndexPublisherThread
+from security.tls import add_port
 from telemetry import tracing
 from telemetry.metrics import MetricsServer, NodeMetrics
 
@@ -49,6 +58,9 @@ class NodeServer:
 
     role: ClassVar[Role]
     services: ClassVar[tuple[str, ...]]
+    # Full method names ("/pkg.Service/Method") of the calls that hold a worker thread for a
+    # whole request: bounded by config.stream_limit (node/admission.py).
+    long_methods: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: NodeConfig, engine: LLMEngine) -> None:
         if config.role is not self.role:
@@ -59,10 +71,16 @@ class NodeServer:
         # Before any RPC: the servicers' spans come from the process's provider (one per process,
         # so the first node in it names the service; in a cluster each node is its own process).
         tracing.setup_tracing(f"pdserve-{self.role.value}", config.otlp_endpoint)
+        self.gate = InflightGate(config.stream_limit)
+        self.draining = False
+        self._drain_lock = threading.Lock()
+        self._drained: bool | None = None  # drain's result once it has stopped the node
         # The KV stream's options on every node: a decode node receives PushBlocks on this server.
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix=f"grpc-{config.node_id}"),
             options=KV_GRPC_OPTIONS,
+            interceptors=(LongRpcInterceptor(self.gate, self.long_methods, config.node_id),),
+            maximum_concurrent_rpcs=config.rpc_limit,
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
@@ -87,7 +105,8 @@ class NodeServer:
         if advertised is None:
             raise ValueError(f"node {cfg.node_id} binds every interface ({cfg.host!r}): "
                              "set advertise_host to the address peers reach it at")
-        port = self.grpc_server.add_insecure_port(host_port(cfg.host, cfg.grpc_port))
+        # With TLS only cluster members (a certificate from the cluster's CA) get through.
+        port = add_port(self.grpc_server, host_port(cfg.host, cfg.grpc_port), cfg.tls, require_client_auth=True)
         if port == 0:
             raise OSError(f"could not bind {cfg.host}:{cfg.grpc_port}")
         # Bound on cfg.host, registered as the advertised host: peers dial what is registered.
@@ -100,6 +119,7 @@ class NodeServer:
             node_id=cfg.node_id, role=cfg.role, grpc_address=self.address,
             fingerprint=self.engine.fingerprint, block_size=self.engine.block_size,
             num_blocks=self.engine.num_blocks, metrics_address=self.metrics_address or "",
+            kv_endpoints=self.kv_endpoints(),
         )
         index = NodePublisher(self._redis, info, ns=cfg.namespace, lease_s=cfg.lease_s)
         self.publisher = IndexPublisherThread(index, self._load, cfg.heartbeat_s)
@@ -116,6 +136,10 @@ class NodeServer:
             raise
         log.info("%s node %s serving on %s", cfg.role.value, cfg.node_id, self.address)
         return self.address
+
+    def kv_endpoints(self) -> tuple[str, ...]:
+        """KV data-plane endpoints this node receives on besides gRPC (the decode role's)."""
+        return ()
 
     def stop(self, deregister: bool = True, grace_s: float = 1.0) -> None:
         """``deregister=False`` leaves the Redis entry to expire with its lease, as a crash would."""
@@ -134,13 +158,58 @@ class NodeServer:
             self._redis.close()
         tracing.flush()  # a stopping node's last spans are still in the batch exporter
 
+    # ---- admission and drain
+    def admit(self, context: grpc.ServicerContext, accepted: bool = False) -> None:
+        """Refuse a new request (aborting its RPC) while draining or when the engine's waiting
+        queue is full. ``accepted``: the call finishes a request this node already took (a
+        Decode over KV it reserved): only the waiting bound applies, never the drain."""
+        if self.draining and not accepted:
+            refuse_draining(context, self.config.node_id)
+        load = self.aengine.load if self.aengine is not None else None
+        if not accepted and load is not None and load.waiting >= self.config.max_waiting:
+            refuse_busy(context, f"node {self.config.node_id} has {load.waiting} requests waiting for "
+                                 f"its engine (max_waiting {self.config.max_waiting})")
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Stop taking requests, finish those in flight (up to ``timeout_s``, default
+        config.drain_timeout_s), then ``stop``: leave the index and stop serving. Returns
+        whether everything in flight finished in time. Idempotent; thread-safe.
+
+        While draining the node reports NOT_SERVING, refuses new requests with UNAVAILABLE and
+        a retry hint, and heartbeats ``draining`` so routers stop placing here; calls that
+        finish accepted requests (Decode over reserved KV, its PushBlocks) still get in.
+        """
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        self.draining = True  # refuse newcomers at once, even while a first drain holds the lock
+        with self._drain_lock:  # a second drain (SIGTERM, then a supervisor's stop) waits for the first
+            if self._drained is not None:
+                return self._drained
+            log.info("%s draining (up to %.0f s)", self.config.node_id, timeout_s)
+            for name in ("", *self.services):
+                self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            if self.publisher is not None:
+                self.publisher.beat_now()
+            idle = self.gate.wait_idle(timeout_s, self.idle)
+            if not idle:
+                log.warning("%s: drain timed out after %.0f s with %d calls in flight; stopping them",
+                            self.config.node_id, timeout_s, self.gate.inflight)
+            self.stop()
+            self._drained = idle
+            return idle
+
+    def idle(self) -> bool:
+        """Nothing accepted is left unfinished besides calls in flight (the role adds its
+        own: reservations awaiting their KV)."""
+        return True
+
     def stats(self) -> dict:
         """What ``pdserve status`` and the actor's ``stats`` show: identity, load, the engine's
         cumulative counters (as on /metrics), role figures."""
         s = self._engine_stats() or {}
         counters = {k: s[k] for k in ("preemptions", "prefix_cache_query_tokens", "prefix_cache_hit_tokens") if k in s}
         return {"node_id": self.config.node_id, "role": self.role.value, "address": self.address,
-                "metrics_address": self.metrics_address, **self._load(), **counters, **self.role_stats()}
+                "metrics_address": self.metrics_address, **self._load(), **counters,
+                "inflight_calls": self.gate.inflight, "refused_calls": self.gate.num_refused, **self.role_stats()}
 
     def _engine_stats(self) -> dict | None:
         """The engine loop's cached ``LLMEngine.stats()`` (None before ``start``)."""
@@ -151,4 +220,6 @@ class NodeServer:
         return {}
 
     def _load(self) -> dict:
-        return self.aengine.load.as_dict() if self.aengine is not None else {}
+        if self.aengine is None:
+            return {}
+        return {**self.aengine.load.as_dict(), "draining": int(self.draining)}

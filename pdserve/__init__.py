@@ -10,18 +10,21 @@ from pdserve.aio import AsyncClient, AsyncStream
 from pdserve.client import Client, Stream
 from pdserve.core import TLS
 from pdserve.errors import (
+                            AuthenticationError,
                             CancelledError,
                             DeadlineExceededError,
                             InvalidRequestError,
                             NotFoundError,
                             PdServeError,
                             ResourceExhaustedError,
+                            StreamInterruptedError,
                             UnavailableError,
 )
 from pdserve.types import Chunk, Completion, ModelInfo, Timings, TokenLogprob, Usage
 
 __all__ = [
-    "AsyncClient", "AsyncStream", "CancelledError", "Chunk", "Client", "Completion", "DeadlineExceededError",
+    "AsyncClient", "AsyncStream", "AuthenticationError", "CancelledError", "Chunk", "Client", "Completion", "DeadlineExceededError",
     "InvalidRequestError", "ModelInfo", "NotFoundError", "PdServeError", "ResourceExhaustedError", "Stream",
+    "StreamInterruptedError",
     "TLS", "Timings", "TokenLogprob", "UnavailableError", "Usage",
 ]

@@ -57,9 +57,10 @@ class AsyncClient(ClientCore):
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, retries: int = 3,
                  backoff: tuple[float, float] = (0.1, 2.0), tls: TLS | None = None,
-                 metadata: Metadata | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 metadata: Metadata | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 api_key: str | None = None) -> None:
         super().__init__(grpc.aio, target, timeout=timeout, retries=retries, backoff=backoff, tls=tls,
-                         metadata=metadata, max_message_bytes=max_message_bytes)
+                         metadata=metadata, max_message_bytes=max_message_bytes, api_key=api_key)
 
     async def _unary(self, method, request, timeout: float | None):
         attempts = self._attempts(timeout)

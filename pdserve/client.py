@@ -55,13 +55,18 @@ class Stream(StreamState):
 
 
 class Client(ClientCore):
-    """pdserve client: ``with pdserve.Client("host:port") as c: print(c.complete("Hi").text)``."""
+    """pdserve client: ``with pdserve.Client("host:port") as c: print(c.complete("Hi").text)``.
+
+    ``api_key``: sent as ``authorization: Bearer KEY`` on every call (None: ``$PDSERVE_API_KEY``
+    if set). ``tls``: ``pdserve.TLS(root_certificates="ca.pem")`` for a router serving TLS (plus
+    ``certificate_chain`` and ``private_key`` where it asks for a client certificate)."""
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, retries: int = 3,
                  backoff: tuple[float, float] = (0.1, 2.0), tls: TLS | None = None,
-                 metadata: Metadata | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 metadata: Metadata | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 api_key: str | None = None) -> None:
         super().__init__(grpc, target, timeout=timeout, retries=retries, backoff=backoff, tls=tls,
-                         metadata=metadata, max_message_bytes=max_message_bytes)
+                         metadata=metadata, max_message_bytes=max_message_bytes, api_key=api_key)
 
     def _unary(self, method, request, timeout: float | None):
         attempts = self._attempts(timeout)

@@ -5,10 +5,15 @@ channel and how they wait (``time.sleep`` or ``await asyncio.sleep``).
 
 Retries: a call that fails with UNAVAILABLE before the server sent anything is retried with
 exponential backoff and full jitter, within the call's deadline. Once a Generate stream has
-delivered a message it is never retried, so output is never duplicated.
+delivered a message it is never retried, so output is never duplicated: cut by UNAVAILABLE (a
+router restart, a dropped connection) it raises ``StreamInterruptedError``, retryable by the
+caller. The channel reconnects on the same short backoff (``reconnect_options``), so a router
+that comes back on its address is found again by the next attempt, not after gRPC's own
+reconnect backoff (1 s growing to 120 s) ran out.
 """
 from __future__ import annotations
 
+import os
 import random
 import time
 import uuid
@@ -20,13 +25,14 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from pdserve import errors
+from pdserve import checks, errors
 from pdserve.types import Chunk, Completion, ModelInfo, Timings, TokenLogprob, Usage
 from protos.conventions import MAX_MESSAGE_BYTES, grpc_options
 from protos.pdserve.v1 import serving_pb2 as pb
 from protos.pdserve.v1 import serving_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+API_KEY_ENV = "PDSERVE_API_KEY"  # the key sent when the client is given none
 DEFAULT_MAX_MESSAGE_BYTES = MAX_MESSAGE_BYTES
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PdServe"].full_name
 Metadata = Sequence[tuple[str, str]]
@@ -72,11 +78,13 @@ def build_request(prompt: Any = None, *, messages: Sequence[Mapping[str, str]] |
                   session_id: str = "", **sampling: Any) -> pb.GenerateRequest:
     """A GenerateRequest from one of: ``prompt`` (str: text; list of dicts: chat messages;
     list of ints: token ids), ``messages=`` or ``token_ids=``. Sampling keywords left None
-    mean the server's default; so does ``slo_class=None`` (the router's default class)."""
+    mean the server's default; so does ``slo_class=None`` (the router's default class).
+    Raises InvalidRequestError naming the argument for what the wire cannot carry
+    (pdserve/checks.py)."""
     if prompt is not None:
         if isinstance(prompt, str):
             text: str | None = prompt
-        elif prompt and all(isinstance(t, int) for t in prompt):
+        elif isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) for t in prompt):
             text, token_ids = None, prompt
         else:
             text, messages = None, prompt
@@ -84,19 +92,23 @@ def build_request(prompt: Any = None, *, messages: Sequence[Mapping[str, str]] |
         text = None
     given = sum(x is not None for x in (text, messages, token_ids))
     if given != 1:
-        raise ValueError("give exactly one of a text prompt, messages or token_ids")
+        raise checks.invalid("prompt", "give exactly one of a text prompt, messages or token_ids")
     if slo_class is not None and slo_class not in SLO_CLASSES:
-        raise ValueError(f"slo_class must be one of {sorted(SLO_CLASSES)}, got {slo_class!r}")
+        raise checks.invalid("slo_class", f"slo_class must be one of {sorted(SLO_CLASSES)}, got {slo_class!r}")
     req = pb.GenerateRequest(
-        model=model, request_id=request_id or uuid.uuid4().hex, session_id=session_id,
+        model=checks.check_str("model", model), request_id=checks.check_str("request_id", request_id or uuid.uuid4().hex),
+        session_id=checks.check_str("session_id", session_id),
         slo_class=pb.SloClass.Value(f"SLO_CLASS_{slo_class.upper()}") if slo_class else pb.SLO_CLASS_UNSPECIFIED,
         sampling=sampling_message(**sampling))
     if text is not None:
-        req.text = text
+        req.text = checks.check_str("prompt", text)
     elif messages is not None:
-        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+        req.chat.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in checks.check_messages(messages))
     else:
-        req.tokens.ids.extend(int(t) for t in token_ids)
+        ids = checks.check_token_ids("token_ids", token_ids)
+        if not ids:
+            raise checks.invalid("token_ids", "token_ids is empty: a prompt needs at least one token")
+        req.tokens.ids.extend(ids)
     return req
 
 
@@ -113,11 +125,12 @@ def sampling_message(*, max_tokens: int | None = None, temperature: float | None
                   repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                   frequency_penalty=frequency_penalty, ignore_eos=ignore_eos,
                   include_stop_str_in_output=include_stop_str_in_output)
+    checks.check_sampling(fields)
     msg = pb.SamplingParams(**{k: v for k, v in fields.items() if v is not None})
     if stop is not None:
-        msg.stop.extend([stop] if isinstance(stop, str) else stop)
+        msg.stop.extend(checks.check_stop(stop))
     if stop_token_ids is not None:
-        msg.stop_token_ids.extend(stop_token_ids)
+        msg.stop_token_ids.extend(checks.check_token_ids("stop_token_ids", stop_token_ids))
     return msg
 
 
@@ -260,7 +273,7 @@ class StreamState:
         self._metadata = metadata
         self._acc = ResponseAccumulator()
         self._call = None
-        self._received = False
+        self._received = 0  # messages this stream delivered (any: never retried again)
         self.request_id = request.request_id
 
     @property
@@ -283,14 +296,14 @@ class StreamState:
         self._call = stub.Generate(self._request, timeout=self._attempts.begin(), metadata=self._metadata)
 
     def _feed(self, resp: pb.GenerateResponse) -> Chunk | None:
-        self._received = True
+        self._received += 1
         return self._acc.feed(resp)
 
     def _retry_delay(self, err: grpc.RpcError) -> float:
         """Wait this long, then attempt again; raises when the stream must not be retried (it
         already delivered output) or the policy says no."""
         if self._received:
-            raise errors.from_rpc_error(err) from None
+            raise errors.interrupted(err, self._received) from None
         return self._attempts.retry_delay(err)
 
 
@@ -300,16 +313,16 @@ class ClientCore:
 
     def __init__(self, channels, target: str, *, timeout: float | None, retries: int,
                  backoff: tuple[float, float], tls: TLS | None, metadata: Metadata | None,
-                 max_message_bytes: int) -> None:
+                 max_message_bytes: int, api_key: str | None = None) -> None:
         self.target = target
         self.timeout = timeout
         self.retry = RetryPolicy(retries, Backoff(*backoff))
-        options = grpc_options(max_message_bytes) + (tls.options() if tls else [])
+        options = grpc_options(max_message_bytes) + reconnect_options(backoff) + (tls.options() if tls else [])
         self._channel = (channels.secure_channel(target, tls.credentials(), options=options) if tls
                          else channels.insecure_channel(target, options=options))
         self._stub = pb_grpc.PdServeStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._metadata = tuple(metadata or ())
+        self._metadata = api_key_metadata(api_key, os.environ) + tuple(metadata or ())
 
     @property
     def retries(self) -> int:
@@ -326,7 +339,23 @@ class ClientCore:
         return build_request(prompt, **kwargs), self.timeout if timeout is None else timeout, self._md(metadata)
 
 
+def reconnect_options(backoff: tuple[float, float]) -> list[tuple[str, int]]:
+    """Channel options that make gRPC retry a refused connection on the SDK's own backoff: while
+    a channel waits out its reconnect backoff, every call on it fails at once with UNAVAILABLE,
+    so a longer channel backoff than the SDK's would use up the retries against a router that
+    is already back."""
+    base_ms, cap_ms = max(1, int(backoff[0] * 1000)), max(1, int(backoff[1] * 1000))
+    return [("grpc.initial_reconnect_backoff_ms", base_ms), ("grpc.min_reconnect_backoff_ms", base_ms),
+            ("grpc.max_reconnect_backoff_ms", max(base_ms, cap_ms))]
+
+
+def api_key_metadata(api_key: str | None, env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The ``authorization`` header of ``api_key`` (None: ``$PDSERVE_API_KEY``; "": none)."""
+    key = env.get(API_KEY_ENV, "") if api_key is None else api_key
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
 def check_single_sample(kwargs: dict) -> None:
     if kwargs.get("n", 1) not in (None, 1):
-        raise ValueError("complete() returns one sample; use complete_all() for n > 1")
+        raise checks.invalid("n", "complete() returns one sample; use complete_all() for n > 1")
 

@@ -25,7 +25,9 @@ from engine.engine import LLMEngine, RequestOutput
 from engine.errors import InvalidRequestError
 from kv_index.nodes import Role, StepReport
 from kv_transfer.grpc_transport import GrpcKVSender
-from kv_transfer.transport import KVSender, TransferError
+from kv_transfer.shm_transport import ShmKVSender
+from kv_transfer.tcp_transport import TcpKVSender
+from kv_transfer.transport import FallbackKVSender, KVSender, PushResult, TransferError
 from node.config import NodeConfig
 from node.engine_thread import EngineStoppedError, RequestFailedError
 from node.rpc_trace import child_span, prefill_phases, traced_rpc
@@ -46,12 +48,18 @@ PUSH_TIMEOUT_S = 60.0
 class PrefillServer(NodeServer):
     role = Role.PREFILL
     services = (kv_pb2.DESCRIPTOR.services_by_name["PrefillNode"].full_name,)
+    long_methods = ("/pdserve.v1.PrefillNode/Prefill",)
 
     def __init__(self, config: NodeConfig, engine: LLMEngine | None = None,
                  kv_sender: KVSender | None = None) -> None:
         # Prefill nodes never detokenize: the decode node streams the text.
         super().__init__(config, engine or LLMEngine(config.engine, load_tokenizer=False))
-        self.kv_sender = kv_sender or GrpcKVSender()
+        # The decode node's advertised transports in its order (shared memory on the same host,
+        # then raw TCP; both plaintext, so only without TLS), then gRPC (docs/cluster.md,
+        # "KV data plane").
+        fast = [ShmKVSender(), TcpKVSender()] if config.tls is None else []
+        self.kv_sender = kv_sender or FallbackKVSender(fast, GrpcKVSender(config.tls))
+        self._healthy_sender: KVSender | None = None  # kept while a KV fault is injected
         kv_pb2_grpc.add_PrefillNodeServicer_to_server(_PrefillService(self), self.grpc_server)
         self.num_prefills = 0
         self.num_transfer_failures = 0
@@ -63,17 +71,33 @@ class PrefillServer(NodeServer):
 
     def stop(self, deregister: bool = True, grace_s: float = 1.0) -> None:
         super().stop(deregister=deregister, grace_s=grace_s)
+        self.set_kv_fault(None)
         self.kv_sender.close()
 
+    def set_kv_fault(self, mode: str | None) -> None:
+        """Fault injection (prefill_node/faults.py): damage every KV push from now on ("flip",
+        "cut"), or send normally again (None). Called in this process only (the node actor's
+        ``set_kv_fault``, tests); nothing on the wire reaches it."""
+        from prefill_node.faults import CorruptingKVSender
+
+        if self._healthy_sender is not None:
+            self.kv_sender.close()
+            self.kv_sender, self._healthy_sender = self._healthy_sender, None
+        if mode is not None:
+            self._healthy_sender, self.kv_sender = self.kv_sender, CorruptingKVSender(mode, self.config.tls)
+
     def role_stats(self) -> dict:
-        return {"prefills": self.num_prefills, "transfer_failures": self.num_transfer_failures}
+        return {"prefills": self.num_prefills, "transfer_failures": self.num_transfer_failures,
+                "prefills_in_progress": self._inflight}
 
 
-def first_token_params(params: SamplingParams) -> SamplingParams:
-    """The request's parameters for sampling its first token only: same distribution
-    (min_tokens >= 1 still bans EOS), one token, no stop strings (no text here)."""
-    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=(),
-                               include_stop_str_in_output=False)
+def first_token_params(params: SamplingParams, resumed: int = 0) -> SamplingParams:
+    """The request's parameters for sampling its first token here only: same distribution
+    (min_tokens still bans EOS), one token, no stop strings (no text here). ``resumed``: output
+    tokens already produced (a migrated request), so the one sampled here is number
+    ``resumed`` and max_tokens / min_tokens count them too."""
+    return dataclasses.replace(params, max_tokens=resumed + 1, min_tokens=min(params.min_tokens, resumed + 1),
+                               stop=(), include_stop_str_in_output=False)
 
 
 class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
@@ -91,11 +115,14 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
         problem = _prefill_problem(rid, prompt, params, request, eng)
         if problem:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        node.admit(context)
         t0 = time.monotonic()
         # This node's part of the request: arrival -> first token (ttft) -> KV pushed (e2e).
         rec = RequestRecorder(node.metrics.requests, arrival=t0)
         try:
-            stream = node.aengine.add_request(prompt, first_token_params(params), request_id=rid, hold_kv=True)
+            resumed = request.resumed_output_tokens
+            stream = node.aengine.add_request(prompt, first_token_params(params, resumed), request_id=rid,
+                                              hold_kv=True, resumed_output_tokens=resumed)
         except InvalidRequestError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except EngineStoppedError as err:
@@ -121,17 +148,20 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
                     new_tokens=len(prompt) - final.num_cached_tokens, context_tokens=len(prompt),
                     seconds=prefill_s))
             blocks_sent = bytes_sent = 0
+            transport = ""
             t1 = time.monotonic()
             if request.reservation.block_ids:
                 with child_span("kv_transfer.push", context, {
                         "pdserve.decode_address": request.decode_address,
                         tracing.KV_CACHED_BLOCKS: request.reservation.num_cached_blocks}, SpanKind.CLIENT) as span:
-                    blocks_sent, bytes_sent = self._push(rid, prompt, request, context)
-                    # The receiver writes nothing unless the checksum matched: a push that
+                    pushed = self._push(rid, prompt, request, context)
+                    blocks_sent, bytes_sent, transport = pushed
+                    # The receiver takes nothing unless every checksum matched: a push that
                     # returns was verified.
                     span.set_attributes({tracing.KV_BLOCKS: blocks_sent, tracing.KV_BYTES: bytes_sent,
                                          tracing.KV_TRANSFER_S: time.monotonic() - t1,
-                                         tracing.KV_CHECKSUM_VERIFIED: True})
+                                         tracing.KV_CHECKSUM_VERIFIED: True,
+                                         "pdserve.kv.transport": transport})
             transfer_s = time.monotonic() - t1 if request.reservation.block_ids else 0.0
             if request.reservation.block_ids:
                 node.metrics.transfer_bytes.inc(bytes_sent)
@@ -147,12 +177,13 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
         rec.sample(0, 0, "prefilled")
         rec.finish(len(prompt))
         c = final.outputs[0]
-        first_logprobs = token_logprobs_to_proto(c.token_ids[:1], c.logprobs and c.logprobs[:1],
+        first = c.token_ids[request.resumed_output_tokens:]  # a resumed request's earlier outputs are known
+        first_logprobs = token_logprobs_to_proto(first[:1], c.logprobs and c.logprobs[:1],
                                                  c.new_top_logprobs and c.new_top_logprobs[:1])
         return kv_pb2.PrefillResponse(
-            first_token_ids=c.token_ids, first_logprobs=first_logprobs, cached_tokens=final.num_cached_tokens,
+            first_token_ids=first, first_logprobs=first_logprobs, cached_tokens=final.num_cached_tokens,
             blocks_sent=blocks_sent, bytes_sent=bytes_sent,
-            prefill_s=prefill_s, transfer_s=transfer_s,
+            prefill_s=prefill_s, transfer_s=transfer_s, transport=transport,
         )
 
     def _wait(self, stream, context) -> RequestOutput:
@@ -166,7 +197,7 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
             context.abort(grpc.StatusCode.CANCELLED, f"request {final.request_id!r} was aborted")
         return final
 
-    def _push(self, rid: str, prompt: list[int], request: kv_pb2.PrefillRequest, context) -> tuple[int, int]:
+    def _push(self, rid: str, prompt: list[int], request: kv_pb2.PrefillRequest, context) -> PushResult:
         node, eng = self.node, self.node.engine
         res = request.reservation
         bs = eng.block_size
@@ -179,6 +210,7 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
                 block_hashes=hash_prompt_blocks(prompt, bs, eng.fingerprint.encode()),
                 num_tokens=len(prompt), dest_block_ids=list(res.block_ids),
                 skip_leading_blocks=res.num_cached_blocks, timeout=PUSH_TIMEOUT_S,
+                endpoints=tuple(res.kv_endpoints),
             )
         except ValueError as err:  # the reservation does not fit this prompt
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reservation: {err}")
@@ -204,7 +236,11 @@ def _prefill_problem(rid: str, prompt: list[int], params: SamplingParams, reques
         params.validate(eng.model_config.vocab_size)
     except ValueError as err:
         return str(err)
-    if prompt and len(prompt) + params.max_tokens > eng.max_model_len:
-        return (f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+    resumed = request.resumed_output_tokens
+    if resumed and not (resumed < len(prompt) and resumed < params.max_tokens):
+        return (f"resumed_output_tokens ({resumed}) must be below the prompt's length ({len(prompt)}) and "
+                f"max_tokens ({params.max_tokens})")
+    if prompt and len(prompt) - resumed + params.max_tokens > eng.max_model_len:
+        return (f"prompt ({len(prompt) - resumed} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
                 f"context of {eng.max_model_len} tokens")
     return ""

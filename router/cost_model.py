@@ -76,16 +76,19 @@ class OnlineFit:
 
     def add(self, x: Sequence[float], y: float, weight: float = 1.0, decay: bool = True) -> None:
         if decay:
-            f = self.forget
-            for i in range(self.dim):
-                self.b[i] *= f
-                for j in range(self.dim):
-                    self.A[i][j] *= f
+            self.decay()
         for i in range(self.dim):
             self.b[i] += weight * x[i] * y
             for j in range(self.dim):
                 self.A[i][j] += weight * x[i] * x[j]
         self.n += 1
+
+    def decay(self) -> None:
+        f = self.forget
+        for i in range(self.dim):
+            self.b[i] *= f
+            for j in range(self.dim):
+                self.A[i][j] *= f
 
     def coef(self) -> list[float]:
         return solve(self.A, self.b)
@@ -116,21 +119,46 @@ _PRIOR_POINTS = ((16, 0), (512, 0), (4096, 0), (2048, 8192), (16384, 0))
 
 
 class PrefillCostFit:
-    """One node's prefill cost, fitted from its step reports (``StepReport``)."""
+    """One node's prefill cost, fitted from its step reports (``StepReport``).
+
+    The prior is pinned at points spread over prompt lengths, but real reports often cluster
+    (a chat workload: every prompt 30-60 tokens), and such data says much about the level and
+    nothing about the slope. Pinned at its own values, a prior 10x faster than the machine then
+    keeps the fitted slope near its own while the data lifts the intercept: the fit calls tokens
+    nearly free, and placement stops valuing a cached prefix. So the prior enters at its shape,
+    scaled by how much slower (or faster) than predicted the node's reports have been (``scale``,
+    forgotten at the same rate as the reports): clustered data moves the level of every term,
+    spread data fits each term."""
 
     def __init__(self, prior: PrefillCost, prior_weight: float = 2.0, forget: float = 0.995) -> None:
         self.prior = prior
-        self._fit = OnlineFit(3, forget)
+        self._prior_fit = OnlineFit(3, forget)  # the prior's points at scale 1
         for new, cached in _PRIOR_POINTS:
-            self._fit.add(prefill_features(new, cached), prior.predict(new, cached), prior_weight, decay=False)
+            self._prior_fit.add(prefill_features(new, cached), prior.predict(new, cached), prior_weight, decay=False)
+        self._data = OnlineFit(3, forget)
+        self._observed = self._predicted = 0.0  # forgotten sums: seconds reported, prior's seconds
         self._model = prior
+
+    @property
+    def scale(self) -> float:
+        return self._observed / self._predicted if self._predicted > 0 else 1.0
 
     def add(self, report: StepReport) -> None:
         new = report.new_tokens
         if new <= 0 or report.seconds <= 0:
             return  # a full cache hit measures nothing about compute
-        self._fit.add(prefill_features(new, report.context_tokens - new), report.seconds)
-        self._model = prefill_from_coef(self._fit.coef())
+        cached = report.context_tokens - new
+        f = self._data.forget
+        self._prior_fit.decay()
+        self._data.add(prefill_features(new, cached), report.seconds)
+        self._observed = f * self._observed + report.seconds
+        self._predicted = f * self._predicted + self.prior.predict(new, cached)
+        s, p, d = self.scale, self._prior_fit, self._data
+        # Weight 1/scale on the prior's points: an error there counts relative to the prior's
+        # (scaled) size, so a prior that was far off steps aside sooner for spread data.
+        A = [[p.A[i][j] / s + d.A[i][j] for j in range(3)] for i in range(3)]
+        b = [p.b[i] + d.b[i] for i in range(3)]
+        self._model = prefill_from_coef(solve(A, b))
 
     @property
     def model(self) -> PrefillCost:
@@ -138,7 +166,7 @@ class PrefillCostFit:
 
     @property
     def num_reports(self) -> int:
-        return self._fit.n - len(_PRIOR_POINTS)
+        return self._data.n
 
 
 class CostBook:

@@ -37,11 +37,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kv_index.nodes import Role
 from protos.pdserve.v1 import serving_pb2 as pb
 from router import openai_protocol as oai
 from router.orchestrator import Orchestrator, RouterError
+from security.api_keys import MISSING, ApiKeys
 from telemetry import tracing
 
 log = logging.getLogger(__name__)
@@ -69,11 +71,12 @@ class ErrorResponse(Exception):
         self.retry_after_ms = retry_after_ms
 
     @staticmethod
-    def from_grpc(code: grpc.StatusCode, message: str, retry_after_ms: int | None = None) -> ErrorResponse:
+    def from_grpc(code: grpc.StatusCode, message: str, retry_after_ms: int | None = None,
+                  param: str | None = None) -> ErrorResponse:
         status, type_ = HTTP_STATUS.get(code, (500, "internal_error"))
         if status in (429, 503) and retry_after_ms is None:
             retry_after_ms = DEFAULT_RETRY_AFTER_MS
-        return ErrorResponse(status, message, type_, code.name.lower(), retry_after_ms=retry_after_ms)
+        return ErrorResponse(status, message, type_, code.name.lower(), param, retry_after_ms=retry_after_ms)
 
     def body(self) -> dict:
         return oai.error_json(self.message, self.type, self.code, self.param)
@@ -86,6 +89,61 @@ class ErrorResponse(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+# Answered without a key: probes and scrapers send none, and they tell nothing about prompts.
+OPEN_PATHS = ("/health", "/ready", "/metrics")
+
+
+def require_api_key(app: FastAPI, keys: ApiKeys) -> None:
+    """Every route but OPEN_PATHS answers 401 in OpenAI's shape without an accepted
+    ``Authorization: Bearer`` key."""
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if request.url.path in OPEN_PATHS:
+            return await call_next(request)
+        why = keys.check_authorization(request.headers.get("authorization"))
+        if why is None:
+            return await call_next(request)
+        code = None if why == MISSING else "invalid_api_key"
+        return JSONResponse(oai.error_json(why, "invalid_request_error", code, None), status_code=401,
+                            headers={"WWW-Authenticate": "Bearer"})
+
+
+class BodyLimit:
+    """Refuse with 413, before reading it, a body whose Content-Length is over ``max_bytes``
+    (the gRPC API's message limit): FastAPI would otherwise hold any size in memory to parse
+    it. Plain ASGI, so the disconnect detection of the routes sees the real ``receive``."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            length = dict(scope["headers"]).get(b"content-length", b"0")
+            if length.isdigit() and int(length) > self.max_bytes:
+                await ErrorResponse(413, f"the request body has {int(length)} bytes; at most {self.max_bytes} "
+                                    "are accepted (max_message_bytes)", "invalid_request_error",
+                                    "body_too_large").response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+_HTTP_CODES = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}
+# GenerateRequest's prompt fields, as the OpenAI request names them.
+_PROMPT_PARAMS = {"text": "prompt", "tokens": "prompt", "tokens.ids": "prompt", "chat": "messages",
+                  "chat.messages": "messages"}
+# Names pydantic puts in an error's loc for the member types of a union, not fields.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
+
+
+def _param(loc) -> str | None:
+    """A validation error's field path (``messages.0.content``), without "body" and the
+    union member tags pydantic inserts (``function-after[_utf8(), str]``)."""
+    keep = [str(x) for x in loc if isinstance(x, int)
+            or (x != "body" and x not in _TYPE_TAGS and str(x).isidentifier())]
+    return ".".join(keep) or None
+
+
 def _sse(obj: dict | str) -> bytes:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
@@ -95,6 +153,7 @@ def build_app(orch: Orchestrator, metrics_registry=None,
     cfg = orch.config
     app = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve cluster",
                   docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_message_bytes)
 
     @lru_cache(maxsize=1 << 16)
     def token_text(token_id: int) -> str:
@@ -108,18 +167,39 @@ def build_app(orch: Orchestrator, metrics_registry=None,
     def request_id(request: Request) -> str:
         return request.headers.get("x-request-id") or uuid.uuid4().hex
 
+    if cfg.api_keys:
+        require_api_key(app, ApiKeys(cfg.api_keys))
+
     @app.exception_handler(ErrorResponse)
     async def _error(request: Request, exc: ErrorResponse):
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {first['msg']}" if param else first["msg"]
+        errors = exc.errors() or [{"loc": (), "msg": "invalid request", "type": ""}]
+        # A union field (prompt, stop, content) fails once per member type: our own value
+        # checks (token id ranges, UTF-8) say more than "Input should be a valid string".
+        first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+        if first.get("type") == "json_invalid":  # its loc is a byte offset, not a field
+            offset = first.get("loc", ("body", "?"))[-1]
+            why = first.get("ctx", {}).get("error", first["msg"])
+            return JSONResponse(oai.error_json(f"the request body is not valid JSON ({why} at byte {offset})",
+                                               "invalid_request_error", "invalid_json"), status_code=400)
+        param = _param(first.get("loc", ()))
+        message = f"{param}: {first['msg']}" if param else f"the request body: {first['msg']}"
         return JSONResponse(oai.error_json(message, "invalid_request_error", "invalid_value", param),
                             status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        # FastAPI's own refusals (a body it cannot decode, unknown routes, wrong methods) in
+        # OpenAI's error shape, like every other error of this API.
+        message, code = str(exc.detail), _HTTP_CODES.get(exc.status_code)
+        if exc.status_code == 400:  # FastAPI says this only of a body it could not decode
+            message = f"the request body must be JSON in UTF-8 ({message})"
+        type_ = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+        return JSONResponse(oai.error_json(message, type_, code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     # -- plain endpoints ------------------------------------------------------------------------
     @app.get("/health")
@@ -157,7 +237,8 @@ def build_app(orch: Orchestrator, metrics_registry=None,
         except StopAsyncIteration:
             return None
         except RouterError as e:
-            raise ErrorResponse.from_grpc(e.code, e.message, e.retry_after_ms) from None
+            raise ErrorResponse.from_grpc(e.code, e.message, e.retry_after_ms,
+                                          _PROMPT_PARAMS.get(e.param, e.param)) from None
 
     async def abort(rids: list[str]) -> None:
         with anyio.CancelScope(shield=True):  # runs while the response task is being cancelled
@@ -320,6 +401,8 @@ def node_readiness(orch: Orchestrator, min_prefill: int) -> Callable[[], tuple[b
     """/ready: a decode node and ``min_prefill`` prefill nodes live in the router's node view."""
 
     def check() -> tuple[bool, str]:
+        if orch.draining:
+            return False, "the router is shutting down (draining)"
         view = orch.refresher.view
         decode = sum(1 for n in view.nodes if n.role == Role.DECODE)
         prefill = sum(1 for n in view.nodes if n.role == Role.PREFILL)
@@ -339,8 +422,13 @@ class HttpServer:
     """uvicorn on the caller's running event loop. ``start`` binds (port 0 = a free one) and
     returns "host:port" once it accepts connections."""
 
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+    def __init__(self, app: FastAPI, host: str, port: int, ssl: dict | None = None,
+                 limit_concurrency: int | None = None) -> None:
         self.app, self.host, self.port = app, host, port
+        # Connections + requests uvicorn holds at once; beyond it 503 at once (a bound on the
+        # router's memory under overload; admission answers 429 well before it).
+        self.limit_concurrency = limit_concurrency
+        self.ssl = ssl or {}  # uvicorn's ssl_* keywords: HTTPS (security.tls.uvicorn_ssl)
         self.address: str | None = None
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
@@ -353,7 +441,7 @@ class HttpServer:
         sock.bind((self.host, self.port))
         sock.set_inheritable(True)
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, limit_concurrency=self.limit_concurrency, **self.ssl)
         self._server = uvicorn.Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kv_index.nodes import NodeInfo, Role
 from kv_index.reader import IndexReader
@@ -38,7 +38,9 @@ class NodeView:
 def build_view(nodes: dict[str, NodeInfo]) -> NodeView:
     """Keep the nodes of one model. Mixed fingerprints mean a misconfigured cluster (KV of one
     model is garbage to another): the fingerprint with the most decode nodes wins, the rest
-    are excluded and logged."""
+    are excluded and logged. A draining node (finishing its requests before it stops) is left
+    out: nothing new is placed there."""
+    nodes = {nid: n for nid, n in nodes.items() if not n.draining}
     if not nodes:
         return NodeView()
     groups = Counter((n.fingerprint, n.block_size) for n in nodes.values() if n.role == Role.DECODE)
@@ -56,11 +58,21 @@ def build_view(nodes: dict[str, NodeInfo]) -> NodeView:
 
 class NodeRefresher:
     """Reads the registry every ``refresh_s`` on its own thread; ``view`` is the latest
-    snapshot. A node whose lease lapses leaves the view within lease + refresh_s."""
+    snapshot. A node whose lease lapses leaves the view within lease + refresh_s.
+
+    While Redis cannot be read (down, restarting) the view keeps the last nodes it read, for
+    up to ``outage_grace_s``, with ``error`` set: requests go on being placed by those nodes'
+    last known load, without the index (whose lookup fails too), and a node that died
+    meanwhile is found out by its failed call (the router migrates). Once Redis answers again
+    (restarted empty, say) the nodes' next heartbeats register them again and resync their
+    index entries from their snapshots (node/publisher.py)."""
 
     def __init__(self, reader: IndexReader, refresh_s: float, prune_every_s: float,
-                 costs: CostBook | None = None) -> None:
+                 costs: CostBook | None = None, outage_grace_s: float = 30.0) -> None:
         self._reader = reader
+        self._outage_grace_s = outage_grace_s
+        self._last_good: tuple[NodeView, float] | None = None  # (view, monotonic time read)
+        self._outage = False  # a read failed and no node has been read since
         self._costs = costs
         self._step_cursor: dict[str, str] = {}  # node id -> last step report id read
         self._refresh_s = refresh_s
@@ -76,14 +88,28 @@ class NodeRefresher:
 
     def refresh_once(self) -> NodeView:
         try:
-            self._view = build_view(self._reader.live_nodes())
-        except Exception as e:  # redis down: keep serving from nothing rather than stale leases
+            view = build_view(self._reader.live_nodes())
+        except Exception as e:  # redis down: the last nodes for a while, then nothing
             log.warning("node registry unreadable: %s", e)
-            self._view = NodeView(error=f"node registry unreadable: {e}")
+            self._outage = True
+            self._view = self._last_nodes(f"node registry unreadable: {e}")
             return self._view
+        if not view.nodes and self._outage:
+            # Redis is back but empty (restarted): the nodes register again with their next
+            # heartbeat. Until one has, the last nodes read are the better guess.
+            self._view = self._last_nodes("node registry empty after an outage")
+        else:
+            self._view, self._outage = view, False
+            self._last_good = (view, time.monotonic())
         if self._costs is not None:
             self._read_steps()
         return self._view
+
+    def _last_nodes(self, why: str) -> NodeView:
+        last = self._last_good
+        if last is not None and last[0].nodes and time.monotonic() - last[1] <= self._outage_grace_s:
+            return replace(last[0], error=f"{why}; placing on the {len(last[0].nodes)} nodes last read, by load only")
+        return NodeView(error=why)
 
     def _read_steps(self) -> None:
         ids = [n.node_id for n in self._view.nodes if n.role == Role.PREFILL]

@@ -16,11 +16,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from protos.pdserve.v1 import serving_pb2 as pb
+from tokens.sampling_params import SamplingParams
 
 # OpenAI's finish reasons, from ours. "abort" and "error" are not OpenAI's but vLLM returns
 # "abort" too: a client that cancelled sees why its text stopped.
@@ -32,6 +33,29 @@ FINISH_REASONS = {
     pb.FINISH_REASON_UNSPECIFIED: None,
 }
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
+UINT32_MAX = (1 << 32) - 1  # token ids and counts travel as uint32 in serving.proto
+INT32_MAX = (1 << 31) - 1
+
+
+def _utf8(value: str) -> str:
+    # JSON may escape a lone surrogate ("\ud800"), which no UTF-8 string (and so no protobuf
+    # string field) can hold: refuse it here, where the error can name the field.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid UTF-8: lone surrogate {value[e.start]!r} at character {e.start}") from None
+    return value
+
+
+def _token_ids(ids: list[int]) -> list[int]:
+    bad = [t for t in ids if not 0 <= t <= UINT32_MAX]
+    if bad:
+        raise ValueError(f"token ids must be in [0, {UINT32_MAX}], got {bad[:5]}")
+    return ids
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+TokenIds = Annotated[list[int], AfterValidator(_token_ids)]
 
 
 class UnsupportedError(ValueError):
@@ -50,37 +74,38 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     """Fields both endpoints share, OpenAI's and pdserve's extras."""
 
-    model_config = ConfigDict(extra="allow")
+    # allow_inf_nan=False: NaN passes range checks (every comparison is False); refuse it by name.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    model: str = ""
-    n: int = Field(1, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
+    model: Text = ""
+    n: int = Field(1, ge=1, le=SamplingParams.MAX_N)
+    max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=1 << 64)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     logit_bias: dict[str, float] | None = None
     # pdserve's extras (vLLM names where vLLM has the same knob)
-    top_k: int = 0
+    top_k: int = Field(0, ge=-1, le=INT32_MAX)
     min_p: float = 0.0
     repetition_penalty: float | None = None
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=UINT32_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     include_stop_str_in_output: bool = False
     slo_class: Literal["interactive", "standard", "batch", "relaxed"] | None = None
-    session_id: str | None = None
+    session_id: Text | None = None
 
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, v):
-        if isinstance(v, list) and len(v) > 16:
-            raise ValueError(f"at most 16 stop sequences, got {len(v)}")
+        if isinstance(v, list) and len(v) > SamplingParams.MAX_STOP:
+            raise ValueError(f"at most {SamplingParams.MAX_STOP} stop sequences, got {len(v)}")
         return v
 
     def _refuse_unsupported(self) -> None:
@@ -128,14 +153,14 @@ class _Common(BaseModel):
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
-    text: str | None = None
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    role: Text
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
     def text(self, i: int) -> str:
         if self.content is None:
@@ -153,7 +178,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
@@ -176,7 +201,7 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | TokenIds | list[TokenIds]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None

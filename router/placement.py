@@ -76,6 +76,24 @@ def decode_load_key(node: NodeInfo) -> tuple:
     return (node.running + node.waiting, node.kv_usage, node.node_id)
 
 
+SLOW_STEP_FACTOR = 3.0
+
+
+def without_stragglers(decoders: list[NodeInfo], factor: float = SLOW_STEP_FACTOR) -> list[NodeInfo]:
+    """The decode nodes less those whose steps (``step_s``, heartbeated) take more than
+    ``factor`` times the fastest one's: a node slowed by a neighbour, thermal limits or a
+    failing device stretches every token of every request placed there, while its load figures
+    look as good as anyone's until its requests pile up. A node reporting no step time (idle
+    for a while) stays a candidate, so one that recovered gets traffic, and is measured, again.
+    Never returns an empty list: if all were excluded it returns them all. Decode nodes only:
+    a prefill step's time depends on the prompt it computed (prefill speed is the cost model's)."""
+    known = [d.step_s for d in decoders if d.step_s > 0]
+    if factor <= 0 or len(known) < 2:
+        return decoders
+    limit = factor * min(known)
+    return [d for d in decoders if d.step_s <= limit] or decoders
+
+
 def queued_tokens(node: NodeInfo) -> int:
     """A prefill node's backlog in tokens. ``running_tokens`` counts what it is computing;
     waiting requests are counted at a nominal size since their lengths are not reported."""
@@ -97,17 +115,19 @@ class PrefixLoadPolicy(PlacementPolicy):
     when n > ``max_n`` (the hand-off carries one sample) or when no prefill node is live.
     """
 
-    def __init__(self, alpha: float = 0.5, short_prompt_tokens: int = 64, max_n: int = 1) -> None:
+    def __init__(self, alpha: float = 0.5, short_prompt_tokens: int = 64, max_n: int = 1,
+                 slow_step_factor: float = SLOW_STEP_FACTOR) -> None:
         self.alpha = alpha
         self.short_prompt_tokens = short_prompt_tokens
         self.max_n = max_n
+        self.slow_step_factor = slow_step_factor
 
     def choose(self, request: PlacementRequest, nodes: list[NodeInfo],
                matched_blocks: dict[str, int], backlog_s: Mapping[str, float] | None = None) -> Placement:
         decoders = [n for n in nodes if n.role == Role.DECODE]
         if not decoders:
             raise NoCapacityError("no live decode node")
-        decode = min(decoders, key=decode_load_key)
+        decode = min(without_stragglers(decoders, self.slow_step_factor), key=decode_load_key)
 
         def cached(node: NodeInfo) -> int:
             return cached_tokens(request, matched_blocks, node.node_id)
@@ -159,12 +179,16 @@ class TtftPolicy(PlacementPolicy):
     recomputed blocks evict others from p's cache; at 0 the policy is greedy per request and
     spreads conversations over the nodes (more duplicated blocks, a lower hit ratio).
 
-    Without ``backlog_s`` a node's queue is estimated from its reported backlog tokens.
+    Without ``backlog_s`` a node's queue is estimated from its reported backlog tokens. Decode
+    nodes whose measured step time is ``slow_step_factor`` times the fastest's are left out
+    (``without_stragglers``).
     """
 
     def __init__(self, costs: CostBook, short_prompt_tokens: int = 64, max_n: int = 1,
-                 replicate: bool = False, compute_weight: float = 1.0) -> None:
+                 replicate: bool = False, compute_weight: float = 1.0,
+                 slow_step_factor: float = SLOW_STEP_FACTOR) -> None:
         self.costs = costs
+        self.slow_step_factor = slow_step_factor
         self.compute_weight = compute_weight
         self.short_prompt_tokens = short_prompt_tokens
         self.max_n = max_n
@@ -173,7 +197,7 @@ class TtftPolicy(PlacementPolicy):
     def choose(self, request: PlacementRequest, nodes: list[NodeInfo],
                matched_blocks: dict[str, int], backlog_s: Mapping[str, float] | None = None) -> Placement:
         backlog_s = backlog_s or {}
-        decoders = [n for n in nodes if n.role == Role.DECODE]
+        decoders = without_stragglers([n for n in nodes if n.role == Role.DECODE], self.slow_step_factor)
         if not decoders:
             raise NoCapacityError("no live decode node")
         slo = SLO_CLASSES.get(request.slo_class, SLO_CLASSES["relaxed"])

@@ -140,6 +140,12 @@ class RequestTrace:
         self.span.add_event(tr.EVENT_FALLBACK, {tr.REASON: reason, tr.ERROR_TYPE: error_type or "",
                                                 "message": message})
 
+    def migrated(self, reason: str, failed_node: str, resumed_tokens: int, message: str) -> None:
+        """A node failed and the request was placed again (router/migration.py)."""
+        if self.recording:
+            self.span.add_event(tr.EVENT_MIGRATION, {tr.REASON: reason, tr.NODE_ID: failed_node,
+                                                     "pdserve.resumed_tokens": resumed_tokens, "message": message})
+
     @staticmethod
     def call_failed(span: trace.Span, error: BaseException) -> None:
         if span.is_recording():

@@ -32,11 +32,14 @@ from protos.pdserve.v1 import serving_pb2 as pb
 from protos.pdserve.v1 import serving_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.cost_model import CostBook
+from router.grpc_parsing import add_parsing_servicer
 from router.http_server import HttpServer, build_app, node_readiness
 from router.node_view import NodeRefresher
 from router.orchestrator import Orchestrator, RouterError
 from router.placement import PrefixLoadPolicy, TtftPolicy
 from router.tokenizer import PromptTokenizer
+from security import tls as tls_
+from security.api_keys import ApiKeyInterceptor, ApiKeys, keys_from
 from telemetry import tracing
 from telemetry.metrics import RouterMetrics
 
@@ -97,6 +100,25 @@ class RouterServer:
     def wait(self) -> None:
         self._thread.join()
 
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """SIGTERM: report NOT_SERVING, refuse new requests (UNAVAILABLE + retry hint), let
+        those in flight finish for up to ``timeout_s`` (default config.drain_timeout_s), then
+        stop. Returns whether they all finished."""
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        orch = self.orchestrator
+        if orch is None or self._loop is None:
+            self.stop()
+            return True
+        orch.draining = True  # read on the loop; a plain attribute store is atomic
+        deadline = time.monotonic() + timeout_s
+        while orch.inflight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        done = orch.inflight == 0
+        if not done:
+            log.warning("router drain timed out after %.0f s with %d requests in flight", timeout_s, orch.inflight)
+        self.stop(grace=1.0)
+        return done
+
     def _thread_main(self) -> None:
         try:
             asyncio.run(self._main())
@@ -112,7 +134,7 @@ class RouterServer:
         client = redis.Redis.from_url(cfg.redis_url)
         reader = IndexReader(client, cfg.namespace)
         costs = CostBook(kv_bytes_per_token=cfg.kv_bytes_per_token) if cfg.kv_bytes_per_token else CostBook()
-        refresher = NodeRefresher(reader, cfg.node_refresh_s, cfg.prune_every_s, costs)
+        refresher = NodeRefresher(reader, cfg.node_refresh_s, cfg.prune_every_s, costs, cfg.registry_outage_s)
         if cfg.policy == "ttft":
             policy = TtftPolicy(costs, cfg.short_prompt_tokens, cfg.max_n, compute_weight=cfg.compute_weight)
         else:
@@ -123,12 +145,18 @@ class RouterServer:
         accuracy = orch.accuracy
         metrics.watch_index(lambda: index_freshness(refresher.view.nodes, time.time()),
                             lambda: accuracy.summary()["exact_fraction"] if accuracy.requests else None)
-        server = grpc.aio.server(options=grpc_options(cfg.max_message_bytes))
-        pb_grpc.add_PdServeServicer_to_server(PdServeService(orch), server)
+        # Client routes need an API key when keys are configured (health stays open).
+        interceptors = [ApiKeyInterceptor(ApiKeys(cfg.api_keys))] if cfg.api_keys else []
+        # A bound on the RPCs held at once (memory under overload): Generate is bounded by
+        # max_inflight (429 + retry hint) well before; the rest covers Abort, health, reflection.
+        server = grpc.aio.server(options=grpc_options(cfg.max_message_bytes), interceptors=interceptors,
+                                 maximum_concurrent_rpcs=cfg.rpc_limit)
+        # Requests are parsed by us: malformed bytes get INVALID_ARGUMENT naming the field.
+        add_parsing_servicer(PdServeService(orch), pb.DESCRIPTOR.services_by_name["PdServe"], server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        port = tls_.add_port(server, f"{cfg.host}:{cfg.port}", cfg.tls, require_client_auth=cfg.tls_client_auth)
         if port == 0:
             raise OSError(f"could not bind {cfg.host}:{cfg.port}")
         refresher.start()
@@ -137,7 +165,9 @@ class RouterServer:
         http = None
         if cfg.http_port is not None:
             app = build_app(orch, metrics.registry, node_readiness(orch, cfg.ready_min_prefill))
-            http = HttpServer(app, cfg.host, cfg.http_port)
+            http = HttpServer(app, cfg.host, cfg.http_port,
+                              ssl=tls_.uvicorn_ssl(cfg.tls, require_client_auth=cfg.tls_client_auth),
+                              limit_concurrency=cfg.rpc_limit)
             try:
                 self.http_address = await http.start()
             except BaseException:
@@ -146,7 +176,7 @@ class RouterServer:
                 raise
         log.info("router serving %s on %s (gRPC), %s (HTTP)", cfg.model_name, self.address, self.http_address)
         self._started.set()
-        health_task = asyncio.create_task(_track_health(health_servicer, refresher, cfg.node_refresh_s))
+        health_task = asyncio.create_task(_track_health(health_servicer, orch, cfg.node_refresh_s))
         try:
             await self._stopping.wait()
         finally:
@@ -160,12 +190,12 @@ class RouterServer:
             tracing.flush()  # the batch exporter holds the last requests' spans
 
 
-async def _track_health(servicer, refresher: NodeRefresher, every_s: float) -> None:
-    """SERVING while a decode node is live: a load balancer then sends traffic elsewhere
-    when this router could only answer UNAVAILABLE."""
+async def _track_health(servicer, orch: Orchestrator, every_s: float) -> None:
+    """SERVING while a decode node is live and the router is not draining: a load balancer
+    then sends traffic elsewhere when this router could only answer UNAVAILABLE."""
     last = None
     while True:
-        status = (health_pb2.HealthCheckResponse.SERVING if refresher.view.has_decode
+        status = (health_pb2.HealthCheckResponse.SERVING if orch.refresher.view.has_decode and not orch.draining
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         if status != last:
             for name in ("", SERVICE_NAME):
@@ -177,6 +207,25 @@ async def _track_health(servicer, refresher: NodeRefresher, every_s: float) -> N
 def serve(config: RouterConfig) -> RouterServer:
     """Start a router; returns once it accepts connections."""
     return RouterServer(config).start()
+
+
+def add_security_arguments(p: argparse.ArgumentParser) -> None:
+    """The TLS and API-key flags: each sets the RouterConfig field of the same name."""
+    p.add_argument("--tls-cert-file", help="serve gRPC and HTTPS with this certificate (PEM); also shown to nodes")
+    p.add_argument("--tls-key-file", help="the certificate's private key (PEM)")
+    p.add_argument("--tls-ca-file", help="the CA that signs the cluster's members (nodes' certificates)")
+    p.add_argument("--tls-server-name", help="verify node certificates against this name, not the address")
+    p.add_argument("--tls-client-auth", action="store_true",
+                   help="clients must present a certificate signed by --tls-ca-file")
+    p.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
+                   help="a key clients must send (repeatable); default $PDSERVE_API_KEY (comma-separated), "
+                        "which keeps it out of process listings")
+
+
+def security_fields(args: argparse.Namespace, env) -> dict:
+    return dict(tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file, tls_ca_file=args.tls_ca_file,
+                tls_server_name=args.tls_server_name, tls_client_auth=args.tls_client_auth,
+                api_keys=keys_from(args.api_keys, env))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,11 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens-limit", type=int)
     p.add_argument("--short-prompt-tokens", type=int, default=64)
     p.add_argument("--max-inflight", type=int, default=256)
+    p.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
+                   help="on SIGTERM, seconds to finish in-flight requests (new ones are refused) before exiting")
     p.add_argument("--node-refresh-s", type=float, default=0.5)
     p.add_argument("--policy", choices=["ttft", "prefix_load"], default="ttft")
     p.add_argument("--default-slo-class", default="relaxed")
+    p.add_argument("--max-migrations", type=int, default=2,
+                   help="times a request whose node failed is placed again (0: the stream ends with the error)")
     p.add_argument("--otlp-endpoint", help="OTLP/gRPC collector for traces, e.g. http://127.0.0.1:4317 "
                    "(default: $OTEL_EXPORTER_OTLP_ENDPOINT if set, else no tracing)")
+    add_security_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = serve(RouterConfig(
@@ -209,12 +263,14 @@ def main(argv: list[str] | None = None) -> int:
         http_port=None if args.http_port < 0 else args.http_port, ready_min_prefill=args.ready_min_prefill,
         max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
         short_prompt_tokens=args.short_prompt_tokens, max_inflight=args.max_inflight,
+        drain_timeout_s=args.drain_timeout_s,
         node_refresh_s=args.node_refresh_s, policy=args.policy, default_slo_class=args.default_slo_class,
-        otlp_endpoint=args.otlp_endpoint,
+        max_migrations=args.max_migrations,
+        otlp_endpoint=args.otlp_endpoint, **security_fields(args, os.environ),
     ))
     print(f"router listening on grpc={server.address} http={server.http_address}", flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: threading.Thread(target=server.stop, args=(5.0,)).start())
+        signal.signal(sig, lambda *_: threading.Thread(target=server.drain).start())
     server.wait()
     return 0
 

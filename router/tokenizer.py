@@ -117,6 +117,9 @@ class PromptTokenizer:
         if eos_id is not None and eos_id not in eos:
             eos.append(eos_id)
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        # Longest vocabulary entry: byte-level BPE spells each byte as one character (and
+        # byte-fallback tokens as "<0xNN>"), so no token covers more input characters than this.
+        self.max_token_chars = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     @property
     def vocab_size(self) -> int:

@@ -35,6 +35,10 @@ TRANSFER_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5
 # The router's label values (router/placement.py Placement.kind, router/orchestrator.py RouterError.reason).
 DECISIONS = ("disaggregated", "disaggregated_fetch", "local")
 REJECTIONS = ("invalid", "not_found", "duplicate_id", "overloaded", "slo", "unavailable")
+# Requests placed again after a node failed (router/migration.py): the decode stream broke and
+# the request moved to another node, its prefill failed and was placed again, or it could not
+# move (no migration left, no live node, n > 1) and ended with an error.
+MIGRATIONS = ("decode_failed", "prefill_failed", "gave_up")
 
 
 def name(short: str) -> str:
@@ -91,8 +95,13 @@ class RouterMetrics:
         self._rejected = Counter(name("requests_rejected"), "Requests refused before any output, by reason "
                                  "(invalid, overloaded, slo, unavailable, not_found).", ["model_name", "reason"],
                                  registry=self.registry)
+        self._migrations = Counter(name("request_migrations"), "Requests placed again after a node failed, by "
+                                   "reason (decode_failed, prefill_failed, gave_up).", ["model_name", "reason"],
+                                   registry=self.registry)
         self._model = model_name
         # Exported at 0 from the start, so rate() and dashboards see every series at once.
+        for reason in MIGRATIONS:
+            self._migrations.labels(model_name=model_name, reason=reason)
         self.requests.declare_reasons(("stop", "length", "abort", "error"))
         for reason in DECISIONS:
             self._decisions.labels(model_name=model_name, reason=reason)
@@ -104,6 +113,9 @@ class RouterMetrics:
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(model_name=self._model, reason=reason).inc()
+
+    def migrated(self, reason: str) -> None:
+        self._migrations.labels(model_name=self._model, reason=reason).inc()
 
     def watch_index(self, freshness: Callable[[], Mapping[str, float]], accuracy: Callable[[], float | None]) -> None:
         """Export the index's freshness (per node) and accuracy, read at scrape time."""

@@ -68,6 +68,7 @@ REASON = "pdserve.reason"
 EVENT_FIRST_TOKEN = "first_token"
 EVENT_PREEMPTION = "preemption"
 EVENT_FALLBACK = "fallback_to_recompute"
+EVENT_MIGRATION = "migration"  # a node failed and the request was placed again
 
 ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 TRACES_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"  # the standard's traces-only override

@@ -55,11 +55,17 @@ def test_greedy_outputs_equal_the_single_process_engine(local_cluster, smollm2_r
 
 
 def test_shared_system_prompt_reuses_cached_blocks(local_cluster, smollm2_reference):
+    # Long enough that reusing it clearly beats any difference in the two prefill nodes'
+    # measured speeds (with a 40-token prefix the cost model may rightly pick the idle node
+    # when the holder's last steps ran slow on a busy machine).
+    # (Its own text from the start: the next test needs SYSTEM's blocks on one node only.)
+    system = ("You answer questions about message brokers for an operations team. "
+              + " ".join(f"Note {i}: keep answer {i} short." for i in range(18)))
     with pdserve.Client(local_cluster.address, timeout=120) as client:
-        first = client.complete(chat("What is a load balancer?", SYSTEM), max_tokens=16, temperature=0.0)
-        second = client.complete(chat("What is a message queue?", SYSTEM), max_tokens=16, temperature=0.0)
-    assert second.usage.cached_prompt_tokens >= 32
-    want = smollm2_reference.generate([smollm2_reference.encode("What is a message queue?", chat=True, system=SYSTEM)],
+        first = client.complete(chat("What is a load balancer?", system), max_tokens=16, temperature=0.0)
+        second = client.complete(chat("What is a message queue?", system), max_tokens=16, temperature=0.0)
+    assert second.usage.cached_prompt_tokens >= 128
+    want = smollm2_reference.generate([smollm2_reference.encode("What is a message queue?", chat=True, system=system)],
                               SamplingParams(temperature=0.0, max_tokens=16))[0]
     assert list(second.token_ids) == want.outputs[0].token_ids
     assert first.finish_reason in ("stop", "length")

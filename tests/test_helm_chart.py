@@ -103,6 +103,7 @@ CORNERS = {
              "redis": {"mode": "external", "external": {"url": "redis://cache:6379/0"}},
              "router": {"pdb": {"enabled": False}}, "prefill": {"replicas": 0}},
     "download": {"model": {"source": "download", "download": {"repo": "Org/Model"}}},
+    "secured": {"tls": {"enabled": True, "secretName": "pd-tls"}, "apiKey": {"name": "pd-keys"}},
 }
 
 
@@ -374,7 +375,7 @@ def test_router_clients_narrow_who_reaches_the_router():
 
 
 # ---------------------------------------------------------------------- secrets
-SECRET_NAME = re.compile(r"PASSWORD|TOKEN|SECRET|AUTH", re.I)
+SECRET_NAME = re.compile(r"PASSWORD|TOKEN|SECRET|AUTH|API_KEY", re.I)
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
@@ -425,6 +426,40 @@ def test_existing_secrets_are_used_as_named():
             if "secretKeyRef" in e.get("valueFrom", {})}
     assert ("PDSERVE_REDIS_PASSWORD", "my-redis") in refs and ("RAY_AUTH_TOKEN", "my-ray") in refs
     assert ("REDIS_PASSWORD", "my-redis") in refs
+
+
+def test_tls_and_api_keys_come_from_secrets():
+    """tls.enabled mounts one Secret at one path on the router and every worker pod, and the
+    router's and the supervisor's flags name files under it (a node reads them on the pod Ray
+    places it on); the kubelet's probes, which speak no TLS over gRPC, use HTTPS; the API keys
+    reach the router as a secretKeyRef."""
+    plain = render()
+    router = one(plain, "Deployment", "-router")["spec"]["template"]["spec"]
+    assert "grpc" in router["containers"][0]["startupProbe"]  # off by default: as before
+    assert not any(a.startswith("--tls") for _, s in pod_specs(plain) for c in containers(s) for a in c.get("args", []))
+
+    docs = render({"tls": {"enabled": True, "secretName": "pd-tls"}, "apiKey": {"name": "pd-keys", "key": "k"}})
+    pods = dict(pod_specs(docs))
+    router = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]
+    (rc,) = router["containers"]
+    rc_flags = _cli_flags(rc["args"])
+    supervisor = next(c for c in containers(one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"])
+                      if c["name"] == "pdserve-nodes")
+    sup_flags = _cli_flags(supervisor["args"])
+    files = {flag: rc_flags[flag] for flag in ("--tls-cert-file", "--tls-key-file", "--tls-ca-file")}
+    assert all(sup_flags[flag] == path for flag, path in files.items())
+    assert rc_flags["--tls-server-name"] == sup_flags["--tls-server-name"] == "pdserve-cluster"
+    mounted = [where for where in pods if where.endswith(("router", "prefill", "decode"))]
+    assert len(mounted) == 3
+    for where in mounted:
+        vols = {v["name"]: v for v in pods[where]["volumes"]}
+        assert vols["pdserve-tls"]["secret"]["secretName"] == "pd-tls", where
+        (mount,) = [m for c in containers(pods[where]) for m in c.get("volumeMounts", []) if m["name"] == "pdserve-tls"]
+        assert mount["readOnly"] and all(p.startswith(mount["mountPath"] + "/") for p in files.values()), where
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert rc[probe]["httpGet"]["scheme"] == "HTTPS"
+    env = {e["name"]: e for e in rc["env"]}
+    assert env["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "pd-keys", "key": "k"}
 
 
 def test_ray_token_auth_is_on_by_default():
@@ -512,6 +547,8 @@ def test_the_charts_dashboard_is_the_repos():
     {"images": {"node": {"repository": "pdserve/node-cpu", "tag": "latest"}}},
     {"model": {"source": "pvc"}},  # a PVC source without its claim
     {"redis": {"mode": "external", "external": {"url": "redis://:hunter2@cache:6379/0"}}},  # a password in the URL
+    {"tls": {"enabled": True}},  # TLS without the Secret holding the certificates
+    {"apiKey": "sk-inline"},  # a key itself instead of a reference to its Secret
 ], ids=lambda v: json.dumps(v))
 def test_schema_rejects(bad):
     with pytest.raises(helm_python.HelmValuesError):

@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("tokens", "engine", "kv_index", "kv_transfer", "node", "prefill_node", "decode_node", "router",
-            "pdserve", "deploy", "protos", "telemetry")
+            "pdserve", "deploy", "protos", "telemetry", "security")
 NODE_PACKAGES = ("node", "prefill_node", "decode_node")
 
 
@@ -122,7 +122,7 @@ RULES = [
     (("router", "kv_index", "pdserve"), ("torch", "ray"), "the router and the SDK run without torch or Ray"),
     (("kv_index",), ("grpc",), "the index is Redis only"),
     (("pdserve",), ("engine", "node", "prefill_node", "decode_node", "router", "kv_index", "kv_transfer",
-                    "deploy", "tokens", "redis"), "the SDK is client code only"),
+                    "deploy", "tokens", "redis", "security"), "the SDK is client code only"),
     (("engine",), ("grpc", "redis", "ray"), "the engine knows no sockets and no cluster"),
     (("tokens",), ("torch", "numpy", "grpc", "redis", "ray", "engine", "router", "node", "kv_index",
                    "kv_transfer", "protos"), "what every process shares is stdlib only"),
@@ -133,6 +133,9 @@ RULES = [
     (("protos",), ("torch", "ray", "engine", "router", *NODE_PACKAGES), "the wire is importable anywhere"),
     (("telemetry",), ("torch", "ray", "grpc", "redis", "engine", "router", "kv_index", "kv_transfer", *NODE_PACKAGES),
      "metrics and tracing are shared by the torch-free router and the nodes, and know neither"),
+    (("security",), ("torch", "ray", "redis", "numpy", "engine", "tokens", "router", "kv_index", "kv_transfer",
+                     "protos", "telemetry", "deploy", "pdserve", *NODE_PACKAGES),
+     "the security plumbing is shared by the router, the nodes and the launcher, and knows none of them"),
 ]
 
 

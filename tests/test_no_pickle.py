@@ -6,7 +6,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKED = ("router", "node", "prefill_node", "decode_node", "kv_transfer", "kv_index", "tokens", "protos", "pdserve")
+CHECKED = ("router", "node", "prefill_node", "decode_node", "kv_transfer", "kv_index", "tokens", "protos", "pdserve",
+           "security")
 FORBIDDEN = re.compile(
     r"^\s*(?:import|from)\s+(?:pickle|cPickle|_pickle|cloudpickle|dill)\b"  # imports
     r"|\btorch\.load\s*\("

@@ -270,9 +270,12 @@ def test_prefill_reports_a_refused_transfer_and_releases_its_blocks(cluster):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "dest_block_ids (reserved)" in err.value.details()
     assert cluster.free_blocks(cluster.prefill) == cluster.prefill.engine.num_blocks
-    # A decode node that is gone: UNAVAILABLE, so the router can recompute elsewhere.
+    # A decode node that is gone (data port and gRPC): UNAVAILABLE, so the router can recompute.
+    gone_res = kv_pb2.ReserveBlocksResponse()
+    gone_res.CopyFrom(res)
+    gone_res.kv_endpoints[:] = ["tcp://127.0.0.1:1"]
     gone = kv_pb2.PrefillRequest(request_id="r2", prompt_token_ids=prompt, sampling=sampling_to_proto(GREEDY),
-                                 decode_address="127.0.0.1:1", reservation=res)
+                                 decode_address="127.0.0.1:1", reservation=gone_res)
     with pytest.raises(grpc.RpcError) as err:
         cluster.prefill_stub.Prefill(gone, timeout=30)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE

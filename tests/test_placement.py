@@ -85,3 +85,26 @@ def test_cached_tokens_capped_at_prompt_length():
     req = PlacementRequest(num_prompt_tokens=100, block_size=16)
     p = POLICY.choose(req, [node("p0"), node("d0", "decode")], {"p0": 7})
     assert p.predicted_cached_tokens == 100
+
+
+def test_a_decode_node_with_slow_steps_is_routed_around():
+    """Issue 12 `slow-node`: decode-0's steps take 10x its peer's. Its load looks better (it is
+    the lower id, and less busy), yet both policies place on decode-1; a node reporting no step
+    time (idle, or its figure gone stale) stays a candidate, and so does the lone node."""
+    from dataclasses import replace
+
+    from router.cost_model import CostBook
+    from router.placement import TtftPolicy, without_stragglers
+
+    slow = replace(node("decode-0", "decode"), step_s=0.30)
+    fast = replace(node("decode-1", "decode", running=3, running_tokens=600), step_s=0.03)
+    nodes = [node("prefill-0"), slow, fast]
+    for policy in (POLICY, TtftPolicy(CostBook(), short_prompt_tokens=64)):
+        assert policy.choose(REQ, nodes, {}).decode_node.node_id == "decode-1"
+        short = PlacementRequest(num_prompt_tokens=8, block_size=16)  # prefilled on the decode node
+        assert policy.choose(short, nodes, {}).decode_node.node_id == "decode-1"
+        # the same slow node without a measured step time, or without a faster peer, is used
+        assert policy.choose(REQ, [replace(slow, step_s=0.0), fast], {}).decode_node.node_id == "decode-0"
+        assert policy.choose(REQ, [slow], {}).decode_node.node_id == "decode-0"
+    assert without_stragglers([slow, fast], factor=20.0) == [slow, fast]  # within the factor
+    assert without_stragglers([slow, fast], factor=0) == [slow, fast]  # 0 turns it off

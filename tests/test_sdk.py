@@ -153,11 +153,43 @@ def test_no_retry_after_first_chunk(server):
     target, servicer = server
     with client(target, retries=5) as c:
         got = []
-        with pytest.raises(pdserve.UnavailableError, match="decode node lost"):
+        with pytest.raises(pdserve.UnavailableError, match="decode node lost") as e:
             for ch in c.generate("unavailable-after-chunk", request_id="once"):
                 got.append(ch.text)
         assert got == ["a"]
         assert servicer.attempts["once"] == 1
+        # a cut stream says so, and that retrying is the caller's call
+        assert isinstance(e.value, pdserve.StreamInterruptedError) and e.value.retryable
+        assert e.value.chunks_received == 1 and "retry the request" in str(e.value)
+
+
+def test_retries_a_refused_connection_until_the_server_is_back():
+    """Connection refused (a router restarting) is UNAVAILABLE before the first chunk: retried
+    on the SDK's backoff, and the channel reconnects on the same backoff, so the call lands as
+    soon as a server listens on the address again."""
+    import socket
+
+    with socket.socket() as s:  # a free port, nothing listening yet
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results: list = []
+    with client(f"127.0.0.1:{port}", retries=1000, backoff=(0.02, 0.1), timeout=60) as c:
+        stream = c.generate("hello", request_id="late")
+        t = threading.Thread(target=lambda: results.append("".join(ch.text for ch in stream)))
+        t.start()
+        deadline = time.monotonic() + 30
+        while stream.attempts < 2 and time.monotonic() < deadline:  # refused at least once
+            time.sleep(0.01)
+        srv = grpc.server(futures.ThreadPoolExecutor(max_workers=4))  # bound only now: refused until here
+        servicer = ScriptedPdServe()
+        pb_grpc.add_PdServeServicer_to_server(servicer, srv)
+        srv.add_insecure_port(f"127.0.0.1:{port}")
+        srv.start()
+        try:
+            t.join(60)
+        finally:
+            srv.stop(0)
+    assert stream.attempts >= 2 and results == ["Hello"] and servicer.attempts["late"] == 1
 
 
 def test_error_mapping(server):
@@ -207,7 +239,7 @@ def test_async_client(server):
             assert "".join([ch.text async for ch in s2]) == "Hello"
             assert s2.attempts == 2 and servicer.attempts["aretry"] == 2
             got = []
-            with pytest.raises(pdserve.UnavailableError):
+            with pytest.raises(pdserve.StreamInterruptedError):
                 async for ch in c.generate("unavailable-after-chunk", request_id="aonce"):
                     got.append(ch.text)
             assert got == ["a"] and servicer.attempts["aonce"] == 1

@@ -3,7 +3,17 @@ confidence buckets (pure logic)."""
 import pytest
 
 from engine.config import SpeculativeConfig
-from engine.spec_control import PROBE_EVERY, SpecController, StepCost, expected_tokens, step_budget
+from engine.spec_control import (
+    GATE_MAX_PROBE_EVERY,
+    GATE_MIN_STEPS,
+    GATE_PROBE_EVERY,
+    PROBE_EVERY,
+    SpecController,
+    StepCost,
+    StepGate,
+    expected_tokens,
+    step_budget,
+)
 
 
 def _plan_k(a: float, k_max: int, cost=None, batch: int = 1) -> int:
@@ -215,3 +225,79 @@ def test_one_slow_first_call_moves_the_draft_cost_estimate_at_most_4x():
     before = ctl.draft_round_ms  # 0.5 of a (unit) decode step
     ctl.observe_draft(1, 1000.0)  # a draft prefill over a long prompt
     assert ctl.draft_round_ms == pytest.approx(0.9 * before + 0.1 * 4 * before)
+
+
+# ---- the step gate: whole steps' measured yield, verifying vs plain, per batch size --------
+
+
+def test_gate_allows_until_verifying_steps_are_judged_then_keeps_paying_ones():
+    gate = StepGate(lambda b: 10.0)  # a plain step of any size: 10 ms (prediction)
+    for _ in range(GATE_MIN_STEPS - 1):
+        assert gate.allow(1)
+        gate.observe(1, tokens=1, ms=30.0, verifying=True)  # awful, but not judged yet
+    assert gate.allow(1)
+    gate2 = StepGate(lambda b: 10.0)
+    for _ in range(GATE_MIN_STEPS):
+        gate2.observe(1, tokens=3, ms=15.0, verifying=True)  # 0.2 tokens/ms vs 0.1 plain
+    assert all(gate2.allow(1) for _ in range(100))
+    assert gate2.snapshot() == {"1": 2.0}
+
+
+def test_gate_turns_speculation_off_where_verifying_steps_yield_less_and_probes_with_back_off():
+    gate = StepGate(lambda b: 40.0)
+    for _ in range(GATE_MIN_STEPS):
+        gate.observe(8, tokens=9, ms=50.0, verifying=True)  # 0.18 tokens/ms
+    for _ in range(3):
+        gate.observe(8, tokens=8, ms=30.0, verifying=False)  # measured plain: 0.27 tokens/ms
+    allowed = []
+    for _ in range(200):
+        ok = gate.allow(8)
+        allowed.append(ok)
+        if ok:  # the probe still loses
+            gate.observe(8, tokens=9, ms=50.0, verifying=True)
+    waits = [j - i for i, j in zip([-1] + [i for i, a in enumerate(allowed) if a],
+                                   [i for i, a in enumerate(allowed) if a])]
+    assert waits[0] == GATE_PROBE_EVERY and waits[1] == 2 * GATE_PROBE_EVERY
+    assert max(waits) == GATE_MAX_PROBE_EVERY and sum(allowed) <= 6
+    assert gate.allow(1)  # another batch size has its own verdict
+
+
+def test_gate_compares_with_the_predicted_plain_step_until_one_is_measured():
+    gate = StepGate(lambda b: 20.0 + b)  # predicted plain step of 8 rows: 28 ms -> 0.286 tokens/ms
+    for _ in range(GATE_MIN_STEPS):
+        gate.observe(8, tokens=10, ms=40.0, verifying=True)  # 0.25 tokens/ms
+    assert gate.rates(8) == (pytest.approx(0.25), pytest.approx(8 / 28))
+    assert not gate.allow(8)
+
+
+def test_a_losing_gate_comes_back_when_the_text_turns_repetitive():
+    gate = StepGate(lambda b: 10.0)
+    for _ in range(GATE_MIN_STEPS):
+        gate.observe(1, tokens=1, ms=14.0, verifying=True)
+    assert not gate.allow(1)
+    n = 0
+    while not gate.allow(1):
+        n += 1
+    assert n == GATE_PROBE_EVERY - 2  # the probe comes
+    for _ in range(20):  # repetitive text: the probes pay, the decayed average recovers
+        gate.observe(1, tokens=4, ms=14.0, verifying=True)
+    assert gate.allow(1) and gate.allow(1)
+
+
+def test_controller_plans_nothing_while_the_gate_is_off():
+    ctl = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=4), draft_cost=0.0,
+                         step_cost=StepCost(SpeculativeConfig(method="ngram"), lambda rows: 10.0))
+    for i in range(20):
+        ctl.observe(f"old{i}", 4, 4)  # acceptance looks perfect, so the per-sequence rule speculates
+    seqs = [f"s{i}" for i in range(8)]
+    assert sum(ctl.plan(seqs, 8).values()) > 0
+    for _ in range(GATE_MIN_STEPS):
+        ctl.gate.observe(8, tokens=8, ms=25.0, verifying=True)  # but whole steps yield less
+    for _ in range(3):
+        ctl.gate.observe(8, tokens=8, ms=12.0, verifying=False)
+    assert ctl.plan(seqs, 8) == {}
+    # Not adaptive: the configured k, whatever the gate has seen.
+    fixed = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=2, adaptive=False), 0.0)
+    for _ in range(GATE_MIN_STEPS):
+        fixed.gate.observe(2, tokens=1, ms=100.0, verifying=True)
+    assert fixed.plan(["a", "b"], 2) == {"a": 2, "b": 2}

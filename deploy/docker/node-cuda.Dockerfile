@@ -42,6 +42,7 @@ COPY router router
 COPY pdserve pdserve
 COPY protos protos
 COPY telemetry telemetry
+COPY security security
 COPY deploy deploy
 # the project itself, from this build context, and pinned flashinfer packages
 # hadolint ignore=DL3013

@@ -25,6 +25,7 @@ COPY tokens tokens
 COPY kv_index kv_index
 COPY protos protos
 COPY telemetry telemetry
+COPY security security
 COPY router router
 USER 1000:1000
 EXPOSE 50051 8000

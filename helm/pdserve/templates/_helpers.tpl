@@ -244,3 +244,48 @@ capabilities:
 - {{ . | quote }}
 {{- end }}
 {{- end }}
+
+{{/* TLS (docs/security.md): one Secret, mounted at the same path on the router and every
+worker pod, so the file paths a node config carries hold on whichever pod Ray places it. */}}
+{{- define "pdserve.tlsDir" -}}/etc/pdserve/tls{{- end }}
+
+{{- define "pdserve.tlsArgs" -}}
+{{- if .Values.tls.enabled }}
+- --tls-cert-file
+- {{ printf "%s/tls.crt" (include "pdserve.tlsDir" .) | quote }}
+- --tls-key-file
+- {{ printf "%s/tls.key" (include "pdserve.tlsDir" .) | quote }}
+- --tls-ca-file
+- {{ printf "%s/ca.crt" (include "pdserve.tlsDir" .) | quote }}
+- --tls-server-name
+- {{ .Values.tls.serverName | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.tlsVolumes" -}}
+{{- if .Values.tls.enabled }}
+- name: pdserve-tls
+  secret:
+    secretName: {{ required "tls.secretName is required when tls.enabled" .Values.tls.secretName }}
+    defaultMode: 0440  # group-readable: fsGroup makes the pod user its group
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.tlsMounts" -}}
+{{- if .Values.tls.enabled }}
+- name: pdserve-tls
+  mountPath: {{ include "pdserve.tlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* The router's API keys, from their Secret (never a value or an argument). */}}
+{{- define "pdserve.apiKeyEnv" -}}
+{{- if .Values.apiKey.name }}
+- name: PDSERVE_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.apiKey.name }}
+      key: {{ .Values.apiKey.key }}
+{{- end }}
+{{- end }}

@@ -29,28 +29,40 @@ CHECKSUM_ALGORITHM_CRC32: ChecksumAlgorithm
 CHECKSUM_ALGORITHM_XXH3_64: ChecksumAlgorithm
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token_ids", "cached_prompt_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token_ids", "cached_prompt_tokens", "resumed_output_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _serving_pb2.SamplingParams
     first_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cached_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    resumed_output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., cached_prompt_tokens: _Optional[int] = ..., resumed_output_tokens: _Optional[int] = ...) -> None: ...
 
 class KVBlockMessage(_message.Message):
-    __slots__ = ("header", "chunk", "trailer")
+    __slots__ = ("header", "chunk", "trailer", "attach")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
     header: KVHeader
     chunk: KVChunk
     trailer: KVTrailer
-    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., trailer: _Optional[_Union[KVTrailer, _Mapping]] = ...) -> None: ...
+    attach: KVAttach
+    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., trailer: _Optional[_Union[KVTrailer, _Mapping]] = ..., attach: _Optional[_Union[KVAttach, _Mapping]] = ...) -> None: ...
+
+class KVAttach(_message.Message):
+    __slots__ = ("path", "size")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class KVHeader(_message.Message):
     __slots__ = ("request_id", "model_fingerprint", "block_size", "num_layers", "layer_start", "layer_count", "dtype", "block_shape", "first_block_index", "dest_block_ids", "block_hashes", "num_tokens", "payload_bytes", "checksum_algorithm")
@@ -85,12 +97,18 @@ class KVHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_count: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., block_shape: _Optional[_Iterable[int]] = ..., first_block_index: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("seq", "data")
+    __slots__ = ("seq", "data", "raw_bytes", "checksum", "shm_offset")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     seq: int
     data: bytes
-    def __init__(self, seq: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    raw_bytes: int
+    checksum: int
+    shm_offset: int
+    def __init__(self, seq: _Optional[int] = ..., data: _Optional[bytes] = ..., raw_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., shm_offset: _Optional[int] = ...) -> None: ...
 
 class KVTrailer(_message.Message):
     __slots__ = ("checksum",)
@@ -105,6 +123,22 @@ class PushBlocksResponse(_message.Message):
     blocks_written: int
     bytes_written: int
     def __init__(self, blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ...) -> None: ...
+
+class KVStreamReply(_message.Message):
+    __slots__ = ("ok", "error")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ok: PushBlocksResponse
+    error: KVStreamError
+    def __init__(self, ok: _Optional[_Union[PushBlocksResponse, _Mapping]] = ..., error: _Optional[_Union[KVStreamError, _Mapping]] = ...) -> None: ...
+
+class KVStreamError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ReserveBlocksRequest(_message.Message):
     __slots__ = ("request_id", "model_fingerprint", "block_size", "num_tokens", "block_hashes", "prompt_token_ids")
@@ -123,14 +157,16 @@ class ReserveBlocksRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveBlocksResponse(_message.Message):
-    __slots__ = ("num_cached_blocks", "block_ids", "lease_s")
+    __slots__ = ("num_cached_blocks", "block_ids", "lease_s", "kv_endpoints")
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     num_cached_blocks: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     lease_s: float
-    def __init__(self, num_cached_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    kv_endpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_cached_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., kv_endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseReservationRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -159,21 +195,23 @@ class RenewReservationResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "reservation")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "reservation", "resumed_output_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _serving_pb2.SamplingParams
     decode_address: str
     reservation: ReserveBlocksResponse
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation: _Optional[_Union[ReserveBlocksResponse, _Mapping]] = ...) -> None: ...
+    resumed_output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation: _Optional[_Union[ReserveBlocksResponse, _Mapping]] = ..., resumed_output_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_ids", "first_logprobs", "cached_tokens", "blocks_sent", "bytes_sent", "prefill_s", "transfer_s")
+    __slots__ = ("first_token_ids", "first_logprobs", "cached_tokens", "blocks_sent", "bytes_sent", "prefill_s", "transfer_s", "transport")
     FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +219,7 @@ class PrefillResponse(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     first_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_logprobs: _containers.RepeatedCompositeFieldContainer[_serving_pb2.TokenLogprobs]
     cached_tokens: int
@@ -188,4 +227,5 @@ class PrefillResponse(_message.Message):
     bytes_sent: int
     prefill_s: float
     transfer_s: float
-    def __init__(self, first_token_ids: _Optional[_Iterable[int]] = ..., first_logprobs: _Optional[_Iterable[_Union[_serving_pb2.TokenLogprobs, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., blocks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ...) -> None: ...
+    transport: str
+    def __init__(self, first_token_ids: _Optional[_Iterable[int]] = ..., first_logprobs: _Optional[_Iterable[_Union[_serving_pb2.TokenLogprobs, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., blocks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., transport: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,61 @@
+"""The quick mode of each issue-15 benchmark runs end to end on tiny random models, and its
+--json line carries the fields scripts read (docs/benchmarks.md)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_bench(*args: str) -> dict:
+    # One torch thread: on a shared 2-core machine two threads wait on each other's barriers.
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", *args, "--json"],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_bench_quick_reports_both_transformers_baselines(dtype):
+    out = run_bench("engine", "--quick", "--threads", "1", "--dtype", dtype)
+    assert out["dtype"] == dtype and out["model"] == "tiny-llama"
+    assert out["requests"] == 8 and out["output_tokens"] > 0
+    for key in ("speedup_vs_generate_batch", "speedup_vs_hf", "engine_tok_s", "generate_batch_tok_s", "hf_tok_s"):
+        assert out[key] > 0, key
+
+
+def test_exactness_bench_quick_is_identical_in_float32_and_explains_bf16():
+    out = run_bench("exactness", "--quick", "--threads", "1")
+    assert out["dtype"] == "float32" and out["max_tokens"] == 16
+    assert out["prompts"] == 17 and out["identical"] == out["prompts"]
+    bf16 = out["bf16"]
+    assert bf16["prompts"] == 17 and 0 <= bf16["identical"] <= 17
+    assert bf16["divergences"] == 17 - bf16["identical"]
+    assert 0 <= bf16["near_tie_divergences"] <= bf16["divergences"]
+    for dv in bf16["per_model"][0]["divergences"]:
+        assert 0 <= dv["position"] < 16 and isinstance(dv["engine_alone_identical"], bool)
+
+
+def test_specdec_bench_quick_has_natural_forced_and_peer_rows():
+    out = run_bench("specdec", "--quick", "--threads", "1")
+    assert out["stopping"].startswith("natural") and out["proposer"] == "ngram"
+    for key in ("speedup", "speedup_open", "speedup_forced_length", "hf_prompt_lookup_speedup"):
+        assert out[key] > 0, key
+    assert out["outputs_identical"] and out["hf_outputs_identical"]
+    assert out["per_proposer_forced_length"]["off"]["grounded"]["tokens"] == 2 * 16  # forced: exact length
+
+
+def test_kv_memory_bench_reports_the_mean_and_the_max_tokens_reservation():
+    out = run_bench("kv-memory", "--max-requests", "300")  # enough for a backlog on every trace
+    assert out["concurrency_ratio_mean"] == out["saturated_concurrency_ratio"] > 0
+    # Reserving exactly prompt + output is the strongest contiguous baseline: paging beats the
+    # max_model_len reservation by far more than it beats this one.
+    assert 0 < out["concurrency_ratio_vs_reserve_max_tokens"] <= out["concurrency_ratio"]
+    for r in out["per_trace"].values():
+        assert r["reserve_peak_concurrency"] >= r["contiguous_peak_concurrency"]
+        assert r["reserve_waste"] < r["contiguous_waste"]

@@ -1,0 +1,273 @@
+"""Node failures mid-request, against real Redis, real gRPC node servers (tiny random model on
+CPU, in this process) and the router: the client's streams go on with nothing lost or
+duplicated, and greedy and seeded outputs equal a run without the fault.
+
+A node is killed the way a crash looks from outside: its gRPC server stops at once (every
+open call ends), its engine stops, and its registry entry is left to expire with the lease.
+Decode steps are slowed (AsyncEngine.step_delay_s, a fault hook that only the node's own
+process can set) so that the kill lands mid-stream on every run, not by luck.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+import pdserve
+from router.config import RouterConfig
+from router.server import serve
+from tests.clusters import start_node
+
+MAX_TOKENS = 32
+DEADLINE_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def tok_dir():
+    from engine.models.builtin import resolve_builtin
+
+    return str(resolve_builtin("smollm2-135m"))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from engine.models.tiny import save_tiny_model
+
+    return str(save_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    from tokens.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", num_threads=1), load_tokenizer=False)
+
+    def run(ids, **sampling):
+        out = engine.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **sampling))
+        return list(out[0].outputs[0].token_ids)
+
+    return run
+
+
+@pytest.fixture
+def cluster(redis_url, tok_dir, model):
+    """prefill-0, decode-0, decode-1 and a router in a fresh namespace; torn down after each test."""
+    yield from make_cluster(redis_url, tok_dir, model)
+
+
+def make_cluster(redis_url, tok_dir, model):
+    from engine.config import CacheConfig, EngineConfig
+
+    ns = f"fault-{uuid.uuid4().hex[:6]}"
+    eng = EngineConfig(model=model, device="cpu", num_threads=1, cache=CacheConfig(block_size=16, num_blocks=256))
+    nodes = {nid: start_node(role, nid, eng, redis_url=redis_url, namespace=ns, lease_s=1.5, heartbeat_s=0.2,
+                             grpc_workers=8)
+             for nid, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode"))}
+    router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0, namespace=ns,
+                                max_model_len=512, http_port=None, node_refresh_s=0.1, short_prompt_tokens=32,
+                                vocab_size=512))
+    with pdserve.Client(router.address) as c:
+        deadline = time.monotonic() + 20
+        while not c.health() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    yield router, nodes
+    router.stop()
+    for s in nodes.values():
+        if s.aengine is not None and s.aengine.alive:
+            s.stop(grace_s=0)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 500 + 3 for i in range(n)]
+
+
+# Two prompts take the disaggregated path (>= 32 tokens), two prefill on the decode node; one
+# of each samples with a seed.
+REQUESTS = [
+    (prompt(1, 80), {"temperature": 0.0}),
+    (prompt(2, 20), {"temperature": 0.0}),
+    (prompt(3, 64), {"temperature": 0.9, "top_p": 0.9, "seed": 11, "presence_penalty": 0.5}),
+    (prompt(4, 24), {"temperature": 0.8, "seed": 5}),
+]
+
+
+class Streams:
+    """The requests as concurrent client streams (one thread each), token ids as they arrive."""
+
+    def __init__(self, address: str) -> None:
+        self.tokens = [[] for _ in REQUESTS]
+        self.finish: list[str | None] = [None] * len(REQUESTS)
+        self.errors: list[BaseException] = []
+        self._client = pdserve.Client(address, timeout=DEADLINE_S, retries=0)
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(len(REQUESTS))]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, i: int) -> None:
+        ids, sampling = REQUESTS[i]
+        try:
+            with self._client.generate(token_ids=ids, max_tokens=MAX_TOKENS, ignore_eos=True, **sampling) as stream:
+                for chunk in stream:
+                    self.tokens[i].extend(chunk.token_ids)
+                self.finish[i] = stream.completion.finish_reason
+        except BaseException as e:  # reported by the test
+            self.errors.append(e)
+
+    def wait_until(self, cond, what: str) -> None:
+        deadline = time.monotonic() + DEADLINE_S
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}; tokens so far {self.tokens}"
+            time.sleep(0.01)
+
+    def join(self) -> None:
+        for t in self._threads:
+            t.join(DEADLINE_S)
+        self._client.close()
+
+
+def crash(server) -> None:
+    """As a dead process looks from outside: calls cut, engine gone, lease left to expire."""
+    server.stop(deregister=False, grace_s=0)
+
+
+def migrations(router, reason: str) -> float:
+    return router.orchestrator.metrics.registry.get_sample_value(
+        "pdserve:request_migrations_total", {"model_name": "m", "reason": reason}) or 0.0
+
+
+def assert_exact(streams: Streams, reference) -> None:
+    assert not streams.errors, streams.errors
+    for (ids, sampling), got, finish in zip(REQUESTS, streams.tokens, streams.finish):
+        assert got == reference(ids, **sampling)  # no token lost, none twice, same sampling draws
+        assert finish == "length"
+
+
+def test_kill_decode_mid_stream_migrates_with_identical_output(cluster, reference):
+    router, nodes = cluster
+    for nid in ("decode-0", "decode-1"):
+        nodes[nid].aengine.step_delay_s = 0.05
+    streams = Streams(router.address)
+    streams.wait_until(lambda: all(len(t) >= 3 for t in streams.tokens), "3 tokens on every stream")
+    # The decode node serving more of the streams dies; each of its streams is mid-way.
+    victim = max(("decode-0", "decode-1"), key=lambda n: nodes[n].aengine.load.running)
+    assert nodes[victim].aengine.load.running > 0
+    crash(nodes[victim])
+    streams.join()
+    assert_exact(streams, reference)
+    assert migrations(router, "decode_failed") >= 1
+    assert migrations(router, "gave_up") == 0
+
+
+def test_kill_prefill_mid_prefill_is_placed_again(cluster, reference):
+    router, nodes = cluster
+    prefill = nodes["prefill-0"]
+    prefill.aengine.step_delay_s = 2.0  # holds each prefill long enough to die in it
+    for nid in ("decode-0", "decode-1"):
+        nodes[nid].aengine.step_delay_s = 0.01
+    streams = Streams(router.address)
+    streams.wait_until(lambda: prefill._inflight > 0, "a prefill in progress")
+    crash(prefill)
+    streams.join()
+    assert_exact(streams, reference)
+    assert migrations(router, "prefill_failed") >= 1
+
+
+def bytes_written(node) -> float:
+    m = node.metrics
+    return m.registry.get_sample_value("pdserve:kv_transfer_bytes_total", m.labels) or 0.0
+
+
+@pytest.mark.parametrize("mode", ["flip", "cut"])
+def test_corrupt_kv_is_detected_recomputed_and_never_written(cluster, reference, mode):
+    router, nodes = cluster
+    prefill = nodes["prefill-0"]
+    # The only prefill node damages every transfer it makes (prefill_node/faults.py).
+    prefill.set_kv_fault(mode)
+    faulty = prefill.kv_sender
+    decoders = [nodes["decode-0"], nodes["decode-1"]]
+    streams = Streams(router.address)
+    streams.join()
+    assert_exact(streams, reference)
+    assert faulty.pushes >= 1  # the long prompts went through it
+    assert sum(d.num_transfer_failures for d in decoders) == faulty.pushes  # every one refused
+    assert sum(bytes_written(d) for d in decoders) == 0  # nothing written
+    assert migrations(router, "prefill_failed") == 0  # a refused transfer is not a dead node
+    prefill.set_kv_fault(None)
+    again = Streams(router.address)
+    again.join()
+    assert_exact(again, reference)
+    assert sum(bytes_written(d) for d in decoders) > 0  # healthy transfers are written again
+
+
+def test_redis_restart_keeps_serving_and_the_index_is_rebuilt(tok_dir, model, reference):
+    import redis
+
+    from deploy.redis_server import RedisServer
+    from kv_index.reader import IndexReader
+    from tokens.block_hash import hash_prompt_blocks
+
+    server = RedisServer().start()
+    try:
+        gen = make_cluster(server.url, tok_dir, model)
+        router, nodes = next(gen)
+        try:
+            ns = router.orchestrator.config.namespace
+            reader = IndexReader(redis.Redis.from_url(server.url), ns)
+            view = router.orchestrator.refresher.view
+            long_prompt = REQUESTS[0][0]
+            hashes = hash_prompt_blocks(long_prompt, view.block_size, view.fingerprint.encode())
+            first = Streams(router.address)
+            first.join()
+            assert_exact(first, reference)
+
+            def cached_somewhere() -> bool:
+                try:
+                    return max(reader.match(hashes, list(nodes)).values()) > 0
+                except redis.RedisError:
+                    return False
+
+            first.wait_until(cached_somewhere, "the prompt's blocks in the index")
+            server.stop()  # Redis gone: the router places on the nodes it last read, without the index
+            during = Streams(router.address)
+            during.join()
+            assert_exact(during, reference)
+            assert "registry unreadable" in (router.orchestrator.refresher.view.error or "")
+            # Back, empty (same port and password): the nodes register again and resync the index.
+            server = RedisServer(port=server.port, password=server.password).start()
+            reader = IndexReader(redis.Redis.from_url(server.url), ns)
+            during.wait_until(lambda: set(reader.live_nodes()) == set(nodes), "every node registered again")
+            view = router.orchestrator.refresher
+            during.wait_until(lambda: not view.view.error and len(view.view.nodes) == len(nodes), "the router's view")
+            during.wait_until(cached_somewhere, "the index rebuilt from the nodes' snapshots")
+            after = Streams(router.address)
+            after.join()
+            assert_exact(after, reference)
+        finally:
+            next(gen, None)
+    finally:
+        server.stop()
+
+
+def test_a_request_that_cannot_move_ends_with_the_nodes_error(cluster):
+    # n = 2: the samples forked at the first output token, which a continuation cannot redo.
+    router, nodes = cluster
+    for nid in ("decode-0", "decode-1"):
+        nodes[nid].aengine.step_delay_s = 0.05
+    got: list[int] = []
+    crashed: list[bool] = []
+    with pdserve.Client(router.address, timeout=DEADLINE_S, retries=0) as c:
+        with pytest.raises(pdserve.UnavailableError, match="decode node decode-"):
+            with c.generate(token_ids=prompt(5, 20), max_tokens=MAX_TOKENS, n=2, temperature=0.0,
+                            ignore_eos=True) as stream:
+                for chunk in stream:
+                    got.extend(chunk.token_ids)
+                    if len(got) >= 4 and not crashed:
+                        crashed.append(True)
+                        crash(next(n for n in nodes.values() if n.role.value == "decode"
+                                   and n.aengine.load.running > 0))
+    assert 4 <= len(got) < 2 * MAX_TOKENS
+    assert migrations(router, "gave_up") == 1
