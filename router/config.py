@@ -63,10 +63,10 @@ class RouterConfig:
     # router.admission.SLO_CLASSES. "relaxed" so slow hardware (CPU nodes) is not rejected by
     # budgets meant for accelerators; deployments on GPUs set "standard".
     default_slo_class: str = "relaxed"
-    # TtftPolicy: weight of a request's compute seconds on top of its predicted TTFT. 2.0 was
+    # TtftPolicy: weight of a request's compute seconds on top of its predicted TTFT. 4.0 was
     # chosen on the tuning split of the trace replay (docs/benchmarks.md, router section): the
     # live router runs the value the benchmark reports.
-    compute_weight: float = 2.0
+    compute_weight: float = 4.0
     # KV bytes per prompt token (transfer-time prior until transfers are measured); 0 = CostBook's default.
     kv_bytes_per_token: int = 0
     # Migration (router/migration.py): a request whose node fails is placed again at most this

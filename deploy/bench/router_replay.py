@@ -52,8 +52,8 @@ TUNED_ON = "conversation_trace.jsonl:tune"
 # policy -> {constant: (the values --tune tries, the value chosen on TUNED_ON)}; the rest of
 # each peer's constants are its router's defaults. pdserve_replicate shares pdserve's.
 KNOBS: dict[str, dict[str, tuple[tuple[float, ...], float]]] = {
-    "pdserve": {"compute_weight": ((0.0, 0.5, 1.0, 2.0, 4.0), 2.0)},
-    "dynamo_kv": {"overlap_weight": ((0.5, 1.0, 2.0, 4.0), 2.0)},
+    "pdserve": {"compute_weight": ((0.0, 0.5, 1.0, 2.0, 4.0), 4.0)},
+    "dynamo_kv": {"overlap_weight": ((0.5, 1.0, 2.0, 4.0), 4.0)},
     "sglang_cache_aware": {"cache_threshold": ((0.1, 0.3, 0.5), 0.5), "balance_abs": ((4, 16, 64), 4)},
     "llmd_weighted": {"prefix_weight": ((1.0, 3.0, 6.0, 12.0, 24.0), 24.0)},
 }
