@@ -48,6 +48,7 @@ import json
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -201,6 +202,13 @@ def run_scenario(cluster, name: str, *, requests: int = 8, max_tokens: int = 48,
     if name == "redis-restart" and cluster.redis is None:
         raise ValueError("redis-restart needs the cluster's own redis-server (not --redis-url)")
     prompts = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(requests)]
+    # corrupt-kv damages transfers, and a prompt whose KV the decode node already caches (from
+    # the reference run, or an earlier scenario) needs none: its faulted run goes first, on
+    # prompts no node has seen.
+    fault_first = name == "corrupt-kv"
+    if fault_first:
+        salt = uuid.uuid4().hex[:12]
+        prompts = [[{"role": "system", "content": f"Chaos run {salt}: answer plainly."}, *p] for p in prompts]
     role = "decode" if name in ("kill-decode", "slow-node") else "prefill"
     actors = {nid: a for nid, a in cluster.actors.items() if nid.startswith(role)}
     if name != "redis-restart" and not actors:
@@ -208,17 +216,23 @@ def run_scenario(cluster, name: str, *, requests: int = 8, max_tokens: int = 48,
     if step_delay_s:
         ray.get([a.set_step_delay.remote(step_delay_s) for a in cluster.actors.values()])
 
-    progress(f"reference run: {requests} streams x {max_tokens} tokens, no fault")
-    reference = Batch(cluster.address, prompts, max_tokens).join()
-    if any(s.error for s in reference):
-        raise RuntimeError(f"the fault-free run failed: {[s.error for s in reference if s.error]}")
+    def reference_run() -> list:
+        progress(f"reference run: {requests} streams x {max_tokens} tokens, no fault")
+        ref = Batch(cluster.address, prompts, max_tokens).join()
+        if any(s.error for s in ref):
+            raise RuntimeError(f"the fault-free run failed: {[s.error for s in ref if s.error]}")
+        return ref
 
+    if not fault_first:
+        reference = reference_run()
     progress(f"faulted run: {name}")
     migrations_before = _migrations(cluster)
     inject = {"kill-decode": _kill_decode, "kill-prefill": _kill_prefill, "corrupt-kv": _corrupt_kv,
               "redis-restart": _restart_redis, "slow-node": _slow_node, "restart-router": _restart_router}[name]
     router = cluster.router
     logs, fault_at, extra = inject(cluster, actors, prompts, max_tokens, step_delay_s, restart_timeout_s, progress)
+    if fault_first:
+        reference = reference_run()
     result = {"scenario": name, **compare(reference, logs, retryable_ok=name == "restart-router"),
               "recovery_s": recovery_s(logs, fault_at), **extra}
     if cluster.router is router:  # a restarted router counts from zero

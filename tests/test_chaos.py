@@ -63,6 +63,14 @@ def test_slow_node(cluster):
     assert result["recovery_s"] is not None and result["placed_on_slow_node"] == 0, result
 
 
+def test_corrupt_kv(cluster):
+    # Before the kills: a request whose prefill node failed lately is placed away from it (on
+    # the decode node, with no transfer to damage) while the failure is remembered.
+    result = run_scenario(cluster, "corrupt-kv", requests=4, max_tokens=8)
+    check(result, "corrupt-kv")
+    assert result["transfers_refused"] >= 1
+
+
 def test_kill_decode(cluster):
     # Not waiting for Ray's restart here (a new process importing torch takes 5-40 s on a busy
     # 2-core machine); test_kill_prefill waits for one.
@@ -77,12 +85,6 @@ def test_kill_prefill(cluster):
                           restart_timeout_s=120)
     check(result, "kill-prefill", restarted=True)
     assert result["migrations"]["prefill_failed"] >= 1
-
-
-def test_corrupt_kv(cluster):
-    result = run_scenario(cluster, "corrupt-kv", requests=4, max_tokens=8)
-    check(result, "corrupt-kv")
-    assert result["transfers_refused"] >= 1
 
 
 def test_redis_restart(cluster):
