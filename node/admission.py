@@ -104,19 +104,19 @@ class LongRpcInterceptor(grpc.ServerInterceptor):
         gate = self.gate
         what = (f"node {self.node_id} has {gate.limit} long calls in flight (its limit, "
                 f"max_streams)")
-        if handler.unary_unary:
-            inner = handler.unary_unary
-
-            def unary_unary(request, context):
+        def gated(inner):  # a call that returns (unary or client-streaming request)
+            def call(request_or_iterator, context):
                 if gate.enter():
                     refuse_busy(context, what)
                 try:
-                    return inner(request, context)
+                    return inner(request_or_iterator, context)
                 finally:
                     gate.leave()
+            return call
 
+        if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer)
+                gated(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
         if handler.unary_stream:
             inner_us = handler.unary_stream
 
@@ -131,16 +131,6 @@ class LongRpcInterceptor(grpc.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream, handler.request_deserializer, handler.response_serializer)
         if handler.stream_unary:
-            inner_su = handler.stream_unary
-
-            def stream_unary(request_iterator, context):
-                if gate.enter():
-                    refuse_busy(context, what)
-                try:
-                    return inner_su(request_iterator, context)
-                finally:
-                    gate.leave()
-
             return grpc.stream_unary_rpc_method_handler(
-                stream_unary, handler.request_deserializer, handler.response_serializer)
+                gated(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
         return handler  # stream-stream: none of ours
