@@ -3,15 +3,21 @@ and whether the KV has all arrived. Plain bookkeeping under one lock (gRPC threa
 
 Life of one reservation::
 
-    ReserveBlocks -> add ----> PushBlocks (begin_push .. end_push, received layers recorded)
+    ReserveBlocks -> add ----> pushes (begin_push .. end_push, received (layers x blocks) recorded)
                        |                     \
-                       |                      Decode -> take (all layers in, no push in flight)
+                       |                      Decode -> take (every layer of every block in,
+                       |                                      no push in flight)
                        '-- ReleaseReservation / AbortDecode / lease expiry -> drop
                        (RenewReservation restarts the lease while the prefill is queued)
 
 A reservation's blocks may only go back to the engine when no PushBlocks is writing into them:
 ``drop`` of a reservation with a push in flight only hides it (new pushes are refused), and
 the push's ``end_push`` then says the blocks can be released.
+
+A push carries a rectangle of the KV: a layer range x a contiguous run of the reserved blocks
+(one push of everything, or many as a prefill node streams layers of finished chunks). The table
+keeps, per layer, a bitmap of the reserved blocks received, so a request is only admitted once
+every (layer, block) landed, however the pushes cut it up.
 """
 from __future__ import annotations
 
@@ -28,7 +34,8 @@ class _Entry:
     reservation: Reservation
     prompt_token_ids: tuple[int, ...]
     deadline: float
-    layers: set[int] = field(default_factory=set)
+    # Per layer: bit i set = reserved block i (block_ids[i]) received for that layer.
+    received: list[int] = field(default_factory=list)
     in_flight: int = 0
     dropped: bool = False
 
@@ -53,10 +60,9 @@ class ReservationTable:
         with self._lock:
             if request_id in self._entries:
                 raise KeyError(f"request {request_id!r} already has a reservation")
-            entry = _Entry(reservation, prompt_token_ids, self._clock() + self.lease_s)
-            if not reservation.block_ids:  # every block already cached here: nothing to receive
-                entry.layers = set(range(self.num_layers))
-            self._entries[request_id] = entry
+            # No reserved blocks (every block already cached here): nothing to receive.
+            self._entries[request_id] = _Entry(reservation, prompt_token_ids, self._clock() + self.lease_s,
+                                               [0] * self.num_layers)
 
     def get(self, request_id: str) -> Reservation | None:
         """What KVReceiver checks a push against; None once dropped."""
@@ -72,13 +78,26 @@ class ReservationTable:
             e.in_flight += 1
             return True
 
-    def received(self, request_id: str, layers: range) -> None:
-        """A push's blocks are in the pool: the lease restarts, now waiting for Decode."""
+    def received(self, request_id: str, layers: range, first_block_index: int | None = None,
+                 num_blocks: int | None = None) -> None:
+        """A push's blocks are in the pool: layers ``layers`` of the ``num_blocks`` reserved
+        blocks from prompt block ``first_block_index`` on (None: all reserved blocks; the
+        receiver validated the range against the reservation). The lease restarts, now waiting
+        for the rest or for Decode."""
         with self._lock:
             e = self._entries.get(request_id)
-            if e is not None and not e.dropped:
-                e.layers.update(layers)
-                e.deadline = self._clock() + self.lease_s
+            if e is None or e.dropped:
+                return
+            res = e.reservation
+            offset = 0 if first_block_index is None else first_block_index - res.first_block_index
+            n = len(res.block_ids) - offset if num_blocks is None else num_blocks
+            if offset < 0 or n < 0 or offset + n > len(res.block_ids):
+                raise ValueError(f"request {request_id!r}: blocks [{offset}, {offset + n}) are outside its "
+                                 f"{len(res.block_ids)} reserved blocks")
+            mask = ((1 << n) - 1) << offset
+            for layer in layers:
+                e.received[layer] |= mask
+            e.deadline = self._clock() + self.lease_s
 
     def renew(self, request_id: str) -> bool:
         """Restart the lease of a live reservation (its request waits in a prefill queue)."""
@@ -111,11 +130,13 @@ class ReservationTable:
                 raise KeyError(f"no KV reservation for request {request_id!r} (never made, released or expired)")
             if e.prompt_token_ids != prompt_token_ids:
                 raise ValueError(f"request {request_id!r}: the prompt differs from the one its KV was reserved for")
-            missing = self.num_layers - len(e.layers)
+            full = (1 << len(e.reservation.block_ids)) - 1
+            missing = sum((full & ~got).bit_count() for got in e.received)
             if e.in_flight or missing:
+                total = self.num_layers * len(e.reservation.block_ids)
                 raise NotReadyError(
-                    f"request {request_id!r}: KV not complete ({missing} of {self.num_layers} layers missing, "
-                    f"{e.in_flight} pushes in flight)"
+                    f"request {request_id!r}: KV not complete ({missing} of {total} (layer, block) units "
+                    f"missing, {e.in_flight} pushes in flight)"
                 )
             del self._entries[request_id]
             return e.reservation

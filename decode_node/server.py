@@ -116,7 +116,7 @@ class DecodeServer(NodeServer):
 
     # ---- reservation plumbing (gRPC threads)
     def _on_received(self, r: ReceivedBlocks) -> None:
-        self.reservations.received(r.request_id, r.layers)
+        self.reservations.received(r.request_id, r.layers, r.first_block_index, len(r.block_ids))
 
     def _end_data_push(self, request_id: str) -> None:
         if self.reservations.end_push(request_id):  # dropped while the push wrote: free now

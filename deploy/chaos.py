@@ -120,12 +120,12 @@ class Batch:
     """Concurrent streams through the router (one SDK stream per thread)."""
 
     def __init__(self, address: str, prompts: list[list[dict]], max_tokens: int, timeout_s: float = 300.0,
-                 retries: int = 0) -> None:
+                 retries: int | None = 0) -> None:
         import pdserve
 
         self.logs = [StreamLog() for _ in prompts]
         self.streams: list = [None] * len(prompts)
-        self._client = pdserve.Client(address, timeout=timeout_s, retries=retries)
+        self._client = pdserve.Client(address, timeout=timeout_s, retries=retries, retry_budget_s=timeout_s)
         self._threads = [threading.Thread(target=self._run, args=(i, p, max_tokens), daemon=True)
                          for i, p in enumerate(prompts)]
         self.timeout_s = timeout_s
@@ -383,14 +383,14 @@ def _restart_router(cluster, actors, prompts, max_tokens, step_delay_s, restart_
     from router.server import serve
 
     first = max(1, len(prompts) // 2)
-    running = Batch(cluster.address, prompts[:first], max_tokens, retries=1000)
+    running = Batch(cluster.address, prompts[:first], max_tokens, retries=None)
     running.wait_until(lambda: running.under_way(2), "every stream to be under way")
     old = cluster.router
     port = int(old.address.rsplit(":", 1)[1])
     progress("stopping the router")
     fault_at = time.monotonic()
     old.stop()
-    waiting = Batch(old.address, prompts[first:], max_tokens, retries=1000)
+    waiting = Batch(old.address, prompts[first:], max_tokens, retries=None)
     waiting.wait_until(lambda: all(s is not None and s.attempts >= 1 for s in waiting.streams),
                        "the new streams to be refused once")
     progress("starting the router again on the same port")

@@ -69,6 +69,7 @@ class NodeTemplate:
     grpc_port: int = 0
     metrics_port: int | None = 0
     kv_data_port: int | None = 0  # decode nodes' raw KV data port (0: a free one, None: gRPC only)
+    kv_streaming: bool = True  # prefill nodes send KV layer by layer while they compute
     lease_s: float = 3.0
     otlp_endpoint: str | None = None
     served_model_name: str | None = None  # the router's --model-name (metrics label)
@@ -85,7 +86,7 @@ class NodeTemplate:
         engine = self.engine if role is Role.DECODE else replace(self.engine, speculative=SpeculativeConfig())
         return NodeConfig(node_id=node_id(role, index), role=role, redis_url=self.redis_url, host=self.host,
                           grpc_port=self.grpc_port, metrics_port=self.metrics_port, namespace=self.namespace,
-                          kv_data_port=self.kv_data_port,
+                          kv_data_port=self.kv_data_port, kv_streaming=self.kv_streaming,
                           lease_s=self.lease_s, heartbeat_s=min(0.5, self.lease_s / 4), engine=engine,
                           load_tokenizer=role is Role.DECODE, otlp_endpoint=self.otlp_endpoint,
                           served_model_name=self.served_model_name, tls_cert_file=self.tls_cert_file,
@@ -236,6 +237,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=0, help="each node's /metrics port (0: a free one, -1: none)")
     p.add_argument("--kv-data-port", type=int, default=0,
                    help="each decode node's raw KV data port beside gRPC (0: a free one, -1: none; off with TLS)")
+    p.add_argument("--no-kv-streaming", dest="kv_streaming", action="store_false",
+                   help="prefill nodes push a request's KV once its prefill finished instead of layer by layer "
+                        "while it computes")
     p.add_argument("--lease-s", type=float, default=3.0)
     p.add_argument("--otlp-endpoint", default=None)
     p.add_argument("--served-model-name", default=None,
@@ -259,7 +263,7 @@ def template_from_args(a: argparse.Namespace, engine: EngineConfig, env: Mapping
         raise SystemExit("error: pass --redis-url or set PDSERVE_REDIS_URL")
     return NodeTemplate(engine=engine, redis_url=resolve_redis_url(a.redis_url, env), namespace=a.namespace,
                         host=a.host, grpc_port=a.grpc_port, metrics_port=None if a.metrics_port < 0 else a.metrics_port,
-                        kv_data_port=None if a.kv_data_port < 0 else a.kv_data_port,
+                        kv_data_port=None if a.kv_data_port < 0 else a.kv_data_port, kv_streaming=a.kv_streaming,
                         lease_s=a.lease_s, otlp_endpoint=a.otlp_endpoint, served_model_name=a.served_model_name,
                         tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file, tls_ca_file=a.tls_ca_file,
                         tls_server_name=a.tls_server_name, drain_timeout_s=a.drain_timeout_s)

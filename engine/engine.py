@@ -27,7 +27,7 @@ from engine.attention.kv_cache import allocate_kv_cache, bytes_per_block
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import ModelRunner
+from engine.model_runner import KV_PREEMPTED, KVLayerListener, ModelRunner
 from engine.models.builtin import cache_dir
 from engine.models.config import ModelConfig
 from engine.models.cpu_linear import load_or_tune
@@ -130,11 +130,12 @@ class LLMEngine:
         loaded: LoadedModel | None = None,
         tokenizer=None,
         load_tokenizer: bool = True,
-        proposer_factory: Callable[["LLMEngine"], Proposer] | None = None,
+        proposer_factory: Callable[["LLMEngine"], Proposer | None] | None = None,
     ) -> None:
         """``proposer_factory`` builds the speculative-decoding proposer from this engine (its
         model, KV cache, device); required when ``config.speculative`` is on. Decode nodes
-        pass ``decode_node.spec.build_proposer``."""
+        pass ``decode_node.spec.build_proposer``. It may return None when it measured that its
+        drafter cannot pay here; the engine then runs without speculation (``self.spec`` None)."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = torch_dtype(config.dtype)
@@ -182,11 +183,14 @@ class LLMEngine:
                 raise ValueError(
                     f"speculative method {config.speculative.method!r} is configured but no proposer "
                     "factory was passed (decode nodes pass decode_node.spec.build_proposer)")
+            # None: the factory measured that its drafter cannot pay on this machine (a bf16
+            # draft on a CPU without bf16 matmuls); the engine serves without speculation.
             proposer = proposer_factory(self)
-            if proposer.target_states is not None:
-                self.runner.send_target_states(proposer.target_states, proposer.observe_target)
-            gemm = self.linear_plan.gemm_ms if self.linear_plan is not None else None
-            self.spec = SpeculativeDecoding(config.speculative, proposer, gemm)
+            if proposer is not None:
+                if proposer.target_states is not None:
+                    self.runner.send_target_states(proposer.target_states, proposer.observe_target)
+                gemm = self.linear_plan.gemm_ms if self.linear_plan is not None else None
+                self.spec = SpeculativeDecoding(config.speculative, proposer, gemm)
         self._requests: dict[str, _Request] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._ids = itertools.count()
@@ -213,9 +217,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         hold_kv: bool = False,
         resumed_output_tokens: int = 0,
+        stream_kv: bool = False,
     ) -> str:
         """Queue a request. ``hold_kv`` (prefill role) keeps its blocks after it finishes, for
         ``held_block_table`` / ``release_kv`` once they have been streamed to a decode node.
+        ``stream_kv`` (prefill role): tell the ``kv_layer_listener`` layer by layer which of
+        its blocks hold final KV (model_runner.KVLayerListener).
 
         ``resumed_output_tokens``: the last k of ``prompt_token_ids`` are output tokens the
         request already produced on a node that failed. The sequence then starts exactly as a
@@ -240,7 +247,8 @@ class LLMEngine:
         self._requests[request_id] = req
         self.scheduler.add_sequence(
             Sequence(request_id=request_id, index=0, token_ids=list(tokens),
-                     num_prompt_tokens=len(tokens) - k, params=params, arrival_time=now, hold_kv=hold_kv)
+                     num_prompt_tokens=len(tokens) - k, params=params, arrival_time=now, hold_kv=hold_kv,
+                     stream_kv=stream_kv)
         )
         return request_id
 
@@ -320,6 +328,11 @@ class LLMEngine:
         if done:
             self._finish_request(req)
 
+    def set_kv_layer_listener(self, listener: KVLayerListener | None) -> None:
+        """Prefill role: who hears, per layer, which blocks of ``stream_kv`` requests are final
+        (model_runner.KVLayerListener). None: nobody (no per-layer work)."""
+        self.runner.kv_layer_listener = listener
+
     def held_block_table(self, request_id: str) -> list[int]:
         """Prefill role: the blocks of a finished ``hold_kv`` request (prompt KV)."""
         return self.kv.get_block_table(seq_id_of(request_id, 0))
@@ -384,6 +397,10 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         spec = self.spec
         sched = self.scheduler.schedule(spec.plan_lookahead(self.scheduler) if spec is not None else None)
+        if sched.preempted and self.runner.kv_layer_listener is not None:
+            for seq in sched.preempted:  # their blocks are gone: what the listener heard is void
+                if seq.stream_kv:
+                    self.runner.kv_layer_listener(seq.request_id, KV_PREEMPTED, 0, ())
         if sched.is_empty:
             return outputs
         self.num_steps += 1

@@ -35,6 +35,23 @@ from engine.spec import TargetStates
 # (seq id, first position, [n, hidden] states): how a proposer receives target states
 StateSink = Callable[[str, int, torch.Tensor], None]
 
+# Layer-wise KV streaming (prefill role): ``listener(request_id, layer, ready_blocks, table)``
+# after decoder layer ``layer`` of a step ran: the request's blocks [0, ready_blocks), ids
+# ``table[:ready_blocks]``, now hold final KV for that layer (and every earlier layer). Called
+# on the engine thread, per layer, for requests added with ``stream_kv`` only; it must be quick
+# (hand the news to another thread). ``layer == KV_PREEMPTED``: the request was preempted, its
+# blocks went back to the pool and everything said about it before is void.
+KVLayerListener = Callable[[str, int, int, tuple[int, ...]], None]
+KV_PREEMPTED = -1
+
+
+def final_blocks(start: int, num_new_tokens: int, sample: bool, block_size: int) -> int:
+    """Blocks of a sequence whose KV is final once a step computed positions up to
+    ``start + num_new_tokens``: the full ones, and the partial last one too at the step that
+    samples (the prompt's end: a prefill-role request ends there, nothing more is written)."""
+    end = start + num_new_tokens
+    return -(-end // block_size) if sample else end // block_size
+
 
 def seeded_generator(device: torch.device, *key: int, person: bytes = b"") -> torch.Generator:
     """A generator seeded from a tuple of ints (a request's seed plus positions), the same in
@@ -65,12 +82,35 @@ class ModelRunner:
         self.sampler = sampler
         self._states: TargetStates | None = None  # what a proposer asked for (send_target_states)
         self._state_sink: StateSink | None = None
+        self.kv_layer_listener: KVLayerListener | None = None  # see KVLayerListener
 
     def send_target_states(self, states: TargetStates, sink: StateSink) -> None:
         """After every step, hand ``sink`` the target states a proposer declared it needs."""
         if states.positions not in ("last", "final"):
             raise ValueError(f"TargetStates.positions must be 'last' or 'final', got {states.positions!r}")
         self._states, self._state_sink = states, sink
+
+    def _layer_hook(self, out: SchedulerOutput, tables: list[list[int]]) -> Callable[[int], None] | None:
+        """The per-layer callback for this step's streaming requests; None (no per-layer work
+        at all) when none streams."""
+        listener = self.kv_layer_listener
+        if listener is None:
+            return None
+        ready = [(item.seq.request_id, n, tuple(table[:n]))
+                 for item, table in zip(out.scheduled, tables) if item.seq.stream_kv
+                 for n in (final_blocks(item.start, item.num_new_tokens, item.sample, self.block_size),)]
+        if not ready:
+            return None
+        # On CPU torch ran layer i's K/V write before returning, so the blocks are in memory when
+        # the listener hears of them. On CUDA the write is only enqueued: a reader on another
+        # thread must wait on an event recorded after layer i (one per layer, and a copy stream
+        # for the gather) before it reads; that GPU path is not built (docs/cluster.md).
+
+        def after_layer(layer: int) -> None:
+            for rid, n, table in ready:
+                listener(rid, layer, n, table)
+
+        return after_layer
 
     def _generator(self, seed: int | None, index: int, step: int) -> torch.Generator | None:
         """A seeded sample's generator for its ``step``-th output token.
@@ -121,7 +161,8 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
         want = self._states
         hidden, layer_states = self.model.forward_states(  # [T, hidden], [T, hidden] | None
-            ids_t, pos_t, self.kv_cache, self.backend, capture_layer=want.layer if want is not None else None)
+            ids_t, pos_t, self.kv_cache, self.backend, capture_layer=want.layer if want is not None else None,
+            after_layer=self._layer_hook(out, tables))
         # What the proposer reads: the final output, or the layer it asked for.
         states = layer_states if layer_states is not None else hidden  # [T, hidden]
         if want is not None and want.positions == "final":

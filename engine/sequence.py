@@ -48,6 +48,9 @@ class Sequence:
     num_preemptions: int = 0
     # Prefill role: keep the blocks after finishing until the KV has been handed over.
     hold_kv: bool = False
+    # Prefill role: report, layer by layer, which blocks hold final KV (ModelRunner's
+    # kv_layer_listener), so they can be sent while later layers and chunks compute.
+    stream_kv: bool = False
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 

@@ -35,6 +35,9 @@ class NodeInfo:
     kv_usage: float = 0.0
     draining: bool = False  # finishing its requests before it stops: place nothing new here
     step_s: float = 0.0  # seconds per engine step, recent average (0: unknown, e.g. idle)
+    # Not in the registry: the router's node view fills it from the node's own heartbeats
+    # (router/step_history.py), its best recent step_s at a comparable batch (0: too few samples).
+    step_best_s: float = 0.0
     updated_at: float = 0.0
     # index bookkeeping: last applied event batch and when the node published it (-1/0: none)
     index_seq: int = -1

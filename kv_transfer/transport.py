@@ -8,6 +8,14 @@ tcp_transport.py), ``ShmKVSender`` (shared memory on one host, shm_transport.py)
 GPU pools is not built. ``FallbackKVSender`` picks one per transfer from the endpoints the decode
 node advertises, fastest first, and falls back to gRPC; when that fails too, the prefill fails
 and the router recomputes the prompt on the decode node (docs/cluster.md, "KV data plane").
+
+A push need not carry a whole reservation: ``layers`` picks a layer range, and blocks [a, b)
+of a prompt go as ``src_block_ids=table[:b]``, ``skip_leading_blocks=a``, ``dest_block_ids`` =
+the reservation's ids for [a, b), the hashes of its full blocks, ``num_tokens = min(b *
+block_size, prompt length)``. The receiver accepts any contiguous run of its reservation and
+admits the request once every (layer, block) landed. That is how a prefill node streams KV
+layer by layer while it still computes (prefill_node/kv_streamer.py): many pushes of
+rectangles (a layer range x a block range) through the same sender, one at a time per request.
 """
 from __future__ import annotations
 

@@ -96,18 +96,31 @@ def validate_header(
     full_blocks = header.num_tokens // bs - first
     _require(len(header.block_hashes) == full_blocks, "len(block_hashes)", len(header.block_hashes), full_blocks)
 
+    # A push may carry any contiguous run of the reserved blocks (layer-wise streaming sends a
+    # request's blocks in several pushes as prefill finishes them): [offset, offset + n) of the
+    # reservation, with exactly the reserved ids and the reserved hashes of its full blocks.
     _require(
-        header.first_block_index == reservation.first_block_index,
+        header.first_block_index >= reservation.first_block_index,
         "first_block_index (reserved)",
         header.first_block_index,
-        reservation.first_block_index,
+        f">= {reservation.first_block_index}",
     )
-    _require(tuple(ids) == tuple(reservation.block_ids), "dest_block_ids (reserved)", ids, list(reservation.block_ids))
+    offset = header.first_block_index - reservation.first_block_index
+    reserved = len(reservation.block_ids)
     _require(
-        tuple(header.block_hashes) == tuple(reservation.block_hashes),
+        offset + n <= reserved,
+        "first_block_index + len(dest_block_ids) (reserved)",
+        header.first_block_index + n,
+        f"<= {reservation.first_block_index + reserved}",
+    )
+    want_ids = tuple(reservation.block_ids[offset : offset + n])
+    _require(tuple(ids) == want_ids, "dest_block_ids (reserved)", ids, list(want_ids))
+    want_hashes = tuple(reservation.block_hashes[offset : offset + n])
+    _require(
+        tuple(header.block_hashes) == want_hashes,
         "block_hashes (reserved)",
         [f"{h:016x}" for h in header.block_hashes],
-        [f"{h:016x}" for h in reservation.block_hashes],
+        [f"{h:016x}" for h in want_hashes],
     )
 
     want_bytes = header.layer_count * n * layout.block_bytes

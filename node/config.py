@@ -63,6 +63,10 @@ class NodeConfig:
     # advertised as tcp://host:port (0 = a free port, None = gRPC only). Plaintext: a node with
     # TLS configured does not open it, so its KV moves over the TLS-protected gRPC port.
     kv_data_port: int | None = 0
+    # Prefill role: send each layer of each finished prefill chunk while the later ones compute
+    # (layer-wise streaming, prefill_node/kv_streamer.py); False = push all the KV once the
+    # prefill finished.
+    kv_streaming: bool = True
     # CPU cores this node's process may run on (os.sched_setaffinity), None = any. Benchmarks
     # pin each node to its own core so that layouts compare on the same cores.
     cpu_affinity: tuple[int, ...] | None = None

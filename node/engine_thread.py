@@ -220,12 +220,16 @@ class AsyncEngine:
         request_id: str | None = None,
         hold_kv: bool = False,
         resumed_output_tokens: int = 0,
+        stream_kv: bool = False,
     ) -> OutputStream:
-        """Queue a request; raises InvalidRequestError right away when it can never run."""
+        """Queue a request; raises InvalidRequestError right away when it can never run.
+        ``stream_kv``: see ``LLMEngine.add_request`` (the engine's kv_layer_listener hears of
+        its blocks layer by layer, on the loop thread)."""
 
         def add(eng: LLMEngine) -> OutputStream:
             rid = eng.add_request(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                  params=params, hold_kv=hold_kv, resumed_output_tokens=resumed_output_tokens)
+                                  params=params, hold_kv=hold_kv, resumed_output_tokens=resumed_output_tokens,
+                                  stream_kv=stream_kv)
             return self._open_stream(rid)
 
         return self.run(add)

@@ -41,6 +41,7 @@ from node.admission import InflightGate, LongRpcInterceptor, refuse_busy, refuse
 from node.config import NodeConfig, host_port
 from node.engine_thread import AsyncEngine
 from node.publisher import IndexPublisherThread
+from node.request_parsing import ParseRequestsInterceptor
 from security.tls import add_port
 from telemetry import tracing
 from telemetry.metrics import MetricsServer, NodeMetrics
@@ -79,7 +80,9 @@ class NodeServer:
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix=f"grpc-{config.node_id}"),
             options=KV_GRPC_OPTIONS,
-            interceptors=(LongRpcInterceptor(self.gate, self.long_methods, config.node_id),),
+            # Outermost: a request it cannot parse is INVALID_ARGUMENT before it takes a slot.
+            interceptors=(ParseRequestsInterceptor(),
+                          LongRpcInterceptor(self.gate, self.long_methods, config.node_id)),
             maximum_concurrent_rpcs=config.rpc_limit,
         )
         self.health = health.HealthServicer()

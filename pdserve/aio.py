@@ -11,7 +11,9 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from pdserve.core import (
+    DEFAULT_BACKOFF,
     DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_RETRY_BUDGET_S,
     DEFAULT_TARGET,
     SERVICE_NAME,
     TLS,
@@ -55,12 +57,14 @@ class AsyncStream(StreamState):
 class AsyncClient(ClientCore):
     """``async with pdserve.AsyncClient(target) as c: async for chunk in c.generate("Hi"): ...``"""
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, retries: int = 3,
-                 backoff: tuple[float, float] = (0.1, 2.0), tls: TLS | None = None,
+    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
+                 retries: int | None = None, retry_budget_s: float | None = DEFAULT_RETRY_BUDGET_S,
+                 backoff: tuple[float, float] = DEFAULT_BACKOFF, tls: TLS | None = None,
                  metadata: Metadata | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  api_key: str | None = None) -> None:
         super().__init__(grpc.aio, target, timeout=timeout, retries=retries, backoff=backoff, tls=tls,
-                         metadata=metadata, max_message_bytes=max_message_bytes, api_key=api_key)
+                         metadata=metadata, max_message_bytes=max_message_bytes, api_key=api_key,
+                         retry_budget_s=retry_budget_s)
 
     async def _unary(self, method, request, timeout: float | None):
         attempts = self._attempts(timeout)

@@ -10,7 +10,9 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from pdserve.core import (
+    DEFAULT_BACKOFF,
     DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_RETRY_BUDGET_S,
     DEFAULT_TARGET,
     SERVICE_NAME,
     TLS,
@@ -59,14 +61,23 @@ class Client(ClientCore):
 
     ``api_key``: sent as ``authorization: Bearer KEY`` on every call (None: ``$PDSERVE_API_KEY``
     if set). ``tls``: ``pdserve.TLS(root_certificates="ca.pem")`` for a router serving TLS (plus
-    ``certificate_chain`` and ``private_key`` where it asks for a client certificate)."""
+    ``certificate_chain`` and ``private_key`` where it asks for a client certificate).
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None, retries: int = 3,
-                 backoff: tuple[float, float] = (0.1, 2.0), tls: TLS | None = None,
+    Retries: a call refused with UNAVAILABLE before any output (the router restarting or
+    draining, a refused connection) is retried with exponential backoff and full jitter
+    (``backoff`` = (base, cap) seconds) for up to ``retry_budget_s`` (10 s) from its first
+    failure, within ``timeout``; ``retries`` caps the count too (None: only time bounds it; 0:
+    never retry). A stream that already delivered output is never retried: it raises the
+    retryable ``StreamInterruptedError`` and the caller decides."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
+                 retries: int | None = None, retry_budget_s: float | None = DEFAULT_RETRY_BUDGET_S,
+                 backoff: tuple[float, float] = DEFAULT_BACKOFF, tls: TLS | None = None,
                  metadata: Metadata | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  api_key: str | None = None) -> None:
         super().__init__(grpc, target, timeout=timeout, retries=retries, backoff=backoff, tls=tls,
-                         metadata=metadata, max_message_bytes=max_message_bytes, api_key=api_key)
+                         metadata=metadata, max_message_bytes=max_message_bytes, api_key=api_key,
+                         retry_budget_s=retry_budget_s)
 
     def _unary(self, method, request, timeout: float | None):
         attempts = self._attempts(timeout)

@@ -4,7 +4,9 @@ and per-stream state. Nothing here waits or touches a socket; the two clients ad
 channel and how they wait (``time.sleep`` or ``await asyncio.sleep``).
 
 Retries: a call that fails with UNAVAILABLE before the server sent anything is retried with
-exponential backoff and full jitter, within the call's deadline. Once a Generate stream has
+exponential backoff and full jitter, within the call's deadline and a time budget (by default
+``DEFAULT_RETRY_BUDGET_S`` from the first failure, however many attempts that takes: a router
+restart takes seconds, which a fixed count of fast retries does not ride out). Once a Generate stream has
 delivered a message it is never retried, so output is never duplicated: cut by UNAVAILABLE (a
 router restart, a dropped connection) it raises ``StreamInterruptedError``, retryable by the
 caller. The channel reconnects on the same short backoff (``reconnect_options``), so a router
@@ -36,6 +38,12 @@ API_KEY_ENV = "PDSERVE_API_KEY"  # the key sent when the client is given none
 DEFAULT_MAX_MESSAGE_BYTES = MAX_MESSAGE_BYTES
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PdServe"].full_name
 Metadata = Sequence[tuple[str, str]]
+# A retry starts at most this long after the call's first failure (None: no limit besides the
+# timeout). Ten seconds ride out a router restart (a process start and its tokenizer load, a few
+# seconds) or a Kubernetes pod replacement behind a Service, while a router that is really gone
+# is reported within seconds, not after the request's whole timeout.
+DEFAULT_RETRY_BUDGET_S = 10.0
+DEFAULT_BACKOFF = (0.1, 2.0)  # (base, cap) seconds of the exponential backoff with full jitter
 SLO_CLASSES = tuple(pb.SloClass.Name(v).removeprefix("SLO_CLASS_").lower()
                     for v in pb.SloClass.values() if v != pb.SLO_CLASS_UNSPECIFIED)
 
@@ -202,7 +210,8 @@ class Backoff:
         self._rng = rng or random.Random()
 
     def delay(self, attempt: int) -> float:
-        return self._rng.uniform(0.0, min(self.cap, self.base * (2 ** attempt)))
+        # The exponent is bounded: with no retry count limit, 2 ** 1024 would overflow a float.
+        return self._rng.uniform(0.0, min(self.cap, self.base * 2.0 ** min(attempt, 60)))
 
 
 class Deadline:
@@ -220,18 +229,28 @@ class Deadline:
 
 
 class RetryPolicy:
-    """Whether a failed attempt is retried, and after how long."""
+    """Whether a failed attempt is retried, and after how long: UNAVAILABLE only, at most
+    ``retries`` times (None: no count limit), the next attempt starting at most ``budget_s``
+    after the first failure (None: no time limit) and before the call's deadline."""
 
-    def __init__(self, retries: int, backoff: Backoff) -> None:
+    def __init__(self, retries: int | None, backoff: Backoff, budget_s: float | None = DEFAULT_RETRY_BUDGET_S) -> None:
+        if retries is not None and retries < 0:
+            raise ValueError(f"retries must be >= 0 or None, got {retries}")
+        if budget_s is not None and not budget_s >= 0:
+            raise ValueError(f"retry_budget_s must be >= 0 or None, got {budget_s}")
         self.retries = retries
         self.backoff = backoff
+        self.budget_s = budget_s
 
-    def delay(self, code: grpc.StatusCode, attempts: int, deadline: Deadline) -> float | None:
-        """Seconds to wait before attempt ``attempts + 1``, or None: do not retry (not
-        UNAVAILABLE, out of retries, or the deadline would pass while waiting)."""
-        if code != grpc.StatusCode.UNAVAILABLE or attempts > self.retries:
+    def delay(self, code: grpc.StatusCode, attempts: int, deadline: Deadline, elapsed: float = 0.0) -> float | None:
+        """Seconds to wait before attempt ``attempts + 1``, ``elapsed`` seconds after the first
+        failure, or None: do not retry (not UNAVAILABLE, out of retries, past the retry budget,
+        or the deadline would pass while waiting)."""
+        if code != grpc.StatusCode.UNAVAILABLE or (self.retries is not None and attempts > self.retries):
             return None
         delay = self.backoff.delay(attempts - 1)
+        if self.budget_s is not None and elapsed + delay > self.budget_s:
+            return None
         remaining = deadline.remaining()
         if remaining is not None and remaining <= delay:
             return None
@@ -239,12 +258,13 @@ class RetryPolicy:
 
 
 class Attempts:
-    """One logical call's attempts: its deadline and how many were made."""
+    """One logical call's attempts: its deadline, how many were made, when the first failed."""
 
     def __init__(self, timeout: float | None, policy: RetryPolicy) -> None:
         self.deadline = Deadline(timeout)
         self.policy = policy
         self.count = 0
+        self.first_failure: float | None = None
 
     def begin(self) -> float | None:
         """Start an attempt; returns its timeout. Raises DeadlineExceededError once it passed."""
@@ -255,7 +275,10 @@ class Attempts:
 
     def retry_delay(self, err: grpc.RpcError) -> float:
         """The wait before the next attempt; raises the typed error when there is none."""
-        delay = self.policy.delay(err.code(), self.count, self.deadline)
+        now = time.monotonic()
+        if self.first_failure is None:
+            self.first_failure = now
+        delay = self.policy.delay(err.code(), self.count, self.deadline, now - self.first_failure)
         if delay is None:
             raise errors.from_rpc_error(err) from None
         return delay
@@ -311,12 +334,13 @@ class ClientCore:
     """Configuration, the channel and its stubs, and request building, for both clients.
     ``channels`` is the module that makes the channel: ``grpc`` or ``grpc.aio``."""
 
-    def __init__(self, channels, target: str, *, timeout: float | None, retries: int,
+    def __init__(self, channels, target: str, *, timeout: float | None, retries: int | None,
                  backoff: tuple[float, float], tls: TLS | None, metadata: Metadata | None,
-                 max_message_bytes: int, api_key: str | None = None) -> None:
+                 max_message_bytes: int, api_key: str | None = None,
+                 retry_budget_s: float | None = DEFAULT_RETRY_BUDGET_S) -> None:
         self.target = target
         self.timeout = timeout
-        self.retry = RetryPolicy(retries, Backoff(*backoff))
+        self.retry = RetryPolicy(retries, Backoff(*backoff), retry_budget_s)
         options = grpc_options(max_message_bytes) + reconnect_options(backoff) + (tls.options() if tls else [])
         self._channel = (channels.secure_channel(target, tls.credentials(), options=options) if tls
                          else channels.insecure_channel(target, options=options))
@@ -325,8 +349,12 @@ class ClientCore:
         self._metadata = api_key_metadata(api_key, os.environ) + tuple(metadata or ())
 
     @property
-    def retries(self) -> int:
+    def retries(self) -> int | None:
         return self.retry.retries
+
+    @property
+    def retry_budget_s(self) -> float | None:
+        return self.retry.budget_s
 
     def _md(self, extra: Metadata | None) -> tuple[tuple[str, str], ...]:
         return self._metadata + tuple(extra or ())

@@ -39,9 +39,10 @@ class CorruptingKVSender:
 
     def push(self, address: str, pool, *, request_id: str, fingerprint: str, src_block_ids: Sequence[int],
              block_hashes: Sequence[int], num_tokens: int, dest_block_ids: Sequence[int],
-             skip_leading_blocks: int = 0, timeout: float | None = None, **_) -> PushResult:
+             skip_leading_blocks: int = 0, layers: range | None = None, timeout: float | None = None,
+             **_) -> PushResult:
         layout = PoolLayout.of(pool)
-        layers = range(layout.num_layers)
+        layers = range(layout.num_layers) if layers is None else layers  # a streamed push: some layers
         header = build_header(request_id=request_id, fingerprint=fingerprint, layout=layout,
                               dest_block_ids=dest_block_ids, block_hashes=list(block_hashes)[skip_leading_blocks:],
                               num_tokens=num_tokens, layers=layers, first_block_index=skip_leading_blocks,

@@ -6,6 +6,14 @@ the decode node does not already hold pushed into its reservation, then the bloc
     prompt blocks here:  [ p0 p1 | p2 p3 p4 ]     reservation.num_cached_blocks = 2
                            held    pushed -> reservation.block_ids
 
+With layer-wise streaming (``NodeConfig.kv_streaming``, on by default) the pushes start before
+the prefill ends: the engine reports after each layer of each step which blocks are final, and
+the request's ``KVStreamer`` (prefill_node/kv_streamer.py) sends them from its own thread in
+rectangles of layers x blocks while later layers and chunks compute; once the first token is
+sampled only the rest goes out. Off, the whole reservation goes in one push after the prefill.
+Either way Prefill returns when every block of every layer landed (or fails with the
+transfer's code, and the router recomputes on the decode node).
+
 The first token is sampled here with the request's own sampling parameters (seed,
 temperature, penalties...), so it follows the same distribution as on a single engine; the
 decode node continues from it. Stop strings are left to the decode node, which detokenizes.
@@ -25,6 +33,7 @@ from engine.engine import LLMEngine, RequestOutput
 from engine.errors import InvalidRequestError
 from kv_index.nodes import Role, StepReport
 from kv_transfer.grpc_transport import GrpcKVSender
+from kv_transfer.layout import PoolLayout
 from kv_transfer.shm_transport import ShmKVSender
 from kv_transfer.tcp_transport import TcpKVSender
 from kv_transfer.transport import FallbackKVSender, KVSender, PushResult, TransferError
@@ -32,6 +41,7 @@ from node.config import NodeConfig
 from node.engine_thread import EngineStoppedError, RequestFailedError
 from node.rpc_trace import child_span, prefill_phases, traced_rpc
 from node.server import NodeServer
+from prefill_node.kv_streamer import KVStreamer
 from protos.convert import sampling_from_proto, token_logprobs_to_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 from telemetry import tracing
@@ -43,6 +53,9 @@ log = logging.getLogger(__name__)
 
 # A push that takes longer is treated as a failed transfer (the router then recomputes).
 PUSH_TIMEOUT_S = 60.0
+# Layer-wise streaming: the least a push carries while the prefill still computes (smaller
+# pieces wait for more): a few times the fixed cost per transfer at loopback bandwidth.
+KV_STREAM_MIN_PUSH_BYTES = 1 << 20
 
 
 class PrefillServer(NodeServer):
@@ -60,6 +73,20 @@ class PrefillServer(NodeServer):
         fast = [ShmKVSender(), TcpKVSender()] if config.tls is None else []
         self.kv_sender = kv_sender or FallbackKVSender(fast, GrpcKVSender(config.tls))
         self._healthy_sender: KVSender | None = None  # kept while a KV fault is injected
+        # Layer-wise KV streaming (docs/cluster.md, "KV data plane"): on unless configured off;
+        # an attribute so a benchmark can compare both ways on one node.
+        # Only on CPU: there torch has written layer i's K/V when the layer returns. On CUDA the
+        # write is only enqueued then, and reading the blocks from the sender thread needs an
+        # event per layer, which is not built; a GPU prefill node pushes after the prefill.
+        self.kv_streaming = config.kv_streaming and self.engine.device.type == "cpu"
+        if config.kv_streaming and not self.kv_streaming:
+            log.info("layer-wise KV streaming is CPU-only for now; %s pushes KV after the prefill",
+                     self.engine.device)
+        # A streamed push waits until it carries at least this much, unless the prefill is done
+        # (fixed cost per push: docs/benchmarks.md, transfer).
+        self.kv_stream_min_push_bytes = KV_STREAM_MIN_PUSH_BYTES
+        self._streamers: dict[str, KVStreamer] = {}  # request id -> its streamer, while it runs
+        self.engine.set_kv_layer_listener(self._on_kv_layer)
         kv_pb2_grpc.add_PrefillNodeServicer_to_server(_PrefillService(self), self.grpc_server)
         self.num_prefills = 0
         self.num_transfer_failures = 0
@@ -68,6 +95,12 @@ class PrefillServer(NodeServer):
         self._inflight = 0
         self._starts = 0
         self._inflight_lock = threading.Lock()
+
+    def _on_kv_layer(self, request_id: str, layer: int, ready_blocks: int, table: tuple[int, ...]) -> None:
+        # The engine thread, after each layer of a step: hand the news over, nothing more.
+        streamer = self._streamers.get(request_id)
+        if streamer is not None:
+            streamer.on_layer(layer, ready_blocks, table)
 
     def stop(self, deregister: bool = True, grace_s: float = 1.0) -> None:
         super().stop(deregister=deregister, grace_s=grace_s)
@@ -119,14 +152,24 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
         t0 = time.monotonic()
         # This node's part of the request: arrival -> first token (ttft) -> KV pushed (e2e).
         rec = RequestRecorder(node.metrics.requests, arrival=t0)
+        res = request.reservation
+        # Layer-wise streaming: the KV leaves while the prefill computes (prefill_node/kv_streamer.py).
+        streamer = self._streamer(rid, prompt, request, context) if res.block_ids and node.kv_streaming else None
         try:
             resumed = request.resumed_output_tokens
             stream = node.aengine.add_request(prompt, first_token_params(params, resumed), request_id=rid,
-                                              hold_kv=True, resumed_output_tokens=resumed)
-        except InvalidRequestError as err:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        except EngineStoppedError as err:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+                                              hold_kv=True, resumed_output_tokens=resumed,
+                                              stream_kv=streamer is not None)
+        except (InvalidRequestError, EngineStoppedError) as err:
+            if streamer is not None:
+                self._stop_streamer(rid, streamer)
+            code = (grpc.StatusCode.INVALID_ARGUMENT if isinstance(err, InvalidRequestError)
+                    else grpc.StatusCode.UNAVAILABLE)
+            context.abort(code, str(err))
+        if streamer is not None:  # a push failure stops the compute too
+            streamer.on_error = stream.cancel
+            if streamer.error is not None:
+                stream.cancel()
         with node._inflight_lock:
             node._inflight += 1
             node._starts += 1
@@ -134,7 +177,7 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
         context.add_callback(stream.cancel)  # the router gave up: stop computing
         try:
             try:
-                final = self._wait(stream, context)
+                final = self._wait(stream, context, rid, request, streamer)
             finally:
                 with node._inflight_lock:
                     node._inflight -= 1
@@ -147,26 +190,38 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
                 node.publisher.submit_step(StepReport(
                     new_tokens=len(prompt) - final.num_cached_tokens, context_tokens=len(prompt),
                     seconds=prefill_s))
-            blocks_sent = bytes_sent = 0
+            blocks_sent = bytes_sent = pushes = 0
             transport = ""
+            transfer_s = exposed_s = 0.0
             t1 = time.monotonic()
-            if request.reservation.block_ids:
+            if res.block_ids:
                 with child_span("kv_transfer.push", context, {
                         "pdserve.decode_address": request.decode_address,
-                        tracing.KV_CACHED_BLOCKS: request.reservation.num_cached_blocks}, SpanKind.CLIENT) as span:
-                    pushed = self._push(rid, prompt, request, context)
-                    blocks_sent, bytes_sent, transport = pushed
+                        tracing.KV_CACHED_BLOCKS: res.num_cached_blocks,
+                        "pdserve.kv.streamed": streamer is not None}, SpanKind.CLIENT) as span:
+                    if streamer is None:
+                        blocks_sent, bytes_sent, transport = self._push(rid, prompt, request, context)
+                        transfer_s = exposed_s = time.monotonic() - t1
+                        pushes = 1
+                    else:
+                        self._finish_stream(rid, request, streamer, context)
+                        blocks_sent, bytes_sent, transport = len(res.block_ids), streamer.bytes_sent, streamer.transport
+                        transfer_s, pushes = streamer.transfer_s, streamer.pushes
+                        # From the first token sampled (the compute's end) to the last push landed.
+                        done_compute = final.metrics.first_token_time or t1
+                        exposed_s = max(0.0, (streamer.last_landed or done_compute) - done_compute)
                     # The receiver takes nothing unless every checksum matched: a push that
                     # returns was verified.
                     span.set_attributes({tracing.KV_BLOCKS: blocks_sent, tracing.KV_BYTES: bytes_sent,
-                                         tracing.KV_TRANSFER_S: time.monotonic() - t1,
+                                         tracing.KV_TRANSFER_S: transfer_s,
                                          tracing.KV_CHECKSUM_VERIFIED: True,
-                                         "pdserve.kv.transport": transport})
-            transfer_s = time.monotonic() - t1 if request.reservation.block_ids else 0.0
-            if request.reservation.block_ids:
+                                         "pdserve.kv.transport": transport, "pdserve.kv.pushes": pushes,
+                                         "pdserve.kv.transfer_exposed_s": exposed_s})
                 node.metrics.transfer_bytes.inc(bytes_sent)
                 node.metrics.transfer_seconds.observe(transfer_s)
         finally:
+            if streamer is not None:  # before the blocks go: it may still read them
+                self._stop_streamer(rid, streamer)
             # Always: the blocks stay in this node's prefix cache either way, unpinned.
             try:
                 node.aengine.release_kv(rid)
@@ -184,9 +239,10 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
             first_token_ids=first, first_logprobs=first_logprobs, cached_tokens=final.num_cached_tokens,
             blocks_sent=blocks_sent, bytes_sent=bytes_sent,
             prefill_s=prefill_s, transfer_s=transfer_s, transport=transport,
+            transfer_exposed_s=exposed_s, kv_streamed=streamer is not None, kv_pushes=pushes,
         )
 
-    def _wait(self, stream, context) -> RequestOutput:
+    def _wait(self, stream, context, rid: str, request, streamer: KVStreamer | None) -> RequestOutput:
         try:
             final = stream.result()
         except RequestFailedError as err:
@@ -194,8 +250,70 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
         except EngineStoppedError as err:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         if final.outputs[0].finish_reason == "abort" or not final.outputs[0].token_ids:
+            if streamer is not None and streamer.error is not None:  # the stream failed: its code
+                self._transfer_failed(rid, request, streamer.error, context)
             context.abort(grpc.StatusCode.CANCELLED, f"request {final.request_id!r} was aborted")
         return final
+
+    # ---- layer-wise streaming
+    def _streamer(self, rid: str, prompt: list[int], request: kv_pb2.PrefillRequest, context) -> KVStreamer | None:
+        """A started streamer for this request, registered for the engine's layer reports; None
+        when another request holds the id (add_request then refuses it)."""
+        node, eng = self.node, self.node.engine
+        res = request.reservation
+        bs = eng.block_size
+        num_blocks = math.ceil(len(prompt) / bs)
+        cached = res.num_cached_blocks
+        if num_blocks - cached != len(res.block_ids):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"reservation: {num_blocks - cached} blocks to send after skipping {cached}, "
+                          f"but {len(res.block_ids)} dest_block_ids")
+        hashes = hash_prompt_blocks(prompt, bs, eng.fingerprint.encode())  # full blocks only
+        dest = list(res.block_ids)
+
+        def push(layers: range, a: int, b: int, table: tuple[int, ...]) -> PushResult:
+            # Blocks [a, b) of the prompt: header first_block_index = a, KV of positions
+            # [0, min(b * bs, prompt)) once written (kv_transfer/validate.py accepts a sub-range).
+            return node.kv_sender.push(
+                request.decode_address, eng.kv_cache, request_id=rid, fingerprint=eng.fingerprint,
+                src_block_ids=table[:b], block_hashes=hashes[:b], num_tokens=min(b * bs, len(prompt)),
+                dest_block_ids=dest[a - cached : b - cached], skip_leading_blocks=a, layers=layers,
+                timeout=PUSH_TIMEOUT_S, endpoints=tuple(res.kv_endpoints))
+
+        unit = PoolLayout.of(eng.kv_cache).block_bytes
+        streamer = KVStreamer(push, num_layers=eng.model_config.num_layers, num_blocks=num_blocks, skip=cached,
+                              min_push_units=math.ceil(node.kv_stream_min_push_bytes / unit),
+                              name=f"kv-stream-{rid}"[:60], start=False)
+        if node._streamers.setdefault(rid, streamer) is not streamer:
+            return None
+        streamer.start()
+        return streamer
+
+    def _finish_stream(self, rid: str, request, streamer: KVStreamer, context) -> None:
+        """Send what is left now that the prefill finished; abort on a failed push."""
+        streamer.finish(lambda: self.node.aengine.held_block_table(rid))
+        if not streamer.wait(PUSH_TIMEOUT_S):
+            streamer.cancel()
+            self._transfer_failed(rid, request, TransferError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"KV stream not done {PUSH_TIMEOUT_S:.0f}s after the prefill"),
+                context)
+        if streamer.error is not None:
+            self._transfer_failed(rid, request, streamer.error, context)
+
+    def _stop_streamer(self, rid: str, streamer: KVStreamer) -> None:
+        streamer.cancel()
+        streamer.wait()  # bounded by the push in flight's own timeout
+        if self.node._streamers.get(rid) is streamer:
+            del self.node._streamers[rid]
+
+    def _transfer_failed(self, rid: str, request, err: TransferError, context) -> None:
+        node = self.node
+        node.num_transfer_failures += 1
+        node.metrics.transfer_failures.inc()
+        log.warning("KV transfer of %r to %s failed: %s", rid, request.decode_address, err)
+        # The receiver's code (INVALID_ARGUMENT, DATA_LOSS, NOT_FOUND) or UNAVAILABLE /
+        # DEADLINE_EXCEEDED when it could not be reached: the router recomputes on decode.
+        context.abort(err.code, f"KV transfer to {request.decode_address} failed: {err.details}")
 
     def _push(self, rid: str, prompt: list[int], request: kv_pb2.PrefillRequest, context) -> PushResult:
         node, eng = self.node, self.node.engine
@@ -215,12 +333,7 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
         except ValueError as err:  # the reservation does not fit this prompt
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reservation: {err}")
         except TransferError as err:
-            node.num_transfer_failures += 1
-            node.metrics.transfer_failures.inc()
-            log.warning("KV transfer of %r to %s failed: %s", rid, request.decode_address, err)
-            # The receiver's code (INVALID_ARGUMENT, DATA_LOSS, NOT_FOUND) or UNAVAILABLE /
-            # DEADLINE_EXCEEDED when it could not be reached: the router recomputes on decode.
-            context.abort(err.code, f"KV transfer to {request.decode_address} failed: {err.details}")
+            self._transfer_failed(rid, request, err, context)
 
 
 def _prefill_problem(rid: str, prompt: list[int], params: SamplingParams, request, eng: LLMEngine) -> str:

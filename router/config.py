@@ -74,6 +74,10 @@ class RouterConfig:
     # node is left out of placement for exclude_failed_node_s; a migration waits up to
     # migration_wait_s for a live node (Ray restarting the only decode node, say).
     max_migrations: int = 2
+    # Placement leaves out a decode node whose step time exceeds this many times the fastest
+    # decode node's, or its own best recent one at a comparable batch (router/placement.py
+    # without_stragglers); 0 = never.
+    straggler_factor: float = 3.0
     exclude_failed_node_s: float = 10.0
     migration_wait_s: float = 30.0
     # While Redis is unreadable, keep placing on the nodes last read (by load, without the
@@ -109,6 +113,8 @@ class RouterConfig:
             raise ValueError(f"default_slo_class must be one of {sorted(SLO_CLASSES)}, got {self.default_slo_class!r}")
         if self.max_migrations < 0 or self.exclude_failed_node_s < 0 or self.migration_wait_s < 0:
             raise ValueError("max_migrations, exclude_failed_node_s and migration_wait_s must be >= 0")
+        if not self.straggler_factor >= 0 or self.straggler_factor == float("inf"):  # NaN fails >= 0
+            raise ValueError(f"straggler_factor must be a finite number >= 0 (0: off), got {self.straggler_factor}")
         if self.node_refresh_s <= 0:
             raise ValueError(f"node_refresh_s must be > 0, got {self.node_refresh_s}")
         tls = self.tls  # validates the combination

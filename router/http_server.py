@@ -110,22 +110,53 @@ def require_api_key(app: FastAPI, keys: ApiKeys) -> None:
 
 
 class BodyLimit:
-    """Refuse with 413, before reading it, a body whose Content-Length is over ``max_bytes``
-    (the gRPC API's message limit): FastAPI would otherwise hold any size in memory to parse
-    it. Plain ASGI, so the disconnect detection of the routes sees the real ``receive``."""
+    """Refuse with 413 a body over ``max_bytes`` (the gRPC API's message limit): FastAPI would
+    otherwise hold any size in memory to parse it. A Content-Length over the limit is refused
+    before anything is read; a body without one (``Transfer-Encoding: chunked``), or one that
+    sends more than it declared, is counted as it arrives and refused as soon as it passes the
+    limit, so no more than ``max_bytes`` (plus one network read) is ever held. The body is read
+    here and handed to the app whole; after it the app gets the real ``receive``, so the
+    disconnect detection of the routes works as before. Plain ASGI."""
 
     def __init__(self, app, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
 
+    def _too_large(self, what: str) -> ErrorResponse:
+        return ErrorResponse(413, f"the request body has {what} bytes; at most {self.max_bytes} are accepted "
+                             "(max_message_bytes)", "invalid_request_error", "body_too_large")
+
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            length = dict(scope["headers"]).get(b"content-length", b"0")
-            if length.isdigit() and int(length) > self.max_bytes:
-                await ErrorResponse(413, f"the request body has {int(length)} bytes; at most {self.max_bytes} "
-                                    "are accepted (max_message_bytes)", "invalid_request_error",
-                                    "body_too_large").response()(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await self._too_large(str(int(length))).response()(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before its body was complete
                 return
-        await self.app(scope, receive, send)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large(f"more than {self.max_bytes}").response()(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 _HTTP_CODES = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}

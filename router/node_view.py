@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from kv_index.nodes import NodeInfo, Role
 from kv_index.reader import IndexReader
 from router.cost_model import CostBook
+from router.step_history import StepHistory
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class NodeRefresher:
         self._last_good: tuple[NodeView, float] | None = None  # (view, monotonic time read)
         self._outage = False  # a read failed and no node has been read since
         self._costs = costs
+        # Each decode node's own step times: NodeInfo.step_best_s for placement's straggler check.
+        self.steps = StepHistory()
         self._step_cursor: dict[str, str] = {}  # node id -> last step report id read
         self._refresh_s = refresh_s
         self._prune_every_s = prune_every_s
@@ -89,6 +92,7 @@ class NodeRefresher:
     def refresh_once(self) -> NodeView:
         try:
             view = build_view(self._reader.live_nodes())
+            view = replace(view, nodes=self.steps.annotate(view.nodes, time.monotonic()))
         except Exception as e:  # redis down: the last nodes for a while, then nothing
             log.warning("node registry unreadable: %s", e)
             self._outage = True

@@ -106,6 +106,10 @@ class _Common(BaseModel):
     def _stop_list(cls, v):
         if isinstance(v, list) and len(v) > SamplingParams.MAX_STOP:
             raise ValueError(f"at most {SamplingParams.MAX_STOP} stop sequences, got {len(v)}")
+        for s in [v] if isinstance(v, str) else v or []:
+            if len(s) > SamplingParams.MAX_STOP_CHARS:
+                raise ValueError(f"stop sequences may have at most {SamplingParams.MAX_STOP_CHARS} characters, "
+                                 f"got one of {len(s)}")
         return v
 
     def _refuse_unsupported(self) -> None:

@@ -48,6 +48,7 @@ from protos.pdserve.v1 import serving_pb2 as pb
 from router.admission import SLO_CLASSES, decide
 from router.config import RouterConfig
 from router.cost_model import CostBook
+from router.log_limit import RateLimitedLog
 from router.migration import Continuation, Exclusions, continuation, is_node_failure
 from router.node_view import IndexAccuracy, NodeRefresher, PrefillLedger
 from router.placement import NoCapacityError, Placement, PlacementPolicy, PlacementRequest
@@ -63,6 +64,9 @@ from tokens.sampling_params import SamplingParams
 from tokens.stop import FinishReason, stop_reason
 
 log = logging.getLogger(__name__)
+# Per-request node-call failures (a refused reservation, a full prefill queue) come at the
+# request rate under overload: logged once per reason, then a count every 10 s (router/log_limit.py).
+node_call_log = RateLimitedLog(log)
 
 
 class RouterError(Exception):
@@ -499,8 +503,9 @@ class Orchestrator:
                 num_tokens=len(prep.prompt), block_hashes=prep.block_hashes, prompt_token_ids=prep.prompt,
             ), timeout=cfg.reserve_timeout_s, metadata=md)
         except grpc.aio.AioRpcError as e:
-            log.warning("request %s: ReserveBlocks on %s failed (%s: %s); prefilling on the decode node",
-                        prep.client_id, decode.node_id, e.code().name, e.details())
+            node_call_log.warning(f"ReserveBlocks {e.code().name}",
+                                  "request %s: ReserveBlocks on %s failed (%s: %s); prefilling on the decode node",
+                                  prep.client_id, decode.node_id, e.code().name, e.details())
             run.trace.fallback(span, "reserve_failed", e)
             span.end()
             return None
@@ -521,8 +526,9 @@ class Orchestrator:
                 if not run.aborted:
                     raise
                 return None
-            log.warning("request %s: Prefill on %s failed (%s: %s); recomputing on decode node %s",
-                        prep.client_id, prefill.node_id, e.code().name, e.details(), decode.node_id)
+            node_call_log.warning(f"Prefill {e.code().name}",
+                                  "request %s: Prefill on %s failed (%s: %s); recomputing on decode node %s",
+                                  prep.client_id, prefill.node_id, e.code().name, e.details(), decode.node_id)
             run.trace.fallback(span, "prefill_failed", e)
             if is_node_failure(e.code()):
                 self.exclusions.exclude(prefill, time.monotonic())
@@ -538,8 +544,7 @@ class Orchestrator:
             span.end()
         self.accuracy.record(prep.client_id, prep.placement.predicted_cached_tokens, resp.cached_tokens)
         if self.costs is not None:
-            self.costs.add_transfer(prefill.node_id, decode.node_id, resp.bytes_sent, resp.transfer_s,
-                                    num_tokens=resp.blocks_sent * prep.block_size)
+            learn_transfer(self.costs, prefill.node_id, decode.node_id, resp, prep.block_size)
         run.timings["prefill_s"] = resp.prefill_s
         run.timings["transfer_s"] = resp.transfer_s
         if not run.output_ids:  # a migrated request's first token reached the client long ago
@@ -564,7 +569,8 @@ class Orchestrator:
                     await kv.RenewReservation(kv_pb2.RenewReservationRequest(request_id=node_request_id),
                                               timeout=self.config.control_timeout_s)
                 except grpc.aio.AioRpcError as e:  # the push then fails and the request recomputes
-                    log.warning("RenewReservation %s failed: %s", node_request_id, e.details())
+                    node_call_log.warning(f"RenewReservation {e.code().name}", "RenewReservation %s failed: %s",
+                                          node_request_id, e.details())
         finally:
             if not task.done():
                 task.cancel()
@@ -663,7 +669,8 @@ class Orchestrator:
     # -- observability ---------------------------------------------------------------------------
     def stats(self) -> dict:
         """Index accuracy (predicted vs reused cached tokens) and freshness (age in seconds of
-        each node's newest applied event batch), plus the fitted prefill cost per node."""
+        each node's newest applied event batch), plus the fitted prefill cost per node and the
+        fitted KV transfer cost per (prefill, decode) pair and transport."""
         view = self.refresher.view
         out = {"index_accuracy": self.accuracy.summary(),
                "index_freshness_s": index_freshness(view.nodes, time.time()),
@@ -671,6 +678,7 @@ class Orchestrator:
         if self.costs is not None:
             out["prefill_cost"] = {n.node_id: self.costs.prefill(n.node_id).__repr__()
                                    for n in view.nodes if n.role == Role.PREFILL}
+            out["kv_transfer"] = [f._asdict() for f in self.costs.transfer_fits()]
         return out
 
     # -- abort -------------------------------------------------------------------------------------
@@ -696,8 +704,11 @@ class Orchestrator:
             # AbortDecode also drops a reservation, so one call covers every phase.
             await stub.AbortDecode(pb.AbortRequest(request_id=node_request_id), timeout=self.config.control_timeout_s)
         except grpc.aio.AioRpcError as e:
-            (log.debug if quiet else log.warning)("AbortDecode %s on %s failed: %s", node_request_id, address,
-                                                  e.details())
+            if quiet:
+                log.debug("AbortDecode %s on %s failed: %s", node_request_id, address, e.details())
+            else:
+                node_call_log.warning(f"AbortDecode {e.code().name}", "AbortDecode %s on %s failed: %s",
+                                      node_request_id, address, e.details())
 
     def _abort_in_background(self, address: str, node_request_id: str) -> None:
         """After a failure: a node that is in fact alive (a broken connection, a failed step)
@@ -712,7 +723,8 @@ class Orchestrator:
             await stub.ReleaseReservation(kv_pb2.ReleaseReservationRequest(request_id=node_request_id),
                                           timeout=self.config.control_timeout_s)
         except grpc.aio.AioRpcError as e:  # the reservation's lease frees it anyway
-            log.warning("ReleaseReservation %s on %s failed: %s", node_request_id, address, e.details())
+            node_call_log.warning(f"ReleaseReservation {e.code().name}", "ReleaseReservation %s on %s failed: %s",
+                                  node_request_id, address, e.details())
 
     # -- channels ------------------------------------------------------------------------------------
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -728,6 +740,16 @@ class Orchestrator:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+
+
+def learn_transfer(costs: CostBook, src: str, dst: str, resp: kv_pb2.PrefillResponse, block_size: int) -> None:
+    """Teach the cost book one prefill's KV transfer from ``src`` to ``dst``. A node older than
+    the transports names none, and could only push over gRPC; one that does not stream (or does
+    not report it) leaves ``kv_streamed`` false, and the book then counts the whole transfer as
+    waited for."""
+    costs.add_transfer(src, dst, resp.bytes_sent, resp.transfer_s, num_tokens=resp.blocks_sent * block_size,
+                       transport=resp.transport or "grpc", exposed_s=resp.transfer_exposed_s,
+                       streamed=resp.kv_streamed, pushes=resp.kv_pushes)
 
 
 def _attempt_id(client_id: str) -> str:

@@ -80,18 +80,25 @@ SLOW_STEP_FACTOR = 3.0
 
 
 def without_stragglers(decoders: list[NodeInfo], factor: float = SLOW_STEP_FACTOR) -> list[NodeInfo]:
-    """The decode nodes less those whose steps (``step_s``, heartbeated) take more than
-    ``factor`` times the fastest one's: a node slowed by a neighbour, thermal limits or a
-    failing device stretches every token of every request placed there, while its load figures
-    look as good as anyone's until its requests pile up. A node reporting no step time (idle
-    for a while) stays a candidate, so one that recovered gets traffic, and is measured, again.
-    Never returns an empty list: if all were excluded it returns them all. Decode nodes only:
+    """The decode nodes less the stragglers: those whose steps (``step_s``, heartbeated) take
+    more than ``factor`` times the fastest one's, or more than ``factor`` times their own best
+    recent step time at a comparable batch (``step_best_s``, router/step_history.py; it exposes
+    a slow node when no peer has a measurement, e.g. the other node just restarted, or there is
+    no other). A node slowed by a neighbour, thermal limits or a failing device stretches every
+    token of every request placed there, while its load figures look as good as anyone's until
+    its requests pile up. A node reporting no step time (idle for a while) stays a candidate, so
+    one that recovered gets traffic, and is measured, again. Never returns an empty list: if all
+    were excluded it returns them all. ``factor`` <= 0 turns the check off. Decode nodes only:
     a prefill step's time depends on the prompt it computed (prefill speed is the cost model's)."""
-    known = [d.step_s for d in decoders if d.step_s > 0]
-    if factor <= 0 or len(known) < 2:
+    if factor <= 0:
         return decoders
-    limit = factor * min(known)
-    return [d for d in decoders if d.step_s <= limit] or decoders
+    known = [d.step_s for d in decoders if d.step_s > 0]
+    limit = factor * min(known) if len(known) >= 2 else float("inf")
+
+    def straggler(d: NodeInfo) -> bool:
+        return d.step_s > limit or (d.step_best_s > 0 and d.step_s > factor * d.step_best_s)
+
+    return [d for d in decoders if not straggler(d)] or decoders
 
 
 def queued_tokens(node: NodeInfo) -> int:
@@ -162,15 +169,20 @@ class TtftPolicy(PlacementPolicy):
 
         ttft(p, d) = wait(p)                                    queue on p
                    + prefill_p(uncached_p, cached_p)            p's own fitted cost model
-                   + (prompt - cached_d) * kv_bytes / bw(p, d)  KV transfer to d
+                   + exposed(p, d) * (fixed(p, d)               KV transfer to d: the part the
+                       + (prompt - cached_d) * kv_bytes / bw(p, d))   request waits for
                    + wait(d)                                    a free decode slot on d
+
+    where fixed and bw are fitted per pair for the transport it last used (shm, tcp, grpc) and
+    exposed is the share of a transfer not hidden behind the compute (1 unless the pair's KV is
+    streamed layer by layer), all from ``CostBook`` (``transfer_s``).
 
     subject to tbt(d with this request) <= the request's SLO, where possible. A cached token
     counts exactly as much as the compute it saves, and a queued second as much as a second of
     compute, so cache affinity and balance are traded in one unit.
 
     ``replicate``: when another node q holds a longer prefix than p, p may fetch the extra
-    blocks from q (at the q -> p bandwidth) instead of recomputing them, whichever the model
+    blocks from q (the q -> p transfer, none of it hidden) instead of recomputing them, whichever the model
     says is faster (Mooncake's hot-block replication); the placement then names q.
 
     The pair is ranked by ``ttft + compute_weight * prefill_s``: the TTFT is this request's, the
@@ -241,7 +253,7 @@ class TtftPolicy(PlacementPolicy):
             fetch_from, fetch_tokens = None, 0
             if self.replicate and best_other.node_id != p.node_id and cached(best_other.node_id) > c:
                 cq = cached(best_other.node_id)
-                with_fetch = (self.costs.transfer_s(best_other.node_id, p.node_id, cq - c)
+                with_fetch = (self.costs.raw_transfer_s(best_other.node_id, p.node_id, cq - c)
                               + model.predict(prompt - cq, cq))
                 if with_fetch < compute:
                     compute, fetch_from, fetch_tokens = with_fetch, best_other.node_id, cq - c

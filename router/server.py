@@ -136,15 +136,18 @@ class RouterServer:
         costs = CostBook(kv_bytes_per_token=cfg.kv_bytes_per_token) if cfg.kv_bytes_per_token else CostBook()
         refresher = NodeRefresher(reader, cfg.node_refresh_s, cfg.prune_every_s, costs, cfg.registry_outage_s)
         if cfg.policy == "ttft":
-            policy = TtftPolicy(costs, cfg.short_prompt_tokens, cfg.max_n, compute_weight=cfg.compute_weight)
+            policy = TtftPolicy(costs, cfg.short_prompt_tokens, cfg.max_n, compute_weight=cfg.compute_weight,
+                                slow_step_factor=cfg.straggler_factor)
         else:
-            policy = PrefixLoadPolicy(cfg.load_alpha, cfg.short_prompt_tokens, cfg.max_n)
+            policy = PrefixLoadPolicy(cfg.load_alpha, cfg.short_prompt_tokens, cfg.max_n,
+                                      slow_step_factor=cfg.straggler_factor)
         metrics = RouterMetrics(cfg.model_name)
         orch = self.orchestrator = Orchestrator(cfg, PromptTokenizer(cfg.tokenizer_dir), refresher, reader,
                                                 policy, costs, metrics)
         accuracy = orch.accuracy
         metrics.watch_index(lambda: index_freshness(refresher.view.nodes, time.time()),
                             lambda: accuracy.summary()["exact_fraction"] if accuracy.requests else None)
+        metrics.watch_transfers(costs.transfer_fits)
         # Client routes need an API key when keys are configured (health stays open).
         interceptors = [ApiKeyInterceptor(ApiKeys(cfg.api_keys))] if cfg.api_keys else []
         # A bound on the RPCs held at once (memory under overload): Generate is bounded by
@@ -228,7 +231,8 @@ def security_fields(args: argparse.Namespace, env) -> dict:
                 api_keys=keys_from(args.api_keys, env))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m router.server``'s flags (the Helm chart's router args are checked against it)."""
     p = argparse.ArgumentParser(description="pdserve router (gRPC)")
     p.add_argument("--redis-url", required=True, help="its password, if any, from $PDSERVE_REDIS_PASSWORD")
     p.add_argument("--tokenizer-dir", required=True)
@@ -252,10 +256,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--default-slo-class", default="relaxed")
     p.add_argument("--max-migrations", type=int, default=2,
                    help="times a request whose node failed is placed again (0: the stream ends with the error)")
+    p.add_argument("--straggler-factor", type=float, default=3.0,
+                   help="leave out a decode node whose step time is this many times the fastest one's or its "
+                   "own recent best (0: never)")
     p.add_argument("--otlp-endpoint", help="OTLP/gRPC collector for traces, e.g. http://127.0.0.1:4317 "
                    "(default: $OTEL_EXPORTER_OTLP_ENDPOINT if set, else no tracing)")
     add_security_arguments(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = serve(RouterConfig(
         redis_url=resolve_redis_url(args.redis_url, os.environ), tokenizer_dir=args.tokenizer_dir, model_name=args.model_name,
@@ -265,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         short_prompt_tokens=args.short_prompt_tokens, max_inflight=args.max_inflight,
         drain_timeout_s=args.drain_timeout_s,
         node_refresh_s=args.node_refresh_s, policy=args.policy, default_slo_class=args.default_slo_class,
-        max_migrations=args.max_migrations,
+        max_migrations=args.max_migrations, straggler_factor=args.straggler_factor,
         otlp_endpoint=args.otlp_endpoint, **security_fields(args, os.environ),
     ))
     print(f"router listening on grpc={server.address} http={server.http_address}", flush=True)

@@ -14,7 +14,7 @@ cumulative figures at scrape time, so the engine loop pays nothing for metrics.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -121,6 +121,13 @@ class RouterMetrics:
         """Export the index's freshness (per node) and accuracy, read at scrape time."""
         self.registry.register(_IndexCollector(self._model, freshness, accuracy))
 
+    def watch_transfers(self, fits: Callable[[], Iterable]) -> None:
+        """Export the router's fitted KV transfer cost per (src, dst, transport), read at scrape
+        time. ``fits`` returns records with ``src``, ``dst``, ``transport``, ``bandwidth``,
+        ``fixed_s``, ``current`` and ``exposed_factor`` (router/cost_model.py TransferFitView);
+        duck-typed, since telemetry imports no router module."""
+        self.registry.register(_TransferCollector(self._model, fits))
+
 
 class _IndexCollector(Collector):
     def __init__(self, model: str, freshness, accuracy) -> None:
@@ -138,6 +145,30 @@ class _IndexCollector(Collector):
         if acc is not None:
             a.add_metric([self.model], acc)
         yield a
+
+
+class _TransferCollector(Collector):
+    def __init__(self, model: str, fits) -> None:
+        self.model, self.fits = model, fits
+
+    def collect(self):
+        keys = ["model_name", "src", "dst", "transport"]
+        bw = GaugeMetricFamily(name("router_kv_bandwidth_bytes_per_second"), "KV transfer bandwidth the router "
+                               "has fitted per (prefill, decode) pair and transport.", labels=keys)
+        fixed = GaugeMetricFamily(name("router_kv_fixed_seconds"), "Fixed cost per KV push the router has "
+                                  "fitted per (prefill, decode) pair and transport.", labels=keys)
+        exposed = GaugeMetricFamily(name("router_kv_exposed_fraction"), "Expected share of a KV transfer that "
+                                    "a request waits for after its prefill (below 1 when streamed layer by "
+                                    "layer), per pair, for the transport the pair uses now.", labels=keys)
+        for f in self.fits():
+            labels = [self.model, f.src, f.dst, f.transport]
+            bw.add_metric(labels, f.bandwidth)
+            fixed.add_metric(labels, f.fixed_s)
+            if f.current:
+                exposed.add_metric(labels, f.exposed_factor)
+        yield bw
+        yield fixed
+        yield exposed
 
 
 class NodeMetrics:

@@ -56,8 +56,9 @@ def check(result: dict, scenario: str, restarted: bool = False) -> None:
 
 
 def test_slow_node(cluster):
-    # First on the module's cluster: a Ray-restarted decode node has no step time yet, and a
-    # slowed node is judged against its peers' measured steps (router/placement.py).
+    # First on the module's cluster, so both decode nodes have measured steps when one slows
+    # (a Ray-restarted peer has none; its own recent best, router/step_history.py, would then
+    # expose it too, but only after a few heartbeats of history).
     result = run_scenario(cluster, "slow-node", requests=4, max_tokens=48, step_delay_s=STEP_DELAY_S)
     check(result, "slow-node")
     assert result["recovery_s"] is not None and result["placed_on_slow_node"] == 0, result

@@ -6,7 +6,16 @@ import random
 import pytest
 
 from kv_index.nodes import StepReport
-from router.cost_model import CostBook, OnlineFit, PrefillCost, PrefillCostFit, solve
+from router.cost_model import (
+    TRANSPORT_PRIORS,
+    CostBook,
+    OnlineFit,
+    PrefillCost,
+    PrefillCostFit,
+    TransferCost,
+    TransferFit,
+    solve,
+)
 
 
 def test_solve_3x3_and_singular_direction():
@@ -85,15 +94,18 @@ def test_online_fit_is_plain_least_squares_without_forgetting():
 
 
 def test_cost_book_per_node_models_and_pair_bandwidth():
-    book = CostBook(prior=PrefillCost(), default_bandwidth=10e9, kv_bytes_per_token=1000, bandwidth_alpha=0.5)
+    book = CostBook(prior=PrefillCost(), default_bandwidth=10e9, kv_bytes_per_token=1000)
     assert book.prefill("never-seen") == PrefillCost()
     assert book.transfer_s("a", "b", 10_000) == pytest.approx(1e7 / 10e9)
     assert book.transfer_s("a", "a", 10_000) == 0.0
-    book.add_transfer("a", "b", 2_000_000_000, 1.0)  # 2 GB/s measured
-    assert book.bandwidth("a", "b") == pytest.approx(2e9)
-    book.add_transfer("a", "b", 4_000_000_000, 1.0)  # EWMA halfway to 4 GB/s
-    assert book.bandwidth("a", "b") == pytest.approx(3e9)
-    assert book.bandwidth("b", "a") == 10e9  # pairs are directed
+    for _ in range(30):
+        book.add_transfer("a", "b", 2_000_000_000, 1.0)  # 2 GB/s measured, no fixed cost
+    assert book.bandwidth("a", "b") == pytest.approx(2e9, rel=1e-3)
+    book.add_transfer("c", "d", 4_000_000_000, 1.0)
+    assert book.bandwidth("c", "d") == pytest.approx(4e9, rel=1e-3)  # pairs are fitted apart
+    assert book.bandwidth("a", "b") == pytest.approx(2e9, rel=1e-3)
+    # pairs are directed; one that never transferred gets the pooled fit of all pairs
+    assert 2e9 < book.bandwidth("b", "a") == book.bandwidth("x", "y") < 2.2e9
     # few reports: every node gets the pooled fit; enough: p0 gets its own
     book = CostBook(prior=PrefillCost(), min_reports=3)
     book.add_step("p0", StepReport(1000, 1000, 5.0))
@@ -110,3 +122,177 @@ def test_transfer_predictions_use_the_measured_model_bytes_per_token():
     book.add_transfer("a", "b", 65536, 65536 / 1e9, num_tokens=64)
     assert book.kv_bytes_per_token == 1024
     assert book.transfer_s("a", "b", 1000) == pytest.approx(1000 * 1024 / 1e9)
+
+
+# -- KV transfers: fixed cost + bytes / bandwidth, per pair and transport ---------------------------
+
+BLOCK = 720_896  # bytes of one 16-token block of a small fp32 model (the bench's 1-block transfer)
+
+
+def test_transfer_fit_separates_fixed_cost_from_bandwidth():
+    """Chat-sized and long prompts mixed: a bytes/seconds average reads the fixed cost as low
+    bandwidth; the fit recovers both."""
+    true = TransferCost(fixed_s=2.0e-3, bandwidth=0.8e9)
+    fit = TransferFit(TRANSPORT_PRIORS["grpc"])  # prior: 1.3 ms, 1.1 GB/s
+    rng = random.Random(2)
+    ratios = []
+    for _ in range(300):
+        nb = BLOCK * rng.choice([1, 1, 1, 2, 3, 4, 16, 64])
+        s = true.seconds(nb) * rng.uniform(0.95, 1.05)
+        fit.add(nb, s)
+        ratios.append(nb / s)
+    m = fit.model
+    assert m.fixed_s == pytest.approx(true.fixed_s, rel=0.15)
+    assert m.bandwidth == pytest.approx(true.bandwidth, rel=0.1)
+    for blocks in (1, 64):
+        assert m.seconds(blocks * BLOCK) == pytest.approx(true.seconds(blocks * BLOCK), rel=0.05)
+    naive_bw = sum(ratios[-50:]) / 50
+    assert naive_bw < 0.6 * true.bandwidth  # what the old EWMA of bytes/seconds would have said
+
+
+def test_reports_of_one_size_fix_the_level_and_keep_the_priors_split():
+    """Every prompt 1 block, 3x slower than the prior: the 1-block prediction follows the data;
+    the split between fixed cost and bandwidth stays the prior's (scaled), not noise's."""
+    prior = TRANSPORT_PRIORS["tcp"]
+    fit = TransferFit(prior)
+    rng = random.Random(3)
+    for _ in range(200):
+        fit.add(BLOCK, 3 * prior.seconds(BLOCK) * rng.uniform(0.9, 1.1))
+    m = fit.model
+    assert m.seconds(BLOCK) == pytest.approx(3 * prior.seconds(BLOCK), rel=0.05)
+    assert m.seconds(64 * BLOCK) == pytest.approx(3 * prior.seconds(64 * BLOCK), rel=0.2)
+    assert m.fixed_s > 0 and m.bandwidth < prior.bandwidth
+
+
+def test_priors_before_any_transfer():
+    fit = TransferFit(TRANSPORT_PRIORS["shm"])
+    assert fit.model == TRANSPORT_PRIORS["shm"] and fit.n == 0 and fit.scale == 1.0
+    book = CostBook(default_bandwidth=10e9, default_fixed_s=1e-3, kv_bytes_per_token=1000)
+    assert book.transfer_s("p", "d", 1000) == pytest.approx(1e-3 + 1e6 / 10e9)
+    assert book.transfer_model("p", "d") == TransferCost(1e-3, 10e9)
+    assert book.transfer_fits() == []
+    # The transports' priors order as measured: shm cheapest, gRPC dearest, at every size.
+    for nb in (BLOCK, 64 * BLOCK):
+        assert (TRANSPORT_PRIORS["shm"].seconds(nb) < TRANSPORT_PRIORS["tcp"].seconds(nb)
+                < TRANSPORT_PRIORS["grpc"].seconds(nb))
+
+
+def test_a_pair_is_predicted_by_the_transport_it_last_used():
+    book = CostBook(kv_bytes_per_token=BLOCK // 16)
+    shm, grpc_ = TransferCost(0.2e-3, 4e9), TransferCost(1.5e-3, 1e9)
+    for blocks in [1, 4, 16, 64] * 10:
+        book.add_transfer("p", "d", blocks * BLOCK, shm.seconds(blocks * BLOCK), transport="shm")
+    assert book.transfer_model("p", "d").bandwidth == pytest.approx(4e9, rel=0.05)
+    # shm failed once; the push fell back to gRPC: the pair is predicted at gRPC's cost now.
+    book.add_transfer("p", "d", 16 * BLOCK, grpc_.seconds(16 * BLOCK), transport="grpc")
+    assert book.transfer_model("p", "d") == book._pairs[("p", "d")].fits["grpc"].model
+    assert book.transfer_s("p", "d", 256) > 2 * shm.seconds(16 * BLOCK)
+    # ... until shm works again: its fit was kept.
+    book.add_transfer("p", "d", 16 * BLOCK, shm.seconds(16 * BLOCK), transport="shm")
+    assert book.transfer_s("p", "d", 256) == pytest.approx(shm.seconds(16 * BLOCK), rel=0.05)
+    views = {(v.transport, v.current) for v in book.transfer_fits()}
+    assert views == {("grpc", False), ("shm", True)}
+    # A pair that never transferred is predicted by the pooled fit of the last transport seen.
+    assert book.transfer_model("p2", "d") == book._pooled_transfers["shm"].model
+
+
+def test_streamed_transfers_charge_only_the_exposed_part():
+    book = CostBook(kv_bytes_per_token=BLOCK // 16)
+    true = TransferCost(0.4e-3, 3e9)
+    for blocks in [4, 16, 64] * 20:
+        nb = blocks * BLOCK
+        # 8 pushes during the compute; the request waits for about a quarter of a one-push transfer.
+        book.add_transfer("p", "d", nb, true.seconds(nb, pushes=8), transport="tcp",
+                          exposed_s=0.25 * true.seconds(nb), streamed=True, pushes=8)
+        book.add_transfer("p", "d2", nb, true.seconds(nb), transport="tcp")  # not streamed
+    # The raw fit still knows the bandwidth (pushes' fixed costs are not read as slow bytes).
+    assert book.bandwidth("p", "d") == pytest.approx(3e9, rel=0.05)
+    assert book.transfer_model("p", "d").fixed_s == pytest.approx(0.4e-3, rel=0.1)
+    assert book.transfer_s("p", "d", 1024) == pytest.approx(0.25 * book.raw_transfer_s("p", "d", 1024), rel=0.05)
+    assert book.transfer_s("p", "d2", 1024) == book.raw_transfer_s("p", "d2", 1024)
+    # Streaming switched off on the node: the exposed share climbs back towards the whole.
+    for _ in range(30):
+        book.add_transfer("p", "d", 16 * BLOCK, true.seconds(16 * BLOCK), transport="tcp")
+    assert book.transfer_s("p", "d", 1024) > 0.95 * book.raw_transfer_s("p", "d", 1024)
+
+
+def test_a_fully_hidden_streamed_transfer_costs_nothing_and_bad_exposed_figures_teach_nothing():
+    book = CostBook(kv_bytes_per_token=BLOCK // 16)
+    for _ in range(10):  # the last push landed before the compute ended
+        book.add_transfer("p", "d", BLOCK, 1e-3, transport="tcp", exposed_s=0.0, streamed=True, pushes=2)
+    assert book.raw_transfer_s("p", "d", 16) > 0 and book.transfer_s("p", "d", 16) < 0.15 * book.raw_transfer_s("p", "d", 16)
+    book = CostBook(kv_bytes_per_token=BLOCK // 16)
+    for exposed in (-1.0, float("nan")):
+        book.add_transfer("p", "d", BLOCK, 1e-3, transport="tcp", exposed_s=exposed, streamed=True)
+    assert book._pairs[("p", "d")].exposed_fraction == 1.0 and not book._pairs[("p", "d")].streamed_seen
+
+
+@pytest.mark.parametrize("nb, seconds", [(0, 1e-3), (-5, 1e-3), (BLOCK, 0.0), (BLOCK, -1.0),
+                                         (BLOCK, float("nan")), (BLOCK, float("inf"))])
+def test_unusable_reports_teach_nothing(nb, seconds):
+    book = CostBook(kv_bytes_per_token=1000)
+    before = book.transfer_s("p", "d", 1000)
+    book.add_transfer("p", "d", nb, seconds, num_tokens=16, transport="tcp")
+    assert book.transfer_s("p", "d", 1000) == before and book.kv_bytes_per_token == 1000
+    assert not TransferFit(TRANSPORT_PRIORS["tcp"]).add(nb, seconds)
+
+
+def test_an_absurd_report_moves_the_fit_a_bounded_step():
+    fit = TransferFit(TRANSPORT_PRIORS["tcp"])
+    true = TransferCost(0.5e-3, 3e9)
+    for blocks in [1, 4, 16, 64] * 20:
+        fit.add(blocks * BLOCK, true.seconds(blocks * BLOCK))
+    settled = fit.model
+    for absurd in (1e-12, 1e4):  # a clock step either way
+        f = TransferFit(TRANSPORT_PRIORS["tcp"])
+        for blocks in [1, 4, 16, 64] * 20:
+            f.add(blocks * BLOCK, true.seconds(blocks * BLOCK))
+        assert f.add(16 * BLOCK, absurd)
+        for blocks in (1, 64):
+            nb = blocks * BLOCK
+            assert settled.seconds(nb) / 3 < f.model.seconds(nb) < 3 * settled.seconds(nb)
+        assert 0 < f.model.bandwidth <= 1e13 and f.model.fixed_s >= 0
+    # A real change still gets through within a few dozen reports.
+    slow = TransferCost(5e-3, 0.3e9)
+    for blocks in [1, 4, 16, 64] * 25:
+        fit.add(blocks * BLOCK, slow.seconds(blocks * BLOCK))
+    assert fit.model.seconds(16 * BLOCK) == pytest.approx(slow.seconds(16 * BLOCK), rel=0.1)
+
+
+def test_orchestrator_feeds_the_book_from_prefill_responses():
+    from protos.pdserve.v1 import kv_pb2
+    from router.orchestrator import learn_transfer
+
+    book = CostBook(kv_bytes_per_token=1)
+    # A node from before the transports: no transport named, nothing streamed; it pushed over gRPC.
+    old = kv_pb2.PrefillResponse(blocks_sent=2, bytes_sent=2 * BLOCK, transfer_s=4e-3)
+    learn_transfer(book, "p", "d", old, block_size=16)
+    assert book.kv_bytes_per_token == BLOCK // 16
+    assert [(v.transport, v.transfers) for v in book.transfer_fits()] == [("grpc", 1)]
+    new = kv_pb2.PrefillResponse(blocks_sent=2, bytes_sent=2 * BLOCK, transfer_s=2e-3, transport="tcp",
+                                 transfer_exposed_s=2e-4, kv_streamed=True, kv_pushes=4)
+    learn_transfer(book, "p", "d", new, block_size=16)
+    assert book._pairs[("p", "d")].transport == "tcp"
+    assert book.transfer_s("p", "d", 32) < book.raw_transfer_s("p", "d", 32)
+    nothing = kv_pb2.PrefillResponse()  # everything cached on the decode node: nothing sent
+    learn_transfer(book, "p", "d", nothing, block_size=16)
+    assert [v.transfers for v in book.transfer_fits()] == [1, 1]
+
+
+def test_fitted_transfers_are_exported_as_gauges():
+    from prometheus_client import generate_latest
+
+    from telemetry.metrics import RouterMetrics
+
+    book = CostBook()
+    book.add_transfer("p0", "d0", 16 * BLOCK, 5e-3, transport="grpc")
+    book.add_transfer("p0", "d0", 16 * BLOCK, 2e-3, transport="tcp")
+    m = RouterMetrics("m")
+    m.watch_transfers(book.transfer_fits)
+    text = generate_latest(m.registry).decode()
+    for transport in ("grpc", "tcp"):
+        labels = f'{{dst="d0",model_name="m",src="p0",transport="{transport}"}}'
+        assert f"pdserve:router_kv_bandwidth_bytes_per_second{labels}" in text
+        assert f"pdserve:router_kv_fixed_seconds{labels}" in text
+    assert 'pdserve:router_kv_exposed_fraction{dst="d0",model_name="m",src="p0",transport="tcp"} 1.0' in text
+    assert 'pdserve:router_kv_exposed_fraction{dst="d0",model_name="m",src="p0",transport="grpc"}' not in text

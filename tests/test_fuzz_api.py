@@ -245,6 +245,7 @@ def test_limits_are_refused_with_the_field_and_the_limit(cluster):
             (dict(n=17), "n must be between 1 and 16, got 17"),
             (dict(temperature=float("nan")), "temperature must be a finite number"),
             (dict(stop=["x"] * 17), "stop may hold at most 16 strings, got 17"),
+            (dict(stop=["ok", "x" * 257]), "stop strings may have at most 256 characters; stop[1] has 257"),
         ]:
             with pytest.raises(pdserve.InvalidRequestError, match=re.escape(words)):
                 c.complete_all(token_ids=[1, 2, 3], **kwargs)

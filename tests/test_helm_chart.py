@@ -309,6 +309,25 @@ def test_engine_values_map_onto_pdserve_nodes_flags():
     assert a.served_model_name == router_args[router_args.index("--model-name") + 1] == values["model"]["name"]
 
 
+def test_router_values_map_onto_router_server_flags():
+    """Every flag the chart gives the router exists in ``python -m router.server`` (its own
+    parser reads the rendered args), and the reliability values arrive: max_migrations and the
+    straggler factor, default and set."""
+    from router.server import build_parser
+
+    def router_args(values: dict):
+        args = one(render(values), "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]["args"]
+        return build_parser().parse_args(args)
+
+    a = router_args({})
+    assert (a.max_migrations, a.straggler_factor, a.max_inflight, a.policy) == (2, 3.0, 256, "ttft")
+    a = router_args({"router": {"maxMigrations": 0, "stragglerFactor": 2.5}})
+    assert (a.max_migrations, a.straggler_factor) == (0, 2.5)
+    assert router_args({"router": {"stragglerFactor": 0}}).straggler_factor == 0.0  # off
+    for example in EXAMPLES:
+        router_args(example_values(example))
+
+
 def test_pdbs_select_the_worker_groups_and_the_router():
     docs = render()
     rc = one(docs, "RayCluster")
@@ -549,6 +568,10 @@ def test_the_charts_dashboard_is_the_repos():
     {"redis": {"mode": "external", "external": {"url": "redis://:hunter2@cache:6379/0"}}},  # a password in the URL
     {"tls": {"enabled": True}},  # TLS without the Secret holding the certificates
     {"apiKey": "sk-inline"},  # a key itself instead of a reference to its Secret
+    {"router": {"maxMigrations": -1}},
+    {"router": {"maxMigrations": 1.5}},
+    {"router": {"stragglerFactor": -3}},
+    {"router": {"stragglerFactor": "3x"}},
 ], ids=lambda v: json.dumps(v))
 def test_schema_rejects(bad):
     with pytest.raises(helm_python.HelmValuesError):

@@ -266,8 +266,35 @@ def test_gate_compares_with_the_predicted_plain_step_until_one_is_measured():
     gate = StepGate(lambda b: 20.0 + b)  # predicted plain step of 8 rows: 28 ms -> 0.286 tokens/ms
     for _ in range(GATE_MIN_STEPS):
         gate.observe(8, tokens=10, ms=40.0, verifying=True)  # 0.25 tokens/ms
-    assert gate.rates(8) == (pytest.approx(0.25), pytest.approx(8 / 28))
+    # relative to the prediction: 10/8 tokens per sequence in 40/28 plain-step times
+    assert gate.rates(8) == (pytest.approx((10 / 8) / (40 / 28)), 1.0)
     assert not gate.allow(8)
+
+
+def test_gate_shares_a_verdict_across_a_bucket_of_batch_sizes():
+    """Natural stopping shrinks a batch one by one (8, 7, 6, ...): sizes 4-7 share what was
+    learned, judged relative to each size's own predicted plain step, so a losing verdict
+    need not be learned again (with losing steps) at each size."""
+    gate = StepGate(lambda b: 20.0 + b)
+    for b in (7, 6, 5):  # one losing verifying step at each size: 0.9 of a plain step's yield
+        gate.observe(b, tokens=b, ms=(20.0 + b) / 0.9, verifying=True)
+    assert gate.rates(4)[0] == pytest.approx(0.9)
+    assert not gate.allow(4)
+    assert gate.allow(8)  # 8-15 is another bucket, not judged yet
+    assert gate.snapshot() == {"4-7": 0.9}
+    assert [StepGate.bucket_label(StepGate.bucket(b)) for b in (1, 2, 3, 4, 7, 8, 16)] == \
+        ["1", "2-3", "2-3", "4-7", "4-7", "8-15", "16-31"]
+
+
+def test_gate_measured_plain_steps_cancel_an_error_of_the_prediction():
+    gate = StepGate(lambda b: 10.0)  # predicts 10 ms; this machine takes 20 ms for a plain step
+    for _ in range(3):
+        gate.observe(2, tokens=2, ms=20.0, verifying=False)
+    for _ in range(GATE_MIN_STEPS):
+        gate.observe(3, tokens=5, ms=30.0, verifying=True)  # 5/3 per seq in 30 ms: 1.11x plain's 1 in 20
+    spec, plain = gate.rates(2)
+    assert plain == pytest.approx(0.5) and spec == pytest.approx((5 / 3) / 3.0)
+    assert gate.allow(3)
 
 
 def test_a_losing_gate_comes_back_when_the_text_turns_repetitive():

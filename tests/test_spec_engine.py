@@ -289,3 +289,31 @@ def test_target_states_reach_the_proposer_as_declared(models, positions, layer):
         for first, rows in pieces:
             torch.testing.assert_close(rows[0], want[first], atol=1e-4, rtol=1e-4)
         assert pieces[-1][0] == len(tokens) - 2
+
+
+def test_low_precision_declines_where_its_draft_cannot_pay(models, reference, monkeypatch):
+    """An adaptive low_precision drafter compares its measured matmul time with the target's
+    (both kernel plans measured on this machine) and declines when a draft round would cost
+    MAX_DRAFT_COST target steps or more: the engine then decodes without speculation, exactly.
+    The threshold is moved instead of the machine, so the test means the same on every CPU."""
+    from decode_node.spec import low_precision
+
+    adaptive = SpeculativeConfig(method="low_precision", num_speculative_tokens=3)
+    monkeypatch.setattr(low_precision, "MAX_DRAFT_COST", 0.0)
+    declined = make_engine(models["target"], adaptive)
+    assert declined.spec is None
+    assert declined.stats()["speculative"] is None
+    assert [o.outputs[0].token_ids for o in declined.generate(prompts(), GREEDY)] == reference
+
+    monkeypatch.setattr(low_precision, "MAX_DRAFT_COST", float("inf"))
+    kept = make_engine(models["target"], adaptive)
+    assert kept.spec is not None
+    # the measured ratio replaced the prior, and the draft runs the kernels measured for it
+    assert kept.spec.controller.draft_cost != low_precision.BF16_DRAFT_COST
+    assert kept.spec.proposer.model.linear_plan is not None
+    assert [o.outputs[0].token_ids for o in kept.generate(prompts(), GREEDY)] == reference
+
+    monkeypatch.setattr(low_precision, "MAX_DRAFT_COST", 0.0)
+    forced = make_engine(models["target"], SpeculativeConfig(method="low_precision", adaptive=False,
+                                                             num_speculative_tokens=3))
+    assert forced.spec is not None  # adaptive off: drafting was ordered, and is done

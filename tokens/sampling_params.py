@@ -43,6 +43,10 @@ class SamplingParams:
     MAX_N = 16
     MAX_LOGPROBS = 20
     MAX_STOP = 16  # stop strings per request (each one is matched at every step)
+    # Characters per stop string: the detokenizer holds back up to a stop string's length of
+    # text while it might still match, and matches every one at each step. OpenAI documents up
+    # to 4 stop sequences and vLLM no limit; 256 leaves room for any delimiter or closing tag.
+    MAX_STOP_CHARS = 256
     _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
     @property
@@ -93,3 +97,7 @@ class SamplingParams:
             raise SamplingParamError("stop", f"stop may hold at most {self.MAX_STOP} strings, got {len(self.stop)}")
         if any(not s for s in self.stop):
             raise SamplingParamError("stop", "stop strings must be non-empty")
+        long = [i for i, s in enumerate(self.stop) if len(s) > self.MAX_STOP_CHARS]
+        if long:
+            raise SamplingParamError("stop", f"stop strings may have at most {self.MAX_STOP_CHARS} characters; "
+                                             f"stop[{long[0]}] has {len(self.stop[long[0]])}")

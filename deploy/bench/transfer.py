@@ -28,9 +28,12 @@ least-squares line through the median times of 1, 4 and 16-block transfers (``la
 ``components`` times two choices of the receiver on 64 MiB: each checksum algorithm's
 throughput (GiB/s), and filling a fresh receive buffer vs a reused one.
 
-Not measured here (null in the JSON): ``overlap``, ``ttft_streaming_s`` and
-``ttft_after_prefill_s`` need layer-wise streaming, which the prefill path does not do yet
-(docs/cluster.md, "KV data plane").
+``overlap``, ``ttft_streaming_s``, ``ttft_after_prefill_s`` (and ``streaming``): layer-wise KV
+streaming on a real prefill and decode node, on a 2,048-token prompt of SmolLM2-135M, with and
+without streaming in one run (deploy/bench/transfer_streaming.py, where the definitions are):
+``overlap`` = 1 - (time from the first token to the last KV push landing, streamed) / (push
+time after the prefill, not streamed), the fraction of the transfer hidden behind compute.
+``--streaming-only`` runs just that part; ``--no-streaming`` skips it.
 
 The KV has SmolLM2-135M's shape: 30 layers, 3 KV heads, head_dim 64, block 16, float32, so one
 block of 16 tokens over all layers is 737,280 bytes.
@@ -84,6 +87,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time Ray's object store (numpy views) as a same-host path, beside shm "
                              "(starts a local Ray: ~5 s, ~0.7 GB)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw throughput vs size for the paths")
+    parser.add_argument("--no-streaming", dest="streaming", action="store_false",
+                        help="skip the layer-wise streaming comparison (overlap and the two TTFTs stay null)")
+    parser.add_argument("--streaming-only", action="store_true",
+                        help="only the layer-wise streaming comparison (no transport sweep)")
+    parser.add_argument("--streaming-model", default=None,
+                        help="model of the streaming comparison (default smollm2-135m; --quick: tiny-llama)")
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="prompt length of the streaming comparison (default 2048; --quick: 384)")
+    parser.add_argument("--streaming-repeats", type=int, default=None,
+                        help="requests per way in the streaming comparison (median; default 5, --quick: 2)")
 
 
 def _blocks_for(size_mib: int, block_bytes: int) -> int:
@@ -144,7 +157,22 @@ class _Receiver:
         self.proc.wait(timeout=30)
 
 
+def _streaming(args: argparse.Namespace, report) -> dict:
+    from deploy.bench import transfer_streaming
+
+    preset = dict(transfer_streaming.QUICK if args.quick else transfer_streaming.FULL)
+    for key, value in (("model", args.streaming_model), ("prompt_tokens", args.prompt_tokens),
+                       ("repeats", args.streaming_repeats)):
+        if value is not None:
+            preset[key] = value
+    report.progress(f"layer-wise streaming: {preset['prompt_tokens']}-token prompts of {preset['model']}, "
+                    f"streaming on vs off, {preset['repeats']} repeats each")
+    return transfer_streaming.measure(report, quick=args.quick, **preset)
+
+
 def run(args: argparse.Namespace, report) -> dict:
+    if args.streaming_only:
+        return {"unit": "seconds", **_streaming(args, report)}
     if args.quick:
         args.sizes_mib, args.seconds_per_size = [1, 4], 0.3
     block_bytes_all_layers = NUM_LAYERS * 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 4
@@ -254,6 +282,7 @@ def run(args: argparse.Namespace, report) -> dict:
         _plot(per_size, args.plot)
         report.progress(f"plot written to {args.plot}")
     components = _components(report, mib=8 if args.quick else 64)
+    streaming = _streaming(args, report) if args.streaming else {}
     grpc_t = transports["grpc"]
     return {
         "unit": "gigabytes per second (1e9 bytes/s)",
@@ -261,9 +290,10 @@ def run(args: argparse.Namespace, report) -> dict:
         "bit_exact": bit_exact,
         "fixed_ms": fixed_ms,
         "latency_ms": latency_ms,
-        "overlap": None,
-        "ttft_streaming_s": None,
-        "ttft_after_prefill_s": None,
+        "overlap": streaming.get("overlap"),
+        "ttft_streaming_s": streaming.get("ttft_streaming_s"),
+        "ttft_after_prefill_s": streaming.get("ttft_after_prefill_s"),
+        "streaming": streaming.get("streaming"),
         # The figures this bench reported before it measured transports side by side.
         "gbps": grpc_t["gbps"],
         "socket_gbps": grpc_t["ceiling_gbps"],

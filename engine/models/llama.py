@@ -19,7 +19,7 @@ crosses the threshold differs from transformers (which rescales the whole prompt
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -294,9 +294,12 @@ class LlamaForCausalLM(nn.Module):
         attn: AttentionBackend,
         num_layers: int | None = None,
         capture_layer: int | None = None,
+        after_layer: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward`` that also returns the residual stream after decoder layer
-        ``capture_layer`` (before any norm; None: not kept) -> ([T, hidden], [T, hidden] | None)."""
+        ``capture_layer`` (before any norm; None: not kept) -> ([T, hidden], [T, hidden] | None).
+        ``after_layer(i)`` runs once decoder layer i has written this step's K/V into
+        ``kv_cache[i]`` (layer-wise KV streaming; on CUDA the write is only enqueued then)."""
         n = self.cfg.num_layers if num_layers is None else num_layers
         if not 1 <= n <= self.cfg.num_layers:
             raise ValueError(f"num_layers must be in [1, {self.cfg.num_layers}], got {n}")
@@ -310,6 +313,8 @@ class LlamaForCausalLM(nn.Module):
             h = self.layers[i](h, cos, sin, kv_cache[i], attn)
             if i == capture_layer:
                 captured = h
+            if after_layer is not None:
+                after_layer(i)
         return self.norm(h), captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] f32
