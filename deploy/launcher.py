@@ -106,6 +106,12 @@ class LocalCluster:
         from deploy.forking import disable_grpc_fork_support
 
         disable_grpc_fork_support()  # effective only if this process has not used gRPC yet
+        # Ray's control plane runs code it is sent: token authentication keeps other local
+        # users out of it. Explicit, so a Ray default changing does not turn it off. Set before
+        # ray is imported: ray reads it at import, and a driver imported without it starts a
+        # GCS that wants a token while it sends none ("InvalidAuthToken", `make run` failed so).
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         import ray
 
         from engine.models.loader import read_model_config, resolve_source
@@ -131,10 +137,6 @@ class LocalCluster:
             self.progress(f"TLS on every hop; clients trust the throwaway CA {self.tls.ca_file}")
 
         self.progress("starting Ray")
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        # Ray's control plane runs code it is sent: token authentication keeps other local
-        # users out of it. Explicit, so a Ray default changing does not turn it off.
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
         dash_port = cfg.dashboard_port or free_port()
         ctx = ray.init(
             namespace=cfg.namespace,

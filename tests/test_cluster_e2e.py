@@ -132,6 +132,9 @@ def test_pdserve_up_prints_ready_and_leaves_nothing_behind():
     from deploy.redis_server import free_port
 
     env = dict(os.environ)  # the root conftest set Ray and gRPC up for tests
+    # ...but `pdserve up` runs as `make run` runs it: Ray's token authentication on (its own
+    # default). It once started a GCS that wanted a token the driver did not send.
+    env.pop("RAY_AUTH_MODE", None)
     port, http_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--grpc-port", str(port),
                              "--http-port", str(http_port), "--dashboard-port", "0", "--kv-cache-mib", "64"],
