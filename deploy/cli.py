@@ -163,18 +163,29 @@ def cmd_generate_remote(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_up(a: argparse.Namespace) -> int:
-    from deploy.launcher import ClusterConfig, run_up
+def cluster_config_from_args(a: argparse.Namespace):
+    from deploy.launcher import ClusterConfig
     from security.api_keys import keys_from
 
-    spinner_free = lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    cfg = ClusterConfig(
+    return ClusterConfig(
         engine=engine_config_from_args(a), prefill_nodes=a.prefill_nodes, decode_nodes=a.decode_nodes,
         host="127.0.0.1", grpc_port=a.grpc_port, redis_url=a.redis_url, dashboard_port=a.dashboard_port,
         short_prompt_tokens=a.short_prompt_tokens, node_threads=a.node_threads,
         http_port=None if a.http_port < 0 else a.http_port, otlp_endpoint=a.otlp_endpoint,
         tls=a.tls, api_keys=keys_from(a.api_keys, os.environ), drain_timeout_s=a.drain_timeout_s,
+        max_migrations=a.max_migrations, straggler_factor=a.straggler_factor,
     )
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    from deploy.launcher import run_up
+
+    spinner_free = lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        cfg = cluster_config_from_args(a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return run_up(cfg, spinner_free, demo_prompt=a.demo)
 
 
@@ -299,6 +310,35 @@ def cmd_bench(a: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def add_up_arguments(u: argparse.ArgumentParser) -> None:
+    _add_engine_args(u)
+    u.add_argument("--prefill-nodes", type=int, default=1)
+    u.add_argument("--decode-nodes", type=int, default=1)
+    u.add_argument("--grpc-port", type=int, default=50051)
+    u.add_argument("--http-port", type=int, default=8000,
+                   help="the router's OpenAI-compatible HTTP API and /metrics (-1: none)")
+    u.add_argument("--otlp-endpoint", default=None,
+                   help="export traces to this OTLP/gRPC collector (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else off)")
+    u.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    u.add_argument("--dashboard-port", type=int, default=8265)
+    u.add_argument("--tls", action="store_true",
+                   help="TLS on every gRPC hop (mutual between members) and HTTPS, from a throwaway CA")
+    u.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
+                   help="clients must send this key (repeatable; default $PDSERVE_API_KEY, comma-separated)")
+    u.add_argument("--short-prompt-tokens", type=int, default=16,
+                   help="prompts shorter than this prefill on the decode node")
+    u.add_argument("--node-threads", type=int, default=1, help="torch threads per node")
+    u.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
+                   help="on Ctrl-C / SIGTERM, seconds to finish in-flight requests (new ones refused) before stopping")
+    u.add_argument("--demo", default=None, metavar="PROMPT",
+                   help="once ready, stream an answer to PROMPT through the cluster, then keep serving")
+    u.add_argument("--max-migrations", type=int, default=2,
+                   help="times a request whose node failed is placed again (0: the stream ends with the error)")
+    u.add_argument("--straggler-factor", type=float, default=3.0,
+                   help="leave out a decode node whose step time is this many times the fastest one's or its "
+                   "own recent best (0: never)")
+
+
 def main(argv: list[str] | None = None) -> int:
     from deploy.forking import disable_grpc_fork_support
 
@@ -323,28 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(g)
     _add_sampling_args(g)
 
-    u = sub.add_parser("up", help="run the whole cluster on this machine")
-    _add_engine_args(u)
-    u.add_argument("--prefill-nodes", type=int, default=1)
-    u.add_argument("--decode-nodes", type=int, default=1)
-    u.add_argument("--grpc-port", type=int, default=50051)
-    u.add_argument("--http-port", type=int, default=8000,
-                   help="the router's OpenAI-compatible HTTP API and /metrics (-1: none)")
-    u.add_argument("--otlp-endpoint", default=None,
-                   help="export traces to this OTLP/gRPC collector (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else off)")
-    u.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    u.add_argument("--dashboard-port", type=int, default=8265)
-    u.add_argument("--tls", action="store_true",
-                   help="TLS on every gRPC hop (mutual between members) and HTTPS, from a throwaway CA")
-    u.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
-                   help="clients must send this key (repeatable; default $PDSERVE_API_KEY, comma-separated)")
-    u.add_argument("--short-prompt-tokens", type=int, default=16,
-                   help="prompts shorter than this prefill on the decode node")
-    u.add_argument("--node-threads", type=int, default=1, help="torch threads per node")
-    u.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
-                   help="on Ctrl-C / SIGTERM, seconds to finish in-flight requests (new ones refused) before stopping")
-    u.add_argument("--demo", default=None, metavar="PROMPT",
-                   help="once ready, stream an answer to PROMPT through the cluster, then keep serving")
+    add_up_arguments(sub.add_parser("up", help="run the whole cluster on this machine"))
 
     st = sub.add_parser("status", help="nodes, load, caches, transfers and the index of a running cluster")
     st.add_argument("--redis-url", default=None, help="default: the running `pdserve up`'s")

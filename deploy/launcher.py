@@ -64,10 +64,30 @@ class ClusterConfig:
     drain_timeout_s: float = 30.0
     tls: bool = False  # TLS on every gRPC hop and HTTPS, from a throwaway CA
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # keys clients must send; () = none
+    # The router's fault handling (router/config.py): times a request whose node failed is placed
+    # again, and the step-time factor past which a decode node is left out (0: never).
+    max_migrations: int = 2
+    straggler_factor: float = 3.0
 
     def __post_init__(self) -> None:
         if self.prefill_nodes < 0 or self.decode_nodes < 1:
             raise ValueError("need at least one decode node and zero or more prefill nodes")
+        # Checked here too, so a bad value stops `pdserve up` before Ray and the nodes start.
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if not self.straggler_factor >= 0 or self.straggler_factor == float("inf"):  # NaN fails >= 0
+            raise ValueError(f"straggler_factor must be a finite number >= 0 (0: off), got {self.straggler_factor}")
+
+
+def router_config(cfg: ClusterConfig, **fields):
+    """The RouterConfig of a local cluster: what ``cfg`` says, plus ``fields`` only bring-up
+    knows (Redis URL, model directory and length, the members' TLS files)."""
+    from router.config import RouterConfig
+
+    return RouterConfig(
+        host=cfg.host, port=cfg.grpc_port, namespace=cfg.namespace, short_prompt_tokens=cfg.short_prompt_tokens,
+        http_port=cfg.http_port, ready_min_prefill=min(1, cfg.prefill_nodes), otlp_endpoint=cfg.otlp_endpoint,
+        api_keys=cfg.api_keys, max_migrations=cfg.max_migrations, straggler_factor=cfg.straggler_factor, **fields)
 
 
 def state_file() -> Path:
@@ -116,7 +136,6 @@ class LocalCluster:
 
         from engine.models.loader import read_model_config, resolve_source
         from node.config import pool_resource
-        from router.config import RouterConfig
         from router.server import serve
 
         cfg = self.config
@@ -173,13 +192,10 @@ class LocalCluster:
             self.progress(f"{nid} serving on {self.node_addresses[nid]}")
 
         self.progress("starting the router")
-        self.router = serve(RouterConfig(
-            redis_url=self.redis_url, model_name=cfg.engine.model, tokenizer_dir=str(model_dir),
+        self.router = serve(router_config(
+            cfg, redis_url=self.redis_url, model_name=cfg.engine.model, tokenizer_dir=str(model_dir),
             max_model_len=min(model_cfg.max_model_len, cfg.engine.scheduler.max_model_len or 1 << 30),
-            host=cfg.host, port=cfg.grpc_port, namespace=cfg.namespace,
-            short_prompt_tokens=cfg.short_prompt_tokens, http_port=cfg.http_port,
-            ready_min_prefill=min(1, cfg.prefill_nodes), otlp_endpoint=cfg.otlp_endpoint,
-            api_keys=cfg.api_keys, **self._member_tls(),
+            **self._member_tls(),
         ))
         self._wait_registered(deadline)
         self._write_state()

@@ -25,7 +25,9 @@ class NodeInfo:
     block_size: int
     num_blocks: int
     metrics_address: str = ""  # host:port of the node's Prometheus /metrics ("" = none)
-    # KV data-plane endpoints besides gRPC, fastest first ("tcp://host:port"; decode nodes)
+    # KV data plane besides gRPC, fastest first. Decode nodes: where they receive
+    # ("shm://<host key>/host:port", "tcp://host:port"); prefill nodes: what they send over,
+    # no address ("shm://<host key>/", "tcp://"; router/cost_model.py first_transport).
     kv_endpoints: tuple[str, ...] = ()
     # load, as of the last heartbeat
     waiting: int = 0

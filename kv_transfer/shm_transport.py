@@ -37,8 +37,10 @@ from kv_transfer.layout import PoolLayout
 from kv_transfer.tcp_transport import (
     CHUNK_BYTES,
     MAX_SHM_BYTES,
+    PROGRESS_TIMEOUT_S,
     SHM_DIR,
     SHM_PREFIX,
+    Clock,
     Link,
     TcpKVSender,
     frame,
@@ -49,7 +51,8 @@ from kv_transfer.tcp_transport import (
 from kv_transfer.tcp_transport import (
     SCHEME as TCP_SCHEME,
 )
-from kv_transfer.transport import PushResult, TransferError
+from kv_transfer.transport import PushResult, TransferError, TransportSkipped
+from kv_transfer.wire import unit_rows
 from protos.pdserve.v1 import kv_pb2
 
 SCHEME = "shm"
@@ -129,16 +132,19 @@ class ShmKVSender(TcpKVSender):
     scheme = SCHEME
 
     def __init__(self, connect_timeout_s: float = 5.0, chunk_bytes: int = CHUNK_BYTES,
-                 max_buffer_bytes: int = MAX_SHM_BYTES) -> None:
-        super().__init__(connect_timeout_s, chunk_bytes)
+                 max_buffer_bytes: int = MAX_SHM_BYTES, progress_timeout_s: float | None = PROGRESS_TIMEOUT_S) -> None:
+        super().__init__(connect_timeout_s, chunk_bytes, progress_timeout_s)
         self._max_buffer_bytes = max_buffer_bytes
         # Endpoints whose receiver could not map our buffers (same kernel, another /dev/shm, as
         # pods on one machine): not tried again, so each transfer does not pay a refused attach.
         self._unmappable: set[str] = set()
 
+    def advertised(self) -> str:
+        return f"{SCHEME}://{host_key()}/"
+
     def push(self, endpoint: str, pool: torch.Tensor, **blocks) -> PushResult:
         if endpoint in self._unmappable:
-            raise TransferError(grpc.StatusCode.UNAVAILABLE, f"{endpoint} cannot map this process's shared memory")
+            raise TransportSkipped(f"{endpoint} cannot map this process's shared memory")
         try:
             return super().push(endpoint, pool, **blocks)
         except _AttachRefused:
@@ -148,10 +154,10 @@ class ShmKVSender(TcpKVSender):
     def _check(self, endpoint: str, header: kv_pb2.KVHeader) -> None:
         key, _, _ = parse_shm_endpoint(endpoint)
         if not key or key != host_key():
-            raise TransferError(grpc.StatusCode.UNAVAILABLE, f"{endpoint} is on another host")
+            raise TransportSkipped(f"{endpoint} is on another host")
         if header.payload_bytes > self._max_buffer_bytes:
-            raise TransferError(grpc.StatusCode.UNAVAILABLE,
-                                f"{header.payload_bytes} bytes exceed the shared buffer limit of {self._max_buffer_bytes}")
+            raise TransportSkipped(f"{header.payload_bytes} bytes exceed the shared buffer limit of "
+                                   f"{self._max_buffer_bytes}")
 
     def _address(self, endpoint: str) -> tuple[str, int]:
         _, host, port = parse_shm_endpoint(endpoint)
@@ -160,7 +166,7 @@ class ShmKVSender(TcpKVSender):
     def _fits(self, link: _ShmLink, header: kv_pb2.KVHeader) -> bool:
         return link.size >= header.payload_bytes
 
-    def _open(self, sock: socket.socket, header: kv_pb2.KVHeader, timeout: float | None) -> _ShmLink:
+    def _open(self, sock: socket.socket, header: kv_pb2.KVHeader, clock: Clock) -> _ShmLink:
         size = max(MIN_BUFFER_BYTES, 1 << (int(header.payload_bytes) - 1).bit_length())
         try:
             link = _ShmLink(sock, min(size, self._max_buffer_bytes))
@@ -168,8 +174,9 @@ class ShmKVSender(TcpKVSender):
             sock.close()
             raise
         try:
-            sock.settimeout(timeout)
-            send_all(sock, [frame(kv_pb2.KVBlockMessage(attach=kv_pb2.KVAttach(path=link.path, size=link.size)))])
+            send_all(sock, [frame(kv_pb2.KVBlockMessage(attach=kv_pb2.KVAttach(path=link.path, size=link.size)))],
+                     clock)
+            clock.arm(sock)  # the receiver only maps the file before it answers
             reply = read_reply(sock)
         except BaseException:
             link.close()
@@ -181,35 +188,38 @@ class ShmKVSender(TcpKVSender):
                                                               f"{reply.error.message}")
         return link
 
+    def _unread_bytes(self, header: kv_pb2.KVHeader) -> int:
+        # Frames are small and the socket holds all of them: the receiver may not have
+        # checked any chunk yet when the trailer leaves.
+        return header.payload_bytes
+
     def _transfer(self, link: _ShmLink, header: kv_pb2.KVHeader, pool: torch.Tensor, send_ids: list[int],
-                  timeout: float | None) -> kv_pb2.KVStreamReply:
+                  clock: Clock) -> kv_pb2.KVStreamReply:
         sock = link.sock
-        sock.settimeout(timeout)
         layout = PoolLayout.of(pool)
         unit = layout.block_bytes
-        n_blocks = len(send_ids)
-        ids = np.asarray(send_ids, dtype=np.int64)
         # [num_layers * num_blocks, block_bytes]: unit (l, b) at row l * num_blocks + b
         rows = pool.view(-1).view(torch.uint8).view(-1, unit)
-        n_units = header.layer_count * n_blocks
+        rows_np = rows.numpy() if pool.device.type == "cpu" else None
+        all_idx = unit_rows(header.layer_start, header.layer_count, send_ids, layout.num_blocks)  # [n_units]
+        n_units = len(all_idx)
         per_chunk = max(1, self._chunk_bytes // unit)
-        send_all(sock, [frame(kv_pb2.KVBlockMessage(header=header))])
+        send_all(sock, [frame(kv_pb2.KVBlockMessage(header=header))], clock)
         for seq, first in enumerate(range(0, n_units, per_chunk)):
-            u = np.arange(first, min(first + per_chunk, n_units))
-            idx = (header.layer_start + u // n_blocks) * layout.num_blocks + ids[u % n_blocks]
-            off, n = first * unit, len(u) * unit
-            out = link.array[off : off + n].reshape(len(u), unit)
-            if pool.device.type == "cpu":
+            idx = all_idx[first : first + per_chunk]
+            off, n = first * unit, len(idx) * unit
+            out = link.array[off : off + n].reshape(len(idx), unit)
+            if rows_np is not None:
                 # the one gather, into shared memory ("clip": mode "raise" buffers `out`, 4x slower)
-                np.take(rows.numpy(), idx, axis=0, out=out, mode="clip")
+                np.take(rows_np, idx, axis=0, out=out, mode="clip")
             else:
                 out[:] = rows.index_select(0, torch.from_numpy(idx).to(pool.device)).cpu().numpy()
             checksum = new_checksum(header.checksum_algorithm)
             checksum.update(out)
             chunk = kv_pb2.KVChunk(seq=seq, raw_bytes=n, checksum=checksum.value(), shm_offset=off)
-            send_all(sock, [frame(kv_pb2.KVBlockMessage(chunk=chunk))])
-        send_all(sock, [frame(kv_pb2.KVBlockMessage(trailer=kv_pb2.KVTrailer()))])
-        return read_reply(sock)
+            send_all(sock, [frame(kv_pb2.KVBlockMessage(chunk=chunk))], clock)
+        send_all(sock, [frame(kv_pb2.KVBlockMessage(trailer=kv_pb2.KVTrailer()))], clock)
+        return self._reply(sock, header, clock)
 
 
 class _AttachRefused(TransferError):

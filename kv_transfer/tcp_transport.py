@@ -53,7 +53,7 @@ from kv_transfer.validate import (
     Reservation,
     validate_header,
 )
-from kv_transfer.wire import build_header, payload_units
+from kv_transfer.wire import build_header, payload_units, unit_rows
 from protos.pdserve.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,17 @@ MAX_IDLE_PER_ENDPOINT = 4
 _SOCKET_BUFFER_BYTES = 4 << 20
 # Receiver: a transfer with no progress for this long fails (its reservation can be freed).
 STALL_TIMEOUT_S = 30.0
+# Sender: a push on which no byte moved for this long fails with DEADLINE_EXCEEDED and falls back
+# to the next transport, so a receiver that accepted the connection and stopped reading (a
+# wedged process, an acceptor that never serves its backlog) holds the sender thread, the
+# prefill node's blocks and the decode node's reservation for this long, not the push's whole
+# deadline. A healthy receiver never pauses this long: it reads ~1 MiB chunks back to back.
+PROGRESS_TIMEOUT_S = 5.0
+# Sender, after its last byte: the receiver still checks and scatters what it had not read yet
+# (at most the socket buffers' worth; shm: the whole payload) before it answers, so the wait
+# for the reply gets this much per such byte beyond the progress timeout: 50 MB/s, about 80x
+# below the slowest receiver measured (docs/benchmarks.md, transfer).
+REPLY_SECONDS_PER_BYTE = 1 / 50e6
 # Receiver: connections served at once (a thread each); more are closed at once.
 MAX_CONNECTIONS = 256
 # Shared-memory buffers senders on the same host attach (shm_transport.py): where they live,
@@ -107,11 +118,14 @@ def frame(message) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-def send_all(sock: socket.socket, buffers: Sequence) -> None:
-    """sendmsg until every buffer is out (a call may send part of them)."""
+def send_all(sock: socket.socket, buffers: Sequence, clock: Clock | None = None) -> None:
+    """sendmsg until every buffer is out (a call may send part of them); ``clock`` limits
+    each call's wait."""
     views = deque(memoryview(b).cast("B") for b in buffers)
     while views:
         batch = [views[i] for i in range(min(len(views), _MAX_IOV))]
+        if clock is not None:
+            clock.arm(sock)
         sent = sock.sendmsg(batch)
         while sent:
             head = views[0]
@@ -163,6 +177,37 @@ def _read_frame(sock: socket.socket) -> bytes | None:
 # ---------------------------------------------------------------------------- sender
 
 
+class Clock:
+    """A push's time limits on its socket: its deadline (``timeout`` seconds from the start,
+    None: none) and at most ``progress_s`` (None: no limit) waiting for any one send or
+    receive, i.e. without a byte moving. ``arm`` before every blocking call; after a
+    TimeoutError, ``why`` says which limit it was."""
+
+    def __init__(self, timeout: float | None, progress_s: float | None) -> None:
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._progress_s = progress_s
+        self.why = "timed out"
+
+    def arm(self, sock: socket.socket, wait_s: float | None = None) -> None:
+        """Let the next call on ``sock`` wait ``wait_s`` (default: the progress timeout), never
+        past the deadline; TimeoutError when the deadline has passed."""
+        wait = self._progress_s if wait_s is None else wait_s
+        self.why = "timed out" if wait is None else f"no progress for {wait:.3g} s"
+        if self._deadline is not None:
+            left = self._deadline - time.monotonic()
+            if wait is None or left <= wait:
+                self.why = "past the push's deadline"
+                if left <= 0:
+                    raise TimeoutError(self.why)
+                wait = left
+        sock.settimeout(wait)
+
+    def limit(self, seconds: float) -> float:
+        """``seconds``, or less if the deadline comes first (for connecting)."""
+        self.why = "connect timed out"
+        return seconds if self._deadline is None else max(0.001, min(seconds, self._deadline - time.monotonic()))
+
+
 class Link:
     """A sender's open connection to one endpoint (shm_transport adds its buffer)."""
 
@@ -180,9 +225,11 @@ class TcpKVSender:
 
     scheme = SCHEME
 
-    def __init__(self, connect_timeout_s: float = 5.0, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, connect_timeout_s: float = 5.0, chunk_bytes: int = CHUNK_BYTES,
+                 progress_timeout_s: float | None = PROGRESS_TIMEOUT_S) -> None:
         self._connect_timeout_s = connect_timeout_s
         self._chunk_bytes = chunk_bytes
+        self._progress_timeout_s = progress_timeout_s
         self._idle: dict[str, list[Link]] = {}
         self._lock = threading.Lock()  # guards _idle
 
@@ -195,7 +242,8 @@ class TcpKVSender:
         """Send ``src_block_ids[skip_leading_blocks:]`` of ``pool`` into ``dest_block_ids`` at
         ``endpoint`` (same arguments as grpc_transport.push_blocks). Raises TransferError with
         the receiver's code, UNAVAILABLE when it cannot be reached or the stream broke, or
-        DEADLINE_EXCEEDED; ValueError when the blocks do not fit the reservation."""
+        DEADLINE_EXCEEDED past ``timeout`` (the whole push) or when no byte moved for the
+        progress timeout; ValueError when the blocks do not fit the reservation."""
         layout = PoolLayout.of(pool)
         send_ids = list(src_block_ids)[skip_leading_blocks:]
         if len(send_ids) != len(dest_block_ids):
@@ -208,21 +256,22 @@ class TcpKVSender:
             first_block_index=skip_leading_blocks, checksum_algorithm=checksum_algorithm,
         )
         self._check(endpoint, header)
-        reused, link = self._take(endpoint, header, timeout)
+        clock = Clock(timeout, self._progress_timeout_s)
+        reused, link = self._take(endpoint, header, clock)
         try:
-            reply = self._transfer(link, header, pool, send_ids, timeout)
+            reply = self._transfer(link, header, pool, send_ids, clock)
         except (ConnectionError, OSError) as err:
             link.close()
             if not reused or isinstance(err, TimeoutError):
-                raise self._unavailable(endpoint, err) from None
+                raise self._unavailable(endpoint, err, clock) from None
             # A kept connection the receiver closed meanwhile (restart, idle close): once more
             # on a fresh one; the receiver forgot the broken stream, and a rewrite is whole.
-            _, link = self._take(endpoint, header, timeout, fresh=True)
+            _, link = self._take(endpoint, header, clock, fresh=True)
             try:
-                reply = self._transfer(link, header, pool, send_ids, timeout)
+                reply = self._transfer(link, header, pool, send_ids, clock)
             except (ConnectionError, OSError) as err2:
                 link.close()
-                raise self._unavailable(endpoint, err2) from None
+                raise self._unavailable(endpoint, err2, clock) from None
         except BaseException:
             link.close()
             raise
@@ -239,6 +288,9 @@ class TcpKVSender:
         for k in links:
             k.close()
 
+    def advertised(self) -> str:
+        return f"{self.scheme}://"
+
     # ---- what a transport on this stream changes (shm_transport.ShmKVSender)
     def _check(self, endpoint: str, header: kv_pb2.KVHeader) -> None:
         """Raise TransferError when this transfer cannot go to ``endpoint`` at all."""
@@ -246,16 +298,20 @@ class TcpKVSender:
     def _address(self, endpoint: str) -> tuple[str, int]:
         return parse_endpoint(endpoint)
 
-    def _open(self, sock: socket.socket, header: kv_pb2.KVHeader, timeout: float | None) -> Link:
+    def _open(self, sock: socket.socket, header: kv_pb2.KVHeader, clock: Clock) -> Link:
         return Link(sock)
 
     def _fits(self, link: Link, header: kv_pb2.KVHeader) -> bool:
         return True
 
+    def _unread_bytes(self, header: kv_pb2.KVHeader) -> int:
+        """The most payload the receiver may still have to check and scatter once the last
+        byte is sent: what the two socket buffers hold (the kernel doubles each one set)."""
+        return min(header.payload_bytes, 4 * _SOCKET_BUFFER_BYTES)
+
     def _transfer(self, link: Link, header: kv_pb2.KVHeader, pool: torch.Tensor, send_ids: list[int],
-                  timeout: float | None) -> kv_pb2.KVStreamReply:
+                  clock: Clock) -> kv_pb2.KVStreamReply:
         sock = link.sock
-        sock.settimeout(timeout)
         units = payload_units(pool, send_ids, range(header.layer_start, header.layer_start + header.layer_count))
         unit_bytes = units[0].nbytes
         per_chunk = max(1, min(_MAX_IOV - 2, self._chunk_bytes // unit_bytes))
@@ -269,12 +325,19 @@ class TcpKVSender:
             pending += [frame(kv_pb2.KVBlockMessage(chunk=chunk)), *part]
             if start + per_chunk >= len(units):  # the last chunk carries the trailer along
                 pending.append(frame(kv_pb2.KVBlockMessage(trailer=kv_pb2.KVTrailer())))
-            send_all(sock, pending)
+            send_all(sock, pending, clock)
             pending = []
+        return self._reply(sock, header, clock)
+
+    def _reply(self, sock: socket.socket, header: kv_pb2.KVHeader, clock: Clock) -> kv_pb2.KVStreamReply:
+        if self._progress_timeout_s is None:
+            clock.arm(sock)
+        else:
+            clock.arm(sock, self._progress_timeout_s + self._unread_bytes(header) * REPLY_SECONDS_PER_BYTE)
         return read_reply(sock)
 
     # ---- connections
-    def _take(self, endpoint: str, header: kv_pb2.KVHeader, timeout: float | None,
+    def _take(self, endpoint: str, header: kv_pb2.KVHeader, clock: Clock,
               fresh: bool = False) -> tuple[bool, Link]:
         if not fresh:
             with self._lock:
@@ -283,13 +346,12 @@ class TcpKVSender:
                     if self._fits(link, header):
                         return True, idle.pop(i)
         host, port = self._address(endpoint)
-        limit = self._connect_timeout_s if timeout is None else min(timeout, self._connect_timeout_s)
         try:
-            sock = socket.create_connection((host, port), timeout=limit)
+            sock = socket.create_connection((host, port), timeout=clock.limit(self._connect_timeout_s))
             _tune(sock)
-            return False, self._open(sock, header, timeout)
+            return False, self._open(sock, header, clock)
         except OSError as err:
-            raise self._unavailable(endpoint, err) from None
+            raise self._unavailable(endpoint, err, clock) from None
 
     def _give_back(self, endpoint: str, link: Link) -> None:
         with self._lock:
@@ -300,9 +362,11 @@ class TcpKVSender:
         link.close()
 
     @staticmethod
-    def _unavailable(endpoint: str, err: BaseException) -> TransferError:
-        code = grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(err, TimeoutError) else grpc.StatusCode.UNAVAILABLE
-        return TransferError(code, f"data stream to {endpoint}: {err!r}")
+    def _unavailable(endpoint: str, err: BaseException, clock: Clock | None = None) -> TransferError:
+        if isinstance(err, TimeoutError):
+            why = clock.why if clock is not None else "timed out"
+            return TransferError(grpc.StatusCode.DEADLINE_EXCEEDED, f"data stream to {endpoint}: {why}")
+        return TransferError(grpc.StatusCode.UNAVAILABLE, f"data stream to {endpoint}: {err!r}")
 
 
 def read_reply(sock: socket.socket) -> kv_pb2.KVStreamReply:
@@ -486,8 +550,9 @@ class TcpKVServer:
     def _receive(self, conn: _Connection, header: kv_pb2.KVHeader) -> None:
         """Chunks and trailer of a validated header; each chunk checked, then scattered."""
         unit = self._layout.block_bytes
-        n_blocks = len(header.dest_block_ids)
-        dest = np.asarray(header.dest_block_ids, dtype=np.int64)
+        # The pool row of every unit, once per transfer (bounded: the header was validated
+        # against the reservation); a chunk's rows are a slice of it.
+        all_rows = unit_rows(header.layer_start, header.layer_count, header.dest_block_ids, self._layout.num_blocks)
         received, seq = 0, 0
         while True:
             body = _read_frame(conn.sock)
@@ -514,11 +579,9 @@ class TcpKVServer:
             if checksum.value() != chunk.checksum:
                 raise KVDataLossError(f"chunk {seq} checksum: computed {checksum.value():#x}, "
                                       f"frame says {chunk.checksum:#x}")
-            # Units [first, first + k) of the payload: unit u is layer layer_start + u // n_blocks,
-            # block dest[u % n_blocks].
+            # Units [first, first + k) of the payload (wire.py's order).
             first, k = received // unit, n // unit
-            u = np.arange(first, first + k)
-            rows = (header.layer_start + u // n_blocks) * self._layout.num_blocks + dest[u % n_blocks]
+            rows = all_rows[first : first + k]
             src = data.reshape(k, unit)
             if isinstance(self._rows, np.ndarray):
                 self._rows[rows] = src

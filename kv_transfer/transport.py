@@ -20,12 +20,18 @@ rectangles (a layer range x a block range) through the same sender, one at a tim
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 import grpc
 
+from telemetry.log_limit import RateLimitedLog
+
 log = logging.getLogger(__name__)
+# Fallbacks, per transport and status: a decode node whose fast endpoint is down fails every
+# push to it, and under load that is a line per push; the first in full, then a count every 10 s.
+fallback_log = RateLimitedLog(log)
 
 # Codes that say the transport failed rather than that the receiver refused the transfer:
 # another transport may succeed. A refusal (INVALID_ARGUMENT, NOT_FOUND, ...) would only repeat.
@@ -39,6 +45,11 @@ class PushResult(NamedTuple):
     blocks_written: int
     bytes_written: int
     transport: str = "grpc"  # what carried it: "grpc", or an endpoint's scheme ("tcp")
+    # Wall time of the attempt that landed (FallbackKVSender sets it; 0.0: not measured), and
+    # the failed attempts before it on faster transports, whose time it leaves out: a cost
+    # model fed this learns the transport that carried the bytes, not the detour.
+    seconds: float = 0.0
+    fallbacks: int = 0
 
 
 class TransferError(Exception):
@@ -50,6 +61,15 @@ class TransferError(Exception):
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+
+
+class TransportSkipped(TransferError):
+    """A transport that does not apply to this transfer and tried nothing (a shared-memory
+    endpoint of another host, a transfer larger than its buffer): the next one is taken
+    without counting a fallback. Code UNAVAILABLE, for callers that only know TransferError."""
+
+    def __init__(self, details: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, details)
 
 
 class KVSender(Protocol):
@@ -75,6 +95,12 @@ class EndpointSender(Protocol):
 
     def push(self, endpoint: str, pool, **blocks) -> PushResult: ...
 
+    def advertised(self) -> str:
+        """What a sending node advertises in the index for this transport: its scheme and, where
+        it matters, its host key, without an address (``tcp://``, ``shm://<host key>/``); the
+        router guesses a pair's transport from it before the pair's first transfer."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -96,23 +122,37 @@ class FallbackKVSender:
     def schemes(self) -> tuple[str, ...]:
         return tuple(self._fast)
 
+    def advertised(self) -> tuple[str, ...]:
+        """This sender's fast transports as the index shows them (``EndpointSender.advertised``)."""
+        return tuple(s.advertised() for s in self._fast.values())
+
     def push(self, address: str, pool, *, endpoints: Sequence[str] = (), **blocks) -> PushResult:
-        """``blocks`` as for ``KVSender.push``; ``endpoints`` from the decode node's reservation."""
+        """``blocks`` as for ``KVSender.push``; ``endpoints`` from the decode node's reservation.
+        The result's ``seconds`` times only the attempt that landed; ``fallbacks`` counts the
+        failed ones before it (a skipped transport, ``TransportSkipped``, is neither)."""
+        fallbacks = 0
         for endpoint in endpoints:
             sender = self._fast.get(endpoint_scheme(endpoint))
             if sender is None:
                 continue
+            t0 = time.monotonic()
             try:
                 result = sender.push(endpoint, pool, **blocks)
+            except TransportSkipped:
+                continue
             except TransferError as err:
                 if err.code not in TRANSPORT_FAILURES:
                     raise
+                fallbacks += 1
                 self.num_fallbacks += 1
-                log.warning("KV transfer of %r over %s failed (%s); falling back",
-                            blocks.get("request_id"), endpoint, err)
+                fallback_log.warning(f"KV fallback from {sender.scheme} on {err.code.name}",
+                                     "KV transfer of %r over %s failed (%s); falling back",
+                                     blocks.get("request_id"), endpoint, err)
                 continue
-            return result._replace(transport=sender.scheme)
-        return self._grpc.push(address, pool, **blocks)
+            return result._replace(transport=sender.scheme, seconds=time.monotonic() - t0, fallbacks=fallbacks)
+        t0 = time.monotonic()
+        result = self._grpc.push(address, pool, **blocks)
+        return result._replace(seconds=time.monotonic() - t0, fallbacks=fallbacks)
 
     def close(self) -> None:
         for s in (*self._fast.values(), self._grpc):

@@ -82,6 +82,18 @@ def payload_units(pool: torch.Tensor, block_ids: Sequence[int], layers: range) -
     return [raw[layer, b] for layer in layers for b in block_ids]
 
 
+def unit_rows(layer_start: int, layer_count: int, block_ids: Sequence[int], num_blocks: int) -> np.ndarray:
+    """The pool row of every payload unit, in wire order, where the pool is viewed as
+    ``[num_layers * num_blocks, block_bytes]`` (unit (l, b) at row l * num_blocks + b).
+
+    Computed once per transfer, so a chunk's rows are a slice: per chunk, index arithmetic on
+    small arrays costs several numpy calls, a real share of a ~1 MiB chunk's time in shared
+    memory (docs/cluster.md, "KV data plane")."""
+    layers = np.arange(layer_start, layer_start + layer_count, dtype=np.int64) * num_blocks  # [layer_count]
+    # [layer_count, n_blocks] -> [layer_count * n_blocks]: layer-major, as the payload
+    return (layers[:, None] + np.asarray(block_ids, dtype=np.int64)[None, :]).reshape(-1)
+
+
 def _varint(value: int) -> bytes:
     out = bytearray()
     while value >= 0x80:

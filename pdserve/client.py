@@ -63,9 +63,10 @@ class Client(ClientCore):
     if set). ``tls``: ``pdserve.TLS(root_certificates="ca.pem")`` for a router serving TLS (plus
     ``certificate_chain`` and ``private_key`` where it asks for a client certificate).
 
-    Retries: a call refused with UNAVAILABLE before any output (the router restarting or
-    draining, a refused connection) is retried with exponential backoff and full jitter
-    (``backoff`` = (base, cap) seconds) for up to ``retry_budget_s`` (10 s) from its first
+    Retries: a call refused with UNAVAILABLE (the router restarting or draining, a refused
+    connection) or RESOURCE_EXHAUSTED (overload) before any output is retried after the
+    server's retry hint plus exponential backoff with full jitter (``backoff`` = (base, cap)
+    seconds) for up to ``retry_budget_s`` (10 s) from its first
     failure, within ``timeout``; ``retries`` caps the count too (None: only time bounds it; 0:
     never retry). A stream that already delivered output is never retried: it raises the
     retryable ``StreamInterruptedError`` and the caller decides."""

@@ -3,10 +3,13 @@
 and per-stream state. Nothing here waits or touches a socket; the two clients add only the
 channel and how they wait (``time.sleep`` or ``await asyncio.sleep``).
 
-Retries: a call that fails with UNAVAILABLE before the server sent anything is retried with
-exponential backoff and full jitter, within the call's deadline and a time budget (by default
-``DEFAULT_RETRY_BUDGET_S`` from the first failure, however many attempts that takes: a router
-restart takes seconds, which a fixed count of fast retries does not ride out). Once a Generate stream has
+Retries: a call that fails with UNAVAILABLE (no router reachable, or one draining) or
+RESOURCE_EXHAUSTED (overload) before the server sent anything is retried, within the call's
+deadline and a time budget (by default ``DEFAULT_RETRY_BUDGET_S`` from the first failure, however
+many attempts that takes: a router restart takes seconds, which a fixed count of fast retries does
+not ride out). Each wait is the server's retry hint (``retry-after-ms`` trailing metadata; none:
+0) plus exponential backoff with full jitter, so clients refused together do not come back
+together. When the budget is spent the error says so, with the last status. Once a Generate stream has
 delivered a message it is never retried, so output is never duplicated: cut by UNAVAILABLE (a
 router restart, a dropped connection) it raises ``StreamInterruptedError``, retryable by the
 caller. The channel reconnects on the same short backoff (``reconnect_options``), so a router
@@ -228,10 +231,16 @@ class Deadline:
         return r is not None and r <= 0
 
 
+# Statuses a call that delivered nothing is retried on: nothing reached a router (or it is
+# draining), or the cluster is overloaded. Every other status says something about the request.
+RETRIED_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
 class RetryPolicy:
-    """Whether a failed attempt is retried, and after how long: UNAVAILABLE only, at most
-    ``retries`` times (None: no count limit), the next attempt starting at most ``budget_s``
-    after the first failure (None: no time limit) and before the call's deadline."""
+    """Whether a failed attempt is retried, and after how long: UNAVAILABLE and
+    RESOURCE_EXHAUSTED only, at most ``retries`` times (None: no count limit), the next attempt
+    starting at most ``budget_s`` after the first failure (None: no time limit) and before the
+    call's deadline. The wait is the server's hint (``retry_after_s``) plus the backoff."""
 
     def __init__(self, retries: int | None, backoff: Backoff, budget_s: float | None = DEFAULT_RETRY_BUDGET_S) -> None:
         if retries is not None and retries < 0:
@@ -242,19 +251,29 @@ class RetryPolicy:
         self.backoff = backoff
         self.budget_s = budget_s
 
-    def delay(self, code: grpc.StatusCode, attempts: int, deadline: Deadline, elapsed: float = 0.0) -> float | None:
+    def delay(self, code: grpc.StatusCode, attempts: int, deadline: Deadline, elapsed: float = 0.0,
+              retry_after_s: float | None = None) -> float | None:
         """Seconds to wait before attempt ``attempts + 1``, ``elapsed`` seconds after the first
-        failure, or None: do not retry (not UNAVAILABLE, out of retries, past the retry budget,
-        or the deadline would pass while waiting)."""
-        if code != grpc.StatusCode.UNAVAILABLE or (self.retries is not None and attempts > self.retries):
-            return None
-        delay = self.backoff.delay(attempts - 1)
+        failure, or None: do not retry (a status not retried, out of retries, past the retry
+        budget, or the deadline would pass while waiting)."""
+        return self.decide(code, attempts, deadline, elapsed, retry_after_s)[0]
+
+    def decide(self, code: grpc.StatusCode, attempts: int, deadline: Deadline, elapsed: float = 0.0,
+               retry_after_s: float | None = None) -> tuple[float | None, str]:
+        """``delay``, plus why a retryable status is not retried ("" when retried or not retryable)."""
+        if code not in RETRIED_CODES:
+            return None, ""
+        if self.retries is not None and attempts > self.retries:
+            return None, f"retries={self.retries} used up"
+        hint = retry_after_s if retry_after_s is not None and retry_after_s > 0 else 0.0
+        delay = hint + self.backoff.delay(attempts - 1)
         if self.budget_s is not None and elapsed + delay > self.budget_s:
-            return None
+            return None, (f"retry budget spent: the next attempt would start {elapsed + delay:.2f} s after the "
+                          f"first failure, past retry_budget_s={self.budget_s:g}")
         remaining = deadline.remaining()
         if remaining is not None and remaining <= delay:
-            return None
-        return delay
+            return None, "the call's timeout would pass while waiting to retry"
+        return delay, ""
 
 
 class Attempts:
@@ -274,13 +293,16 @@ class Attempts:
         return self.deadline.remaining()
 
     def retry_delay(self, err: grpc.RpcError) -> float:
-        """The wait before the next attempt; raises the typed error when there is none."""
+        """The wait before the next attempt; raises the typed error when there is none (for a
+        retryable status, its message says why it was not retried again)."""
         now = time.monotonic()
         if self.first_failure is None:
             self.first_failure = now
-        delay = self.policy.delay(err.code(), self.count, self.deadline, now - self.first_failure)
+        typed = errors.from_rpc_error(err)
+        delay, why = self.policy.decide(typed.code, self.count, self.deadline, now - self.first_failure,
+                                        getattr(typed, "retry_after_s", None))
         if delay is None:
-            raise errors.from_rpc_error(err) from None
+            raise (errors.gave_up(typed, why, self.count, now - self.first_failure) if why else typed) from None
         return delay
 
 

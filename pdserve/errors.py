@@ -123,6 +123,17 @@ def interrupted(error: grpc.RpcError, chunks_received: int) -> PdServeError:
     return err
 
 
+def gave_up(error: PdServeError, why: str, attempts: int, elapsed_s: float) -> PdServeError:
+    """The same error, its message saying that the SDK stopped retrying it and why (the retry
+    budget spent, the retries used up, the timeout near), so a caller can tell a cluster that
+    stayed overloaded or unreachable for the whole budget from one refused request."""
+    message = (f"{error.message} [not retried again: {why}; {attempts} attempt(s) over {elapsed_s:.2f} s, "
+               f"last status {error.code.name}]")
+    if isinstance(error, (ResourceExhaustedError, UnavailableError)):
+        return type(error)(error.code, message, error.retry_after_s)
+    return type(error)(error.code, message)
+
+
 def from_rpc_error(error: grpc.RpcError) -> PdServeError:
     """Map a finished call's RpcError (sync or aio) to the typed exception."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN

@@ -59,7 +59,10 @@ class KVStreamer:
         self.on_error: Callable[[], object] | None = None  # called once a push failed (stop the compute)
         # What the response reports.
         self.pushes = 0
-        self.transfer_s = 0.0  # summed wall time of the pushes
+        # summed wall time of the pushes' attempts that landed (a failed fast attempt before a
+        # fallback is counted in fallbacks, its time left out: PushResult.seconds)
+        self.transfer_s = 0.0
+        self.fallbacks = 0
         self.bytes_sent = 0
         self.last_landed: float | None = None  # time.monotonic() when the last push returned
         self._bytes_by_transport: Counter[str] = Counter()
@@ -168,7 +171,8 @@ class KVStreamer:
             t1 = time.monotonic()
             with self._cond:
                 self.pushes += 1
-                self.transfer_s += t1 - t0
+                self.transfer_s += result.seconds or t1 - t0
+                self.fallbacks += result.fallbacks
                 self.bytes_sent += result.bytes_written
                 self._bytes_by_transport[result.transport] += result.bytes_written
                 self.last_landed = t1

@@ -45,11 +45,14 @@ from prefill_node.kv_streamer import KVStreamer
 from protos.convert import sampling_from_proto, token_logprobs_to_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 from telemetry import tracing
+from telemetry.log_limit import RateLimitedLog
 from telemetry.metrics import RequestRecorder
 from tokens.block_hash import hash_prompt_blocks
 from tokens.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+# Failed transfers, per status: the first logged, then a count at most every 10 s.
+transfer_log = RateLimitedLog(log)
 
 # A push that takes longer is treated as a failed transfer (the router then recomputes).
 PUSH_TIMEOUT_S = 60.0
@@ -101,6 +104,13 @@ class PrefillServer(NodeServer):
         streamer = self._streamers.get(request_id)
         if streamer is not None:
             streamer.on_layer(layer, ready_blocks, table)
+
+    def kv_endpoints(self) -> tuple[str, ...]:
+        """The transports this node sends KV over besides gRPC, without addresses
+        (``shm://<host key>/``, ``tcp://``; none with TLS): from them and the decode node's
+        endpoints the router predicts a pair's transport before its first transfer."""
+        advertised = getattr(self.kv_sender, "advertised", None)
+        return tuple(advertised()) if advertised is not None else ()
 
     def stop(self, deregister: bool = True, grace_s: float = 1.0) -> None:
         super().stop(deregister=deregister, grace_s=grace_s)
@@ -190,7 +200,7 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
                 node.publisher.submit_step(StepReport(
                     new_tokens=len(prompt) - final.num_cached_tokens, context_tokens=len(prompt),
                     seconds=prefill_s))
-            blocks_sent = bytes_sent = pushes = 0
+            blocks_sent = bytes_sent = pushes = fallbacks = 0
             transport = ""
             transfer_s = exposed_s = 0.0
             t1 = time.monotonic()
@@ -200,13 +210,16 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
                         tracing.KV_CACHED_BLOCKS: res.num_cached_blocks,
                         "pdserve.kv.streamed": streamer is not None}, SpanKind.CLIENT) as span:
                     if streamer is None:
-                        blocks_sent, bytes_sent, transport = self._push(rid, prompt, request, context)
-                        transfer_s = exposed_s = time.monotonic() - t1
-                        pushes = 1
+                        result = self._push(rid, prompt, request, context)
+                        blocks_sent, bytes_sent, transport = result.blocks_written, result.bytes_written, result.transport
+                        # The request waited for every attempt; the transport is priced by the
+                        # one that landed (kv_fallbacks says a detour came before it).
+                        exposed_s = time.monotonic() - t1
+                        transfer_s, pushes, fallbacks = result.seconds or exposed_s, 1, result.fallbacks
                     else:
                         self._finish_stream(rid, request, streamer, context)
                         blocks_sent, bytes_sent, transport = len(res.block_ids), streamer.bytes_sent, streamer.transport
-                        transfer_s, pushes = streamer.transfer_s, streamer.pushes
+                        transfer_s, pushes, fallbacks = streamer.transfer_s, streamer.pushes, streamer.fallbacks
                         # From the first token sampled (the compute's end) to the last push landed.
                         done_compute = final.metrics.first_token_time or t1
                         exposed_s = max(0.0, (streamer.last_landed or done_compute) - done_compute)
@@ -216,6 +229,7 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
                                          tracing.KV_TRANSFER_S: transfer_s,
                                          tracing.KV_CHECKSUM_VERIFIED: True,
                                          "pdserve.kv.transport": transport, "pdserve.kv.pushes": pushes,
+                                         "pdserve.kv.fallbacks": fallbacks,
                                          "pdserve.kv.transfer_exposed_s": exposed_s})
                 node.metrics.transfer_bytes.inc(bytes_sent)
                 node.metrics.transfer_seconds.observe(transfer_s)
@@ -240,6 +254,7 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
             blocks_sent=blocks_sent, bytes_sent=bytes_sent,
             prefill_s=prefill_s, transfer_s=transfer_s, transport=transport,
             transfer_exposed_s=exposed_s, kv_streamed=streamer is not None, kv_pushes=pushes,
+            kv_fallbacks=fallbacks,
         )
 
     def _wait(self, stream, context, rid: str, request, streamer: KVStreamer | None) -> RequestOutput:
@@ -310,7 +325,9 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
         node = self.node
         node.num_transfer_failures += 1
         node.metrics.transfer_failures.inc()
-        log.warning("KV transfer of %r to %s failed: %s", rid, request.decode_address, err)
+        # Once per failed request: a decode node that is gone or refusing fails every push to it.
+        transfer_log.warning(f"KV transfer {err.code.name}", "KV transfer of %r to %s failed: %s", rid,
+                             request.decode_address, err)
         # The receiver's code (INVALID_ARGUMENT, DATA_LOSS, NOT_FOUND) or UNAVAILABLE /
         # DEADLINE_EXCEEDED when it could not be reached: the router recomputes on decode.
         context.abort(err.code, f"KV transfer to {request.decode_address} failed: {err.details}")

@@ -12,8 +12,9 @@ Pure: plain numbers in, seconds out; no sockets. Three models:
   per_ctx_token_s * context tokens in the batch`` (weights read once per step, KV per token).
 * ``TransferCost``: seconds to move KV between a (source, destination) pair over one
   transport (shm, tcp, grpc): ``fixed_s`` per push + bytes / ``bandwidth``, fitted per pair and
-  transport by ``TransferFit``; with layer-wise streaming the request waits only for the
-  exposed part, which ``CostBook.transfer_s`` predicts.
+  transport by ``TransferFit`` from whole pushes (a push after the prefill, alone on its
+  cores); with layer-wise streaming the request waits only for the exposed part, which
+  ``CostBook.transfer_s`` predicts from the streamed transfers' exposed share.
 
 ``OnlineFit`` fits any such linear model by least squares over an exponentially forgotten
 window, started from a prior: the prior enters as a few pseudo-observations at representative
@@ -309,12 +310,44 @@ def _solve_physical(A: list[list[float]], b: list[float]) -> tuple[float, float]
     return min(no_fixed, fastest, key=lambda c: loss(*c))
 
 
+def first_transport(sender: Sequence[str], receiver: Sequence[str]) -> str:
+    """The transport a prefill node tries first towards a decode node, from what each
+    advertises in the index (``NodeInfo.kv_endpoints``), as its ``FallbackKVSender`` walks them
+    (kv_transfer/transport.py): the receiver's endpoints in its order, each one the sender has
+    a transport for; a shared-memory one only on the sender's own host (same host key); gRPC
+    when none is left (also with TLS, where neither end advertises a fast transport).
+
+        sender   (prefill): "shm://<host key>/", "tcp://"      what it sends over, no address
+        receiver (decode):  "shm://<host key>/host:port", "tcp://host:port"
+
+    A guess until the pair's first transfer says which one carried it: the receiver may still
+    refuse to map the sender's shared memory (another /dev/shm on the same kernel)."""
+    sends: dict[str, str] = {}  # scheme -> the sender's host key ("" for tcp)
+    for e in sender:
+        scheme, _, rest = e.partition("://")
+        sends[scheme] = rest.partition("/")[0]
+    for e in receiver:
+        scheme, sep, rest = e.partition("://")
+        if not sep or scheme not in sends:
+            continue
+        if scheme == "shm":
+            key, _, address = rest.partition("/")
+            if key and address and key == sends["shm"]:
+                return scheme
+            continue
+        if rest:  # an address to send to
+            return scheme
+    return "grpc"
+
+
 @dataclass(slots=True)
 class PairTransfers:
     """What the book knows of one directed (source, destination) pair: a fit per transport it
-    has used, the transport of its last successful transfer (a fast transport that fell back
-    to gRPC shows as "grpc", and is predicted as such until it works again), and how much of a
-    transfer the request waits for when the KV is streamed layer by layer during the prefill."""
+    has pushed whole KV over, the transport of its last successful transfer (a fast transport
+    that fell back to gRPC shows as "grpc", and is predicted as such until it works again), and
+    how much of a transfer the request waits for when the KV is streamed layer by layer during
+    the prefill. A transport the pair has only streamed over has no fit of its own: it is
+    predicted by that transport's pooled fit."""
     fits: dict[str, TransferFit]
     transport: str
     # exposed seconds / the fit's one-push seconds for the same bytes, over streamed transfers
@@ -364,6 +397,8 @@ class CostBook:
         self._pairs: dict[tuple[str, str], PairTransfers] = {}
         self._pooled_transfers: dict[str, TransferFit] = {}
         self._last_transport: str | None = None
+        # node id -> NodeInfo.kv_endpoints of the live nodes (note_endpoints); replaced whole.
+        self._endpoints: Mapping[str, Sequence[str]] = {}
 
     def add_step(self, node_id: str, report: StepReport) -> None:
         fit = self._fits.get(node_id)
@@ -395,7 +430,13 @@ class CostBook:
         predictions must count tokens in the same bytes (a tiny test model moves ~1 KB a token,
         a 7B model ~0.5 MB). ``streamed``: the KV went out layer by layer during the prefill,
         and the request waited only ``exposed_s`` for it after the compute (0: the last push
-        landed before the compute ended). Unstreamed, the whole transfer counts as waited for."""
+        landed before the compute ended). Unstreamed, the whole transfer counts as waited for.
+
+        Only unstreamed transfers teach the fits (fixed cost and bandwidth): streamed pushes
+        ran beside the prefill's compute, sharing its cores and memory bandwidth, and their
+        ``seconds`` say how fast bytes move under that load, not what a push alone costs (a
+        fetch, an unstreamed prefill). A streamed transfer teaches the exposed share, relative
+        to the pair's unstreamed prediction, which is what ``transfer_s`` multiplies."""
         if not (num_bytes > 0 and seconds > 0 and math.isfinite(seconds)):
             return
         if num_tokens > 0:
@@ -405,29 +446,53 @@ class CostBook:
         pair = self._pairs.get((src, dst))
         if pair is None:
             pair = self._pairs[(src, dst)] = PairTransfers({}, transport)
-        fit = self._transfer_fit(pair.fits, transport, pooled.model)
-        if not fit.add(num_bytes, seconds, pushes):
-            return
-        pooled.add(num_bytes, seconds, pushes)
+        if not streamed:
+            fit = self._transfer_fit(pair.fits, transport, pooled.model)
+            if not fit.add(num_bytes, seconds, pushes):
+                return
+            pooled.add(num_bytes, seconds, pushes)
         pair.transport = self._last_transport = transport
         a = self.exposed_alpha
         share = 1.0 if streamed else 0.0
         pair.streamed_share = share if pair.transfers == 0 else pair.streamed_share + a * (share - pair.streamed_share)
         pair.transfers += 1
         if streamed and exposed_s >= 0 and math.isfinite(exposed_s):  # 0: all of it hidden
-            # Relative to the fit's one-push time for these bytes, so that fraction x that
+            # Relative to the pair's one-push time for these bytes, so that fraction x that
             # time is the expected wait whatever the number of pushes. Capped at 2: the last
             # push can queue behind earlier ones, but more is a misreport.
-            frac = min(exposed_s / fit.model.seconds(num_bytes), 2.0)
+            frac = min(exposed_s / self._pair_model(pair, transport).seconds(num_bytes), 2.0)
             pair.exposed_fraction = frac if not pair.streamed_seen else (
                 pair.exposed_fraction + a * (frac - pair.exposed_fraction))
             pair.streamed_seen = True
 
+    def note_endpoints(self, endpoints: Mapping[str, Sequence[str]]) -> None:
+        """What the live nodes advertise in the index (node id -> ``NodeInfo.kv_endpoints``),
+        from the router's node view on each refresh: a pair that has not transferred yet is
+        predicted by the transport its sender would pick first (``first_transport``)."""
+        self._endpoints = dict(endpoints)
+
+    def _transport_model(self, transport: str) -> TransferCost:
+        """A transport's pooled fit over every pair, or its prior before any transfer."""
+        pooled = self._pooled_transfers.get(transport)
+        if pooled is not None:
+            return pooled.model
+        return self.transport_priors.get(transport, self.transport_priors[""])
+
+    def _pair_model(self, pair: PairTransfers, transport: str) -> TransferCost:
+        fit = pair.fits.get(transport)
+        return fit.model if fit is not None else self._transport_model(transport)
+
     def transfer_model(self, src: str, dst: str) -> TransferCost:
-        """The raw transfer cost of the pair over the transport it last used successfully."""
+        """The raw transfer cost of the pair over the transport it last used successfully;
+        before its first transfer, over the transport its sender would try first, when both
+        nodes' advertisements are known (``note_endpoints``), else the transport the router
+        last saw used anywhere (the book's default before any)."""
         pair = self._pairs.get((src, dst))
         if pair is not None:
-            return pair.fits[pair.transport].model
+            return self._pair_model(pair, pair.transport)
+        ends = self._endpoints
+        if src in ends and dst in ends:
+            return self._transport_model(first_transport(ends[src], ends[dst]))
         if self._last_transport is not None:
             return self._pooled_transfers[self._last_transport].model
         return self.transport_priors[""]
@@ -455,10 +520,14 @@ class CostBook:
         in between, so the event loop cannot insert mid-iteration)."""
         out = []
         for (src, dst), pair in sorted(list(self._pairs.items()), key=lambda kv: kv[0]):
-            for transport, fit in sorted(list(pair.fits.items()), key=lambda kv: kv[0]):
-                m = fit.model
-                out.append(TransferFitView(src, dst, transport, m.bandwidth, m.fixed_s, fit.n,
-                                           transport == pair.transport, pair.exposed_factor()))
+            fits = dict(pair.fits)
+            current = pair.transport
+            views = [(t, f.model, f.n) for t, f in fits.items()]
+            if current not in fits:  # only streamed over it so far: predicted by the pooled fit
+                views.append((current, self._transport_model(current), 0))
+            for transport, m, n in sorted(views, key=lambda v: v[0]):
+                out.append(TransferFitView(src, dst, transport, m.bandwidth, m.fixed_s, n,
+                                           transport == current, pair.exposed_factor()))
         return out
 
 
@@ -468,6 +537,6 @@ class TransferFitView(NamedTuple):
     transport: str
     bandwidth: float
     fixed_s: float
-    transfers: int
+    transfers: int  # unstreamed transfers fitted (0: the transport's pooled fit or prior)
     current: bool  # the transport the pair's predictions use now
     exposed_factor: float  # expected exposed seconds per raw second (1.0 unless streamed)

@@ -105,6 +105,8 @@ class NodeRefresher:
         else:
             self._view, self._outage = view, False
             self._last_good = (view, time.monotonic())
+            if self._costs is not None:  # a pair's transport before its first transfer
+                self._costs.note_endpoints({n.node_id: n.kv_endpoints for n in view.nodes})
         if self._costs is not None:
             self._read_steps()
         return self._view

@@ -48,7 +48,6 @@ from protos.pdserve.v1 import serving_pb2 as pb
 from router.admission import SLO_CLASSES, decide
 from router.config import RouterConfig
 from router.cost_model import CostBook
-from router.log_limit import RateLimitedLog
 from router.migration import Continuation, Exclusions, continuation, is_node_failure
 from router.node_view import IndexAccuracy, NodeRefresher, PrefillLedger
 from router.placement import NoCapacityError, Placement, PlacementPolicy, PlacementRequest
@@ -57,6 +56,7 @@ from router.request_trace import RequestTrace
 from router.tokenizer import ChatTemplateError, PromptTokenizer
 from security.tls import aio_channel
 from telemetry import tracing
+from telemetry.log_limit import RateLimitedLog
 from telemetry.metrics import RouterMetrics
 from tokens.block_hash import hash_prompt_blocks
 from tokens.detokenizer import IncrementalDetokenizer
@@ -65,7 +65,7 @@ from tokens.stop import FinishReason, stop_reason
 
 log = logging.getLogger(__name__)
 # Per-request node-call failures (a refused reservation, a full prefill queue) come at the
-# request rate under overload: logged once per reason, then a count every 10 s (router/log_limit.py).
+# request rate under overload: logged once per reason, then a count every 10 s (telemetry/log_limit.py).
 node_call_log = RateLimitedLog(log)
 
 
@@ -746,7 +746,9 @@ def learn_transfer(costs: CostBook, src: str, dst: str, resp: kv_pb2.PrefillResp
     """Teach the cost book one prefill's KV transfer from ``src`` to ``dst``. A node older than
     the transports names none, and could only push over gRPC; one that does not stream (or does
     not report it) leaves ``kv_streamed`` false, and the book then counts the whole transfer as
-    waited for."""
+    waited for. ``transfer_s`` times only the attempts that landed, so a push that fell back
+    (``kv_fallbacks``) is a clean sample of the transport that carried it; streamed ones teach
+    the exposed share only (CostBook.add_transfer)."""
     costs.add_transfer(src, dst, resp.bytes_sent, resp.transfer_s, num_tokens=resp.blocks_sent * block_size,
                        transport=resp.transport or "grpc", exposed_s=resp.transfer_exposed_s,
                        streamed=resp.kv_streamed, pushes=resp.kv_pushes)

@@ -14,6 +14,7 @@ from router.cost_model import (
     PrefillCostFit,
     TransferCost,
     TransferFit,
+    first_transport,
     solve,
 )
 
@@ -205,7 +206,8 @@ def test_streamed_transfers_charge_only_the_exposed_part():
         book.add_transfer("p", "d", nb, true.seconds(nb, pushes=8), transport="tcp",
                           exposed_s=0.25 * true.seconds(nb), streamed=True, pushes=8)
         book.add_transfer("p", "d2", nb, true.seconds(nb), transport="tcp")  # not streamed
-    # The raw fit still knows the bandwidth (pushes' fixed costs are not read as slow bytes).
+    # The raw model knows the bandwidth: p -> d has only streamed, so tcp's pooled fit of whole
+    # pushes (p -> d2's) prices it, not the streamed pushes' summed time.
     assert book.bandwidth("p", "d") == pytest.approx(3e9, rel=0.05)
     assert book.transfer_model("p", "d").fixed_s == pytest.approx(0.4e-3, rel=0.1)
     assert book.transfer_s("p", "d", 1024) == pytest.approx(0.25 * book.raw_transfer_s("p", "d", 1024), rel=0.05)
@@ -276,7 +278,10 @@ def test_orchestrator_feeds_the_book_from_prefill_responses():
     assert book.transfer_s("p", "d", 32) < book.raw_transfer_s("p", "d", 32)
     nothing = kv_pb2.PrefillResponse()  # everything cached on the decode node: nothing sent
     learn_transfer(book, "p", "d", nothing, block_size=16)
-    assert [v.transfers for v in book.transfer_fits()] == [1, 1]
+    # The streamed one taught the exposed share only: tcp is priced by its pooled fit (prior).
+    assert [(v.transport, v.transfers, v.current) for v in book.transfer_fits()] == [("grpc", 1, False),
+                                                                                     ("tcp", 0, True)]
+    assert book.transfer_model("p", "d") == TRANSPORT_PRIORS["tcp"]
 
 
 def test_fitted_transfers_are_exported_as_gauges():
@@ -296,3 +301,91 @@ def test_fitted_transfers_are_exported_as_gauges():
         assert f"pdserve:router_kv_fixed_seconds{labels}" in text
     assert 'pdserve:router_kv_exposed_fraction{dst="d0",model_name="m",src="p0",transport="tcp"} 1.0' in text
     assert 'pdserve:router_kv_exposed_fraction{dst="d0",model_name="m",src="p0",transport="grpc"}' not in text
+
+
+def test_streamed_pushes_teach_the_exposed_share_not_the_bandwidth():
+    """Streamed pushes share the cores with the prefill's compute: timed at a third of the
+    bandwidth, they must not make the pair's whole pushes (and fetches) look 3x dearer."""
+    book = CostBook(kv_bytes_per_token=BLOCK // 16)
+    true = TransferCost(0.4e-3, 3e9)
+    for blocks in [1, 4, 16, 64] * 10:
+        book.add_transfer("p", "d", blocks * BLOCK, true.seconds(blocks * BLOCK), transport="tcp")
+    settled = book.transfer_model("p", "d")
+    assert settled.bandwidth == pytest.approx(3e9, rel=0.05)
+    for blocks in [4, 16, 64] * 20:
+        nb = blocks * BLOCK
+        contended = TransferCost(0.4e-3, 1e9).seconds(nb, pushes=6)
+        book.add_transfer("p", "d", nb, contended, transport="tcp", exposed_s=0.1 * true.seconds(nb),
+                          streamed=True, pushes=6)
+    assert book.transfer_model("p", "d") == settled  # the fit saw none of them
+    assert book._pooled_transfers["tcp"].model == settled
+    assert book.transfer_s("p", "d", 1024) == pytest.approx(0.1 * book.raw_transfer_s("p", "d", 1024), rel=0.05)
+    # A pair that has only streamed is priced by the transport's pooled fit of whole pushes.
+    book.add_transfer("p", "d3", 16 * BLOCK, 1.0, transport="tcp", exposed_s=0.0, streamed=True, pushes=4)
+    assert book.transfer_model("p", "d3") == settled
+    assert book.transfer_s("p", "d3", 256) < book.raw_transfer_s("p", "d3", 256)
+
+
+BOOT = "0b0e5d6c-1111-2222-3333-444455556666"
+PREFILL_SENDS = (f"shm://{BOOT}/", "tcp://")
+DECODE_HERE = (f"shm://{BOOT}/10.0.0.1:7000", "tcp://10.0.0.1:7000")
+DECODE_ELSEWHERE = ("shm://another-boot/10.0.0.2:7000", "tcp://10.0.0.2:7000")
+
+
+@pytest.mark.parametrize("sender, receiver, expected", [
+    (PREFILL_SENDS, DECODE_HERE, "shm"),  # same host: shared memory
+    (PREFILL_SENDS, DECODE_ELSEWHERE, "tcp"),  # another host: its shm endpoint is skipped
+    (("tcp://",), DECODE_HERE, "tcp"),  # the sender has no shm transport
+    ((f"shm://{BOOT}/",), DECODE_ELSEWHERE, "grpc"),  # nothing in common
+    ((), DECODE_HERE, "grpc"),  # TLS: the prefill node has only gRPC
+    (PREFILL_SENDS, (), "grpc"),  # TLS on the decode node: no data port
+    (PREFILL_SENDS, ("tcp://10.0.0.1:7000", f"shm://{BOOT}/10.0.0.1:7000"), "tcp"),  # the receiver's order
+    (PREFILL_SENDS, ("rdma://x", "tcp://10.0.0.2:7000"), "tcp"),  # unknown schemes skipped
+    (PREFILL_SENDS, PREFILL_SENDS, "grpc"),  # another sender: no address to send to
+])
+def test_first_transport_walks_the_receivers_endpoints_as_the_sender_does(sender, receiver, expected):
+    assert first_transport(sender, receiver) == expected
+
+
+def test_a_pair_with_no_transfer_yet_is_predicted_by_its_senders_first_transport():
+    book = CostBook(default_bandwidth=25e9, kv_bytes_per_token=BLOCK // 16)
+    book.note_endpoints({"p": PREFILL_SENDS, "d-here": DECODE_HERE, "d-far": DECODE_ELSEWHERE,
+                         "p-tls": (), "d-tls": ()})
+    assert book.transfer_model("p", "d-here") == TRANSPORT_PRIORS["shm"]
+    assert book.transfer_model("p", "d-far") == TRANSPORT_PRIORS["tcp"]
+    assert book.transfer_model("p-tls", "d-tls") == TRANSPORT_PRIORS["grpc"]
+    assert book.transfer_model("p", "unknown") == TransferCost(0.0, 25e9)  # not in the view: the default
+    # Another pair's tcp transfers move the guess for every tcp pair (the pooled fit) ...
+    slow = TransferCost(2e-3, 0.5e9)
+    for blocks in [1, 4, 16, 64] * 10:
+        book.add_transfer("p2", "d2", blocks * BLOCK, slow.seconds(blocks * BLOCK), transport="tcp")
+    assert book.transfer_model("p", "d-far") == book._pooled_transfers["tcp"].model
+    assert book.transfer_model("p", "d-far").bandwidth == pytest.approx(0.5e9, rel=0.1)
+    assert book.transfer_model("p", "d-here") == TRANSPORT_PRIORS["shm"]  # ... not the shm ones
+    # Once the pair transferred, what carried it decides (the shm attach was refused: tcp).
+    book.add_transfer("p", "d-here", 16 * BLOCK, slow.seconds(16 * BLOCK), transport="tcp")
+    assert book.transfer_model("p", "d-here") == book._pairs[("p", "d-here")].fits["tcp"].model
+
+
+def test_the_node_view_tells_the_book_what_each_node_advertises():
+    from kv_index.nodes import NodeInfo
+    from router.node_view import NodeRefresher
+
+    class Registry:  # stands in for IndexReader's reads: what the registry holds now
+        def __init__(self, nodes):
+            self.nodes = nodes
+
+        def live_nodes(self):
+            return dict(self.nodes)
+
+        def read_steps(self, cursors):
+            return {}
+
+    def node(node_id, role, kv_endpoints):
+        return NodeInfo(node_id=node_id, role=role, grpc_address=f"{node_id}:1", fingerprint="fp", block_size=16,
+                        num_blocks=100, kv_endpoints=kv_endpoints)
+
+    book = CostBook(kv_bytes_per_token=BLOCK // 16)
+    reg = Registry({"p": node("p", "prefill", PREFILL_SENDS), "d": node("d", "decode", DECODE_ELSEWHERE)})
+    NodeRefresher(reg, refresh_s=1.0, prune_every_s=10.0, costs=book).refresh_once()
+    assert book.transfer_model("p", "d") == TRANSPORT_PRIORS["tcp"]

@@ -160,7 +160,22 @@ def test_monitors_are_well_formed(example):
         for m in (d for d in docs if d["kind"] == kind):
             assert m["apiVersion"] == "monitoring.coreos.com/v1"
             assert set(m["spec"]) == {"selector", port_key}
-            assert all(set(e) <= {"port", "path", "interval"} and e["path"] == "/metrics" for e in m["spec"][port_key])
+            assert all(set(e) <= {"port", "path", "interval", "scheme", "tlsConfig"} and e["path"] == "/metrics"
+                       for e in m["spec"][port_key])
+
+
+def test_the_router_is_scraped_over_https_under_tls():
+    """The router's /metrics is HTTPS when tls.enabled: the ServiceMonitor says so and trusts
+    the release's CA under the member name; the nodes' metrics ports stay plain HTTP
+    (docs/security.md says why)."""
+    values = {"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}}
+    (plain,) = one(render(values), "ServiceMonitor")["spec"]["endpoints"]
+    assert "scheme" not in plain and "tlsConfig" not in plain
+    docs = render({**values, "tls": {"enabled": True, "secretName": "pd-tls", "serverName": "members.pd"}})
+    (ep,) = one(docs, "ServiceMonitor")["spec"]["endpoints"]
+    assert ep["scheme"] == "https"
+    assert ep["tlsConfig"] == {"ca": {"secret": {"name": "pd-tls", "key": "ca.crt"}}, "serverName": "members.pd"}
+    assert all("scheme" not in e for e in one(docs, "PodMonitor")["spec"]["podMetricsEndpoints"])
 
 
 def test_what_each_example_renders():
@@ -210,6 +225,29 @@ def test_router_drains_before_it_is_killed():
     assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "45"]
     # the sleep, then the router's own stop (gRPC grace and uvicorn's wait) must fit the grace period
     assert router["terminationGracePeriodSeconds"] >= 45 + 15
+
+
+@pytest.mark.parametrize("drain_s", [30, 42.5, 0])
+def test_workers_drain_their_node_before_the_pod_stops(drain_s, capsys):
+    """Kubernetes signals only a worker container's PID 1 (`ray start`), not the node actor:
+    the preStop hook drains it (deploy/pod_drain.py, its own parser reads the rendered args),
+    waiting at least the node's drain timeout, and the grace period outlasts the hook plus
+    Ray's stop. The hook against a real node actor: tests/test_lifecycle.py."""
+    from deploy.pod_drain import main as pod_drain
+
+    rc = one(render({"nodes": {"drainSeconds": drain_s}}), "RayCluster")
+    sup = next(c for c in rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"] if c["name"] == "pdserve-nodes")
+    assert float(_cli_flags(sup["args"])["--drain-timeout"]) == drain_s
+    for group in rc["spec"]["workerGroupSpecs"]:
+        spec = group["template"]["spec"]
+        (worker,) = spec["containers"]
+        cmd = worker["lifecycle"]["preStop"]["exec"]["command"]
+        assert cmd[:3] == ["python", "-m", "deploy.pod_drain"]
+        wait_s = float(_cli_flags(cmd)["--timeout-s"])
+        assert wait_s >= drain_s + 10  # the drain, leaving the index, the actor's exit
+        assert spec["terminationGracePeriodSeconds"] >= wait_s + 10  # then `ray start` stops
+        assert pod_drain([*cmd[3:], "--under", "-1"]) == 0  # parses; no process below "pid -1" to drain
+    assert "no node actor running here" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
@@ -481,6 +519,62 @@ def test_tls_and_api_keys_come_from_secrets():
     assert env["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "pd-keys", "key": "k"}
 
 
+def test_client_certificates_for_the_router(redis_server, tmp_path):
+    """tls.clientAuth: the router asks clients for a certificate from the release's CA, and its
+    probes, which the kubelet's httpGet could no longer pass, run in the pod presenting the
+    pod's own. The rendered probe command runs here against a real router asking for client
+    certificates, with a throwaway CA's files where the Secret would be mounted."""
+    import shutil
+    import subprocess
+    import sys
+    import uuid
+
+    from engine.models.builtin import resolve_builtin
+    from router.config import RouterConfig
+    from router.server import build_parser, serve
+    from security.ca import ThrowawayCA, private_dir
+
+    docs = render({"tls": {"enabled": True, "secretName": "pd-tls", "clientAuth": True}})
+    (c,) = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"]
+    assert build_parser().parse_args(c["args"]).tls_client_auth
+    probes = {name: c[name]["exec"]["command"] for name in ("startupProbe", "readinessProbe", "livenessProbe")}
+    assert all(cmd[3] == "/etc/pdserve/tls" for cmd in probes.values())
+    assert probes["livenessProbe"][4] == "https://127.0.0.1:8000/health"
+    assert probes["readinessProbe"][4] == probes["startupProbe"][4] == "https://127.0.0.1:8000/ready"
+    off = render({"tls": {"enabled": True, "secretName": "pd-tls"}})
+    assert not build_parser().parse_args(one(off, "Deployment", "-router")["spec"]["template"]["spec"]
+                                         ["containers"][0]["args"]).tls_client_auth
+
+    ca_dir = private_dir()
+    try:
+        member = ThrowawayCA(ca_dir).issue("member")
+        mounted = tmp_path / "tls"  # the Secret's keys, as the pod sees them
+        mounted.mkdir()
+        for src, key in ((member.ca_file, "ca.crt"), (member.cert_file, "tls.crt"), (member.key_file, "tls.key")):
+            shutil.copy(src, mounted / key)
+        router = serve(RouterConfig(redis_url=redis_server.url, model_name="m", max_model_len=64, port=0, http_port=0,
+                                    tokenizer_dir=str(resolve_builtin("smollm2-135m")), namespace="ca-" + uuid.uuid4().hex,
+                                    tls_cert_file=member.cert_file, tls_key_file=member.key_file,
+                                    tls_ca_file=member.ca_file, tls_client_auth=True))
+        try:
+            def probe(cmd: list[str], cert_dir: Path) -> int:
+                url = cmd[4].replace("127.0.0.1:8000", router.http_address)
+                return subprocess.run([sys.executable, *cmd[1:3], str(cert_dir), url], capture_output=True,
+                                      timeout=60).returncode
+
+            assert probe(probes["livenessProbe"], mounted) == 0
+            assert probe(probes["readinessProbe"], mounted) != 0  # 503: no decode node yet
+            (ca_dir / "other").mkdir(mode=0o700)
+            stranger = ThrowawayCA(ca_dir / "other").issue("member")  # same name, another CA: refused
+            shutil.copy(stranger.cert_file, mounted / "tls.crt")
+            shutil.copy(stranger.key_file, mounted / "tls.key")
+            assert probe(probes["livenessProbe"], mounted) != 0
+        finally:
+            router.stop()
+    finally:
+        shutil.rmtree(ca_dir)
+
+
 def test_ray_token_auth_is_on_by_default():
     rc = one(render(), "RayCluster")
     assert rc["spec"]["authOptions"]["mode"] == "token"
@@ -540,6 +634,27 @@ def test_redis_modes():
     assert pw["valueFrom"]["secretKeyRef"] == {"name": "ext", "key": "pw"}
 
 
+def test_an_external_redis_url_may_carry_redis_py_options():
+    """rediss:// with a private CA: the CA file goes in the URL's query, which the schema admits
+    (but no password in it), the pods receive as given, the password joins without touching it,
+    and redis-py reads."""
+    import redis
+
+    from kv_index.redis_url import resolve_redis_url
+
+    url = "rediss://cache.example:6380/2?ssl_ca_certs=/etc/pdserve/tls/ca.crt&ssl_cert_reqs=required"
+    docs = render({"redis": {"mode": "external", "external": {"url": url, "passwordSecret": {"name": "ext"}}}})
+    args = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--redis-url") + 1] == url
+    sup = next(c for c in one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+               if c["name"] == "pdserve-nodes")
+    assert sup["args"][sup["args"].index("--redis-url") + 1] == url
+    full = resolve_redis_url(url, {"PDSERVE_REDIS_PASSWORD": "s3cr/t"})
+    assert full == "rediss://:s3cr%2Ft@cache.example:6380/2?ssl_ca_certs=/etc/pdserve/tls/ca.crt&ssl_cert_reqs=required"
+    kw = redis.Redis.from_url(full).connection_pool.connection_kwargs  # parsed only: nothing connects
+    assert (kw["ssl_ca_certs"], kw["password"], kw["db"]) == ("/etc/pdserve/tls/ca.crt", "s3cr/t", 2)
+
+
 def test_optional_objects():
     docs = render({"router": {"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 9}},
                    "metrics": {"grafanaDashboard": {"enabled": True}}})
@@ -566,6 +681,9 @@ def test_the_charts_dashboard_is_the_repos():
     {"images": {"node": {"repository": "pdserve/node-cpu", "tag": "latest"}}},
     {"model": {"source": "pvc"}},  # a PVC source without its claim
     {"redis": {"mode": "external", "external": {"url": "redis://:hunter2@cache:6379/0"}}},  # a password in the URL
+    {"redis": {"mode": "external", "external": {"url": "rediss://cache:6380/0?password=hunter2"}}},  # ... in its query
+    {"redis": {"mode": "external", "external": {"url": "rediss://cache:6380/0?ssl_ca_certs=/a&password=x"}}},
+    {"tls": {"enabled": True, "secretName": "t", "clientAuth": "yes"}},
     {"tls": {"enabled": True}},  # TLS without the Secret holding the certificates
     {"apiKey": "sk-inline"},  # a key itself instead of a reference to its Secret
     {"router": {"maxMigrations": -1}},

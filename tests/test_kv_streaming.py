@@ -371,7 +371,8 @@ def test_streamed_and_whole_transfers_leave_the_same_kv_and_output(tiny4_dir, re
             if streaming:  # chunk by chunk, layer groups at a time
                 assert pre.kv_pushes > 1, pre
             else:
-                assert pre.kv_pushes == 1 and pre.transfer_exposed_s == pre.transfer_s
+                # exposed: the whole push as the request waited for it; transfer_s: the attempt alone
+                assert pre.kv_pushes == 1 and pre.kv_fallbacks == 0 and pre.transfer_exposed_s >= pre.transfer_s
             kv[streaming] = decode.engine.kv_cache[:, list(res.block_ids)].clone()
             tokens[streaming] = pair.decode_rpc(decode, rid, prompt, greedy(), pre.first_token_ids, pre.cached_tokens)
         assert torch.equal(kv[True], kv[False])  # bit-identical KV on the decode nodes

@@ -13,7 +13,7 @@ from kv_transfer.buffers import BufferPool
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, PUSH_BLOCKS_PATH, KVReceiver, ReceivedBlocks, push_blocks
 from kv_transfer.layout import PoolLayout
 from kv_transfer.validate import KVValidationError, Reservation, validate_header
-from kv_transfer.wire import build_header, encode_chunk, iter_wire_messages, payload_units
+from kv_transfer.wire import build_header, encode_chunk, iter_wire_messages, payload_units, unit_rows
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 
 # [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]
@@ -229,3 +229,14 @@ def test_buffer_pool_reuses_by_identity() -> None:
     assert {id(buffers.acquire(5)), id(buffers.acquire(5))} == {id(a), id(b)}
     buffers.release(buffers.acquire(200))  # over the budget: not kept
     assert len(buffers.acquire(150)) == 150
+
+
+def test_unit_rows_are_the_payload_units_in_wire_order():
+    """The row index both raw-stream ends slice per chunk is the payload's unit order."""
+    pool = torch.arange(5 * 9 * 2 * 2 * 1 * 1, dtype=torch.float32).view(5, 9, 2, 2, 1, 1)
+    layout = PoolLayout.of(pool)
+    ids, layers = [7, 0, 3], range(1, 4)
+    rows = pool.view(-1).view(torch.uint8).view(-1, layout.block_bytes).numpy()
+    got = unit_rows(layers.start, len(layers), ids, layout.num_blocks)
+    assert got.tolist() == [lay * 9 + b for lay in layers for b in ids]
+    assert all((rows[r] == u).all() for r, u in zip(got, payload_units(pool, ids, layers), strict=True))

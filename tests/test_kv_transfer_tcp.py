@@ -367,11 +367,20 @@ def test_nodes_move_kv_over_tcp_and_fall_back_to_grpc(tiny_dir, cluster) -> None
     assert cluster.reader.live_nodes()["d0"].kv_endpoints == tuple(res.kv_endpoints)  # in the index too
     assert tokens_of(msgs) == ref and pre.blocks_sent == len(res.block_ids) and pre.transport == "shm"
     assert cluster.decode.data_server.connections_accepted == 1 and cluster.prefill.kv_sender.num_fallbacks == 0
+    assert pre.kv_fallbacks == 0 and pre.transfer_s > 0
+    # The prefill node advertises what it sends over; the router's guess for the pair agrees.
+    from kv_transfer.shm_transport import host_key
+    from router.cost_model import first_transport
+
+    sends = cluster.reader.live_nodes()["p0"].kv_endpoints
+    assert sends == (f"shm://{host_key()}/", "tcp://")
+    assert first_transport(sends, res.kv_endpoints) == "shm"
 
     cluster.decode.data_server.stop()  # the data port dies; gRPC still answers
     res, pre, msgs = cluster.disaggregated("over-grpc", prompt, GREEDY)
     assert tokens_of(msgs) == ref and pre.blocks_sent == len(res.block_ids)
     assert cluster.prefill.kv_sender.num_fallbacks == 2 and pre.transport == "grpc"  # shm, tcp, then gRPC
+    assert pre.kv_fallbacks == 2 and pre.transfer_s > 0  # the gRPC attempt's time alone
     assert cluster.free_blocks(cluster.decode) == cluster.decode.engine.num_blocks
 
 

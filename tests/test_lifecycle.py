@@ -300,6 +300,27 @@ def test_drain_gives_up_after_its_timeout(redis_url, tiny_model):
         dec.stop()
 
 
+def _actor_and_router(prefix: str, redis_url: str, tok_dir: str, tiny_model: str):
+    """A decode node actor on the local Ray (as `pdserve up` and `pdserve nodes` run it) and a
+    router in this process, in a fresh namespace: (namespace, actor, its pid, router)."""
+    import ray
+
+    from deploy.nodes import server_builder
+    from kv_index.nodes import Role
+    from node.actor import spawn_node
+    from node.config import NodeConfig
+
+    ns = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    cfg = NodeConfig(node_id="decode-0", role="decode", redis_url=redis_url, namespace=ns, lease_s=1.5,
+                     heartbeat_s=0.2, load_tokenizer=False, grpc_workers=8, engine=engine_config(tiny_model))
+    actor = spawn_node(cfg, server_builder(Role.DECODE), num_cpus=0)
+    pid = ray.get(actor.stats.remote(), timeout=120)["pid"]
+    router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0, http_port=None,
+                                namespace=ns, node_refresh_s=0.1, max_model_len=1024, short_prompt_tokens=1024,
+                                vocab_size=512))
+    return ns, actor, pid, router
+
+
 def test_sigterm_drains_a_node_actor(redis_url, tok_dir, tiny_model, local_ray):
     """What `pdserve up` and `pdserve nodes` run: a node actor. SIGTERM mid-stream: the stream
     completes, the node leaves the index, the process exits and Ray does not restart it."""
@@ -308,19 +329,7 @@ def test_sigterm_drains_a_node_actor(redis_url, tok_dir, tiny_model, local_ray):
 
     import ray
 
-    from deploy.nodes import server_builder
-    from kv_index.nodes import Role
-    from node.actor import spawn_node
-    from node.config import NodeConfig
-
-    ns = f"sigterm-{uuid.uuid4().hex[:6]}"
-    cfg = NodeConfig(node_id="decode-0", role="decode", redis_url=redis_url, namespace=ns, lease_s=1.5,
-                     heartbeat_s=0.2, load_tokenizer=False, grpc_workers=8, engine=engine_config(tiny_model))
-    actor = spawn_node(cfg, server_builder(Role.DECODE), num_cpus=0)
-    pid = ray.get(actor.stats.remote(), timeout=120)["pid"]
-    router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0, http_port=None,
-                                namespace=ns, node_refresh_s=0.1, max_model_len=1024, short_prompt_tokens=1024,
-                                vocab_size=512))
+    ns, actor, pid, router = _actor_and_router("sigterm", redis_url, tok_dir, tiny_model)
     reader = _reader(redis_url, ns)
     try:
         assert wait_for(lambda: router.orchestrator.refresher.view.has_decode, timeout=30)
@@ -340,6 +349,41 @@ def test_sigterm_drains_a_node_actor(redis_url, tok_dir, tiny_model, local_ray):
 
         assert wait_for(exited, timeout=60)
         assert reader.live_nodes() == {}
+        with pytest.raises(ray.exceptions.RayActorError):  # an intended exit: not restarted
+            ray.get(actor.ready.remote(), timeout=30)
+    finally:
+        router.stop()
+        ray.kill(actor, no_restart=True)
+
+
+def test_pod_prestop_drains_the_node_actor_below_it(redis_url, tok_dir, tiny_model, local_ray):
+    """The Helm worker preStop (`python -m deploy.pod_drain`): Kubernetes' SIGTERM reaches only
+    the pod's PID 1 (`ray start`), never the actor process, so the hook finds the node actor by
+    its Ray process title and signals it. Mid-stream: the stream completes, the hook returns once
+    the node left the index and exited, and Ray does not restart it."""
+    import os
+    import subprocess
+    import sys
+
+    import ray
+
+    from deploy.pod_drain import node_actor_pids, process_table
+
+    ns, actor, pid, router = _actor_and_router("prestop", redis_url, tok_dir, tiny_model)
+    try:
+        # Found by its title among this test's processes (the local Ray runs below this one).
+        assert node_actor_pids(process_table(), under=os.getpid()) == [pid]
+        assert wait_for(lambda: router.orchestrator.refresher.view.has_decode, timeout=30)
+        s = StreamInThread(router.address, prompt(12, 20), 900)
+        assert s.started.wait(60) and s.error is None
+        hook = subprocess.run([sys.executable, "-m", "deploy.pod_drain", "--timeout-s", "90",
+                               "--under", str(os.getpid())], capture_output=True, text=True, timeout=120)
+        assert hook.returncode == 0, hook.stdout + hook.stderr
+        assert f"SIGTERM to node actor process {pid}" in hook.stdout and "1 node(s) drained" in hook.stdout
+        s.join()
+        assert s.error is None, s.error
+        assert s.completion.finish_reason == "length" and len(s.tokens) == 900
+        assert _reader(redis_url, ns).live_nodes() == {}
         with pytest.raises(ray.exceptions.RayActorError):  # an intended exit: not restarted
             ray.get(actor.ready.remote(), timeout=30)
     finally:

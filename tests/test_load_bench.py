@@ -8,6 +8,7 @@ from tests.test_bench_cli import run_bench
 def test_load_bench_smoke_reports_every_figure_and_leaks_nothing():
     out = run_bench("load", "--streams", "16", "--seconds", "4", "--warmup-s", "2", "--max-tokens", "4,16")
     assert {"requests", "concurrency", "seconds", "errors", "rejected_429", "ttft_p99_s", "rss_growth_mb_per_min",
+            "rss_growth_mb_per_min_second_half",
             "leaked_blocks", "leaked_fds"} <= set(out)
     assert out["concurrency"] == 16 and out["seconds"] == 4
     assert out["requests"] > 0 and out["errors"] == 0, out["error_samples"]

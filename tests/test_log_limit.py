@@ -1,9 +1,9 @@
-"""Rate-limited warnings (router/log_limit.py): plain data, an injected clock."""
+"""Rate-limited warnings (telemetry/log_limit.py): plain data, an injected clock."""
 from __future__ import annotations
 
 import logging
 
-from router.log_limit import RateLimitedLog, RateLimiter
+from telemetry.log_limit import RateLimitedLog, RateLimiter
 
 
 class Clock:

@@ -210,6 +210,42 @@ def test_a_refused_transfer_counts_on_both_sides(pair):
             == value(before_p, "pdserve:request_success_total"))
 
 
+def test_refused_transfers_are_warned_once_then_counted(pair, monkeypatch, caplog):
+    """A decode node that refuses every push fails each request's transfer: the prefill node
+    warns once per status, then only counts (DEBUG keeps each), while the metric counts all."""
+    import logging
+
+    import prefill_node.server as prefill_server
+    from telemetry.log_limit import RateLimitedLog
+
+    now = [0.0]
+    monkeypatch.setattr(prefill_server, "transfer_log", RateLimitedLog(prefill_server.log, clock=lambda: now[0]))
+    caplog.set_level(logging.DEBUG, logger=prefill_server.log.name)
+    before = pair.prefill.stats()["transfer_failures"]
+
+    def refused(rid: str) -> None:
+        prompt = list(range(30, 53))
+        res = pair.reserve(rid, prompt)
+        wrong = kv_pb2.ReserveBlocksResponse(num_cached_blocks=res.num_cached_blocks,
+                                             block_ids=list(reversed(res.block_ids)), lease_s=res.lease_s)
+        with pytest.raises(grpc.RpcError) as err:
+            pair.prefill_rpc(rid, prompt, wrong)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        pair.kv_stub.ReleaseReservation(kv_pb2.ReleaseReservationRequest(request_id=rid), timeout=10)
+
+    def logged(level: int) -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == level and "KV transfer of" in r.getMessage()]
+
+    for i in range(3):
+        refused(f"flood-{i}")
+    assert len(logged(logging.WARNING)) == 1 and len(logged(logging.DEBUG)) == 2
+    now[0] = 11.0  # past the 10 s window: the next one logs itself and the count skipped
+    refused("flood-3")
+    warnings = logged(logging.WARNING)
+    assert len(warnings) == 2 and "(and 2 more KV transfer INVALID_ARGUMENT in the last 11 s, not logged)" in warnings[1]
+    assert pair.prefill.stats()["transfer_failures"] == before + 4
+
+
 def test_no_metrics_port_means_no_endpoint_and_none_registered(pair, tmp_path, redis_url):
     node = start_node("decode", "d-quiet", pair.decode.engine.config, redis_url=redis_url, namespace=pair.ns,
                       metrics_port=None, lease_s=2.0, heartbeat_s=0.1)

@@ -26,6 +26,7 @@ from pdserve.core import DEFAULT_BACKOFF, DEFAULT_RETRY_BUDGET_S, Backoff, Deadl
 
 REPO = Path(__file__).resolve().parents[1]
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+OVERLOADED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 # ----------------------------------------------------------------------------- the policy, plain data
@@ -57,12 +58,34 @@ def test_count_limit_budget_off_deadline_and_codes():
     unbounded = RetryPolicy(None, backoff, budget_s=None)
     assert unbounded.delay(UNAVAILABLE, 10_000, Deadline(None), elapsed=1e6) is not None
     assert unbounded.delay(UNAVAILABLE, 1, Deadline(0.0)) is None  # the call's deadline still binds
-    for code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL):
+    for code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED):
         assert RetryPolicy(None, backoff).delay(code, 1, Deadline(None)) is None
     with pytest.raises(ValueError):
         RetryPolicy(-1, backoff)
     with pytest.raises(ValueError):
         RetryPolicy(None, backoff, float("nan"))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_overload_waits_the_servers_hint_plus_jitter_within_the_budget(seed):
+    """RESOURCE_EXHAUSTED is retried like UNAVAILABLE, each wait at least the server's hint:
+    clients refused together spread out instead of coming back at the same instant."""
+    base, cap = DEFAULT_BACKOFF
+    policy = RetryPolicy(None, Backoff(base, cap, random.Random(seed)), budget_s=5.0)
+    elapsed, attempts, waits = 0.0, 1, []
+    while True:
+        delay, why = policy.decide(OVERLOADED, attempts, Deadline(None), elapsed, retry_after_s=0.2)
+        if delay is None:
+            break
+        waits.append(delay)
+        elapsed += delay
+        attempts += 1
+    assert waits and all(0.2 <= w <= 0.2 + cap for w in waits)
+    assert elapsed <= 5.0 and "retry_budget_s=5" in why
+    # A hint beyond the budget is not waited for; nor one the call's deadline would not survive.
+    assert "retry budget spent" in policy.decide(OVERLOADED, 1, Deadline(None), 0.0, retry_after_s=6.0)[1]
+    assert "timeout" in policy.decide(OVERLOADED, 1, Deadline(0.1), 0.0, retry_after_s=0.2)[1]
+    assert RetryPolicy(2, policy.backoff).decide(OVERLOADED, 3, Deadline(None))[1] == "retries=2 used up"
 
 
 def test_client_defaults_are_time_based():

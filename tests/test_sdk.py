@@ -43,6 +43,10 @@ class ScriptedPdServe(pb_grpc.PdServeServicer):
         elif script == "unavailable-after-chunk":
             yield pb.GenerateResponse(request_id=rid, chunk=pb.Chunk(index=0, token_ids=[1], text="a"))
             context.abort(grpc.StatusCode.UNAVAILABLE, "decode node lost")
+        elif script == "overloaded-after-chunk":
+            yield pb.GenerateResponse(request_id=rid, chunk=pb.Chunk(index=0, token_ids=[1], text="a"))
+            context.set_trailing_metadata((("retry-after-ms", "10"),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "node queue full")
         elif script == "slow":
             time.sleep(2.0)
         elif script == "invalid":
@@ -163,6 +167,19 @@ def test_no_retry_after_first_chunk(server):
         assert e.value.chunks_received == 1 and "retry the request" in str(e.value)
 
 
+def test_no_overload_retry_after_first_chunk(server):
+    """RESOURCE_EXHAUSTED is retried only before any output, like UNAVAILABLE: once a chunk
+    arrived, a new attempt would repeat it."""
+    target, servicer = server
+    with client(target) as c:
+        got = []
+        with pytest.raises(pdserve.ResourceExhaustedError, match="node queue full") as e:
+            for ch in c.generate("overloaded-after-chunk", request_id="over-once"):
+                got.append(ch.text)
+        assert got == ["a"] and servicer.attempts["over-once"] == 1
+        assert "not retried again" not in e.value.message
+
+
 def test_retries_a_refused_connection_until_the_server_is_back():
     """Connection refused (a router restarting) is UNAVAILABLE before the first chunk: retried
     on the SDK's backoff, and the channel reconnects on the same backoff, so the call lands as
@@ -200,9 +217,12 @@ def test_error_mapping(server):
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(pdserve.NotFoundError, match="served"):
             c.complete("not-found")
-        with pytest.raises(pdserve.ResourceExhaustedError) as e:
+    # Overload is retried after the server's hint (1.5 s), which is past this budget: no retry.
+    with client(target, retry_budget_s=1.0) as c:
+        with pytest.raises(pdserve.ResourceExhaustedError, match="past retry_budget_s=1;") as e:
             c.complete("overloaded")
-        assert e.value.retry_after_s == pytest.approx(1.5)
+        assert e.value.retry_after_s == pytest.approx(1.5) and "last status RESOURCE_EXHAUSTED" in e.value.message
+    with client(target) as c:
         with pytest.raises(pdserve.PdServeError, match="decode node crashed") as e:
             list(c.generate("in-stream-error"))
         assert e.value.code == grpc.StatusCode.INTERNAL
@@ -245,7 +265,8 @@ def test_async_client(server):
             assert got == ["a"] and servicer.attempts["aonce"] == 1
             with pytest.raises(pdserve.DeadlineExceededError):
                 await c.complete("slow", timeout=0.3)
-            with pytest.raises(pdserve.ResourceExhaustedError) as e:
+        async with pdserve.AsyncClient(target, backoff=(0.01, 0.05), retry_budget_s=1.0) as c:
+            with pytest.raises(pdserve.ResourceExhaustedError, match="retry budget spent") as e:
                 await c.complete("overloaded")
             assert e.value.retry_after_s == pytest.approx(1.5)
             with pytest.raises(pdserve.InvalidRequestError):

@@ -74,3 +74,64 @@ def test_one_slo_from_the_best_unloaded_layout_per_kind_and_the_knee():
     assert not slo.met(Record(3, "chat", 10, 5, 0, 0, 2.0, 2.2, 5))
     pts = [{"rate": 0.1, "goodput_rps": 0.1}, {"rate": 0.3, "goodput_rps": 0.25}, {"rate": 0.2, "goodput_rps": 0.25}]
     assert knee(pts)["rate"] == 0.2
+
+
+def test_long_share_sets_the_mix_and_is_checked():
+    for share in (0.05, 0.4):
+        reqs = wl.synthetic(2000, 1.0, wl.mixed(share), seed=5)
+        assert [r.kind for r in reqs].count("long") / len(reqs) == pytest.approx(share, abs=0.03)
+    assert all(r.kind == "chat" for r in wl.synthetic(50, 1.0, wl.mixed(0.0), seed=5))
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="long_share"):
+            wl.mixed(bad)
+
+
+def test_salted_points_share_nothing_with_each_other_but_keep_their_own_sharing():
+    trace = [TraceRequest(0.0, 1024, 10, (1, 2)), TraceRequest(1.0, 1024, 10, (1, 3))]
+    reqs = wl.from_trace(trace, block_tokens=512)
+    a, b = wl.salted(reqs, 1), wl.salted(reqs, 2)
+    assert wl.salted(reqs, 0) == reqs
+    assert [len(r.prompt) for r in a] == [len(r.prompt) for r in reqs]
+    assert [(r.arrival_s, r.max_tokens, r.kind) for r in a] == [(r.arrival_s, r.max_tokens, r.kind) for r in reqs]
+    assert a[0].prompt[:512] == a[1].prompt[:512]  # block 1 still shared inside the point
+    assert a[0].prompt[512:] != a[1].prompt[512:]
+    # no 16-token run of one point appears in another (the prefix cache keys on whole blocks)
+    runs = {r.prompt[i:i + 16] for r in reqs for i in range(0, len(r.prompt) - 15, 16)}
+    assert not runs & {r.prompt[i:i + 16] for r in a for i in range(0, len(r.prompt) - 15, 16)}
+    assert a[0].prompt[:16] != b[0].prompt[:16]
+    assert all(wl.TOKEN_LO <= t < wl.TOKEN_HI for r in a + b for t in r.prompt)
+
+
+def test_compare_layouts_slo_grid_and_tuning_candidates():
+    import argparse
+
+    from deploy.bench import serve
+
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    one = serve._layouts(p.parse_args(["--compare", "colocated"]))
+    assert [lay.label for lay in one] == ["disagg", "colocated"]
+    assert (one[0].prefill, one[0].decode, one[1].prefill, one[1].decode) == (1, 1, 0, 2)
+    tune = serve._layouts(p.parse_args(["--compare", "colocated", "--disagg-local-prefill-tokens", "16,512",
+                                        "--colocated-chunk-tokens", "256,512"]))
+    assert [lay.label for lay in tune] == ["disagg_local16", "disagg_local512", "colocated_chunk256",
+                                           "colocated_chunk512"]
+    assert [lay.local_prefill_tokens for lay in tune[:2]] == [16, 512]
+    assert [lay.chunk_tokens for lay in tune[2:]] == [256, 512]
+
+    def chat(i, sent, ttft, tpot, out=11):
+        return Record(i, "chat", 10, out, sent, sent, sent + ttft, sent + ttft + tpot * (out - 1), out)
+
+    base = [[chat(0, 0, 0.1, 0.05)], [chat(0, 0, 0.1, 0.05)]]
+    # disagg: TTFT 0.4 (4x unloaded), TPOT 0.06; colocated: TTFT 0.15, TPOT 0.12 (2.4x)
+    runs = {"disagg": [chat(i, i, 0.4, 0.06) for i in range(4)],
+            "colocated": [chat(i, i, 0.15, 0.12) for i in range(4)]}
+    points = {k: [{"rate": 1.0, "_records": v}] for k, v in runs.items()}
+    grid = {(g["ttft_factor"], g["tpot_factor"]): g for g in serve._slo_grid(base, points)}
+    assert grid[5.0, 2.0]["goodput_ratio"] is None  # colocated misses TPOT 2x: nothing to divide by
+    assert grid[5.0, 2.0]["disagg_goodput"] > 0
+    assert grid[3.0, 3.0]["disagg_goodput"] == 0 and grid[3.0, 3.0]["colocated_goodput"] > 0  # TTFT 3x
+    # both meet TTFT 5x and TPOT 3x: goodput is 4 requests over each run's span (first send to last end)
+    assert grid[5.0, 3.0]["goodput_ratio"] == pytest.approx((3 + 0.15 + 1.2) / (3 + 0.4 + 0.6))
+    assert serve._bracketed([{"rate": 1, "goodput_rps": 2}, {"rate": 2, "goodput_rps": 1}])
+    assert not serve._bracketed([{"rate": 1, "goodput_rps": 1}, {"rate": 2, "goodput_rps": 2}])

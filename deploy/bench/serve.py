@@ -14,6 +14,20 @@ vLLM and SGLang run by default; in pdserve a decode-role node with no prefill no
 does exactly that). Each node is pinned to one core (``ClusterConfig.pin_cores``) and runs one
 torch thread; the router and this load generator share the machine with them, alike in both runs.
 
+Each layout runs with its own tunable constant at its best: the disaggregated layout prefills
+prompts shorter than ``--disagg-local-prefill-tokens`` on the decode node (conditional
+disaggregation, as Dynamo does: a short prefill costs the decode batch less than its queueing
+behind long prompts on the prefill node), the colocated layout's chunked-prefill step budget is
+``--colocated-chunk-tokens``. Comma-separated candidates make a tuning run, which reports each
+candidate's knee and the best one per layout; the defaults are the choices of a tuning run on
+another seed than the reported one (docs/benchmarks.md says which).
+
+Every point of a sweep (and the warm-up and unloaded requests) sends its own token ids
+(``serve_workload.salted``): the same lengths, kinds and order, nothing cached by one point hit
+by the next. ``--long-shares`` repeats the comparison at several shares of long documents and
+reports where the winning layout changes; every share's result also carries ``slo_grid``, the
+goodput ratio under other SLO factors, computed from the same records.
+
 The SLO is set from the unloaded latencies measured in the same run: requests sent one at a
 time to each layout give unloaded TTFT and TPOT medians; the SLO is ``--slo-ttft-factor`` x the
 better layout's unloaded TTFT and ``--slo-tpot-factor`` x the better unloaded TPOT, the same for
@@ -22,7 +36,8 @@ at every rate, and goodput (requests within both SLOs per second) is read at eac
 knee (its best point). Result::
 
     {"disagg": {...}, "colocated": {...}, "goodput_ratio": disagg knee / colocated knee,
-     "tpot_p99_ratio": colocated / disagg p99 TPOT at the colocated knee's rate, "slo": {...}}
+     "tpot_p99_ratio": colocated / disagg p99 TPOT at the colocated knee's rate, "slo": {...},
+     "knee_bracketed": {...}, "slo_grid": [...], "by_long_share": [...] (with --long-shares)}
 """
 from __future__ import annotations
 
@@ -30,6 +45,7 @@ import argparse
 import asyncio
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.bench import serve_workload as wl
@@ -45,6 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="the served model (the cluster's, for --compare)")
     p.add_argument("--workload", choices=["mixed", "chat"], default="mixed",
                    help="synthetic length mix (mixed: chat turns with long documents mixed in)")
+    p.add_argument("--long-share", type=float, default=wl.MIXED_LONG_SHARE,
+                   help="mixed workload: the fraction of requests that are long documents")
+    p.add_argument("--long-shares", default=None,
+                   help="--compare: run the comparison at each of these long-document shares (e.g. 0.05,0.2,0.4) "
+                        "and report where the winning layout changes")
     p.add_argument("--trace", default=None, help="replay a Mooncake JSONL or Azure CSV trace's arrivals and lengths")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply the trace's gaps (2 = half the rate)")
     p.add_argument("--max-len", type=int, default=1024, help="scale the trace's lengths so its longest prompt fits")
@@ -58,6 +79,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare", choices=["colocated"], default=None,
                    help="start 1 prefill + 1 decode and 2 colocated nodes here, one after the other")
+    p.add_argument("--disagg-local-prefill-tokens", default="256",
+                   help="--compare, disaggregated layout: prompts shorter than this are prefilled on the decode node "
+                        "(conditional disaggregation); comma-separated candidates make a tuning run")
+    p.add_argument("--disagg-chunk-tokens", type=int, default=512, help="--compare: the disaggregated nodes' step budget")
+    p.add_argument("--colocated-chunk-tokens", default="512",
+                   help="--compare, colocated layout: the per-step token budget of chunked prefill; comma-separated "
+                        "candidates make a tuning run")
     p.add_argument("--unloaded-requests", type=int, default=3,
                    help="requests of each kind sent one at a time, for the SLO's base")
     p.add_argument("--slo-ttft-factor", type=float, default=5.0)
@@ -69,13 +97,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="PNG prefix: PREFIX_cdf.png (TTFT, TPOT CDFs), PREFIX_goodput.png")
 
 
-def _workload(args) -> list[wl.LoadRequest]:
+def _workload(args, long_share: float | None = None) -> list[wl.LoadRequest]:
     if args.trace:
         from router.replay.traces import load_trace
 
         return wl.from_trace(load_trace(args.trace, args.num_requests), time_scale=args.time_scale,
                              max_len=args.max_len, seed=args.seed, max_tokens_cap=args.max_tokens_cap)
-    mix = wl.MIXED if args.workload == "mixed" else wl.LengthMix(((1.0, (48, 128), (64, 128), "chat"),))
+    share = args.long_share if long_share is None else long_share
+    mix = wl.mixed(share) if args.workload == "mixed" else wl.LengthMix(((1.0, (48, 128), (64, 128), "chat"),))
     reqs = wl.synthetic(args.num_requests, args.rate or 1.0, mix, seed=args.seed, burstiness=args.burstiness)
     if args.max_tokens_cap:
         reqs = [wl.LoadRequest(r.arrival_s, r.prompt, min(r.max_tokens, args.max_tokens_cap), r.kind) for r in reqs]
@@ -108,19 +137,21 @@ def _unloaded(workload, per_kind: int, target: str, api: str, model: str, report
     return records
 
 
-def _sweep(workload, rates, target, api, model, report, label: str) -> list[tuple[float | None, list]]:
-    """The workload at every rate (None: at its own arrival times); -> (rate, records) per point."""
+def _sweep(workload, rates, target, api, model, report, label: str, salt: int = 1) -> list[tuple[float | None, list]]:
+    """The workload at every rate (None: at its own arrival times), each point with its own token
+    ids (``salt`` + the point's index: no point hits what another cached); -> (rate, records)."""
     out = []
-    for rate in rates:
+    for j, rate in enumerate(rates):
         report.progress(f"{label}: {len(workload)} requests at {'trace times' if rate is None else f'{rate:g} req/s'}")
-        recs = _measure(wl.at_rate(workload, rate, seed=1) if rate else workload, target, api, model, report.progress)
+        point = wl.salted(wl.at_rate(workload, rate, seed=1) if rate else workload, salt + j)
+        recs = _measure(point, target, api, model, report.progress)
         failed = sum(r.error is not None for r in recs)
         report.progress(f"{label}: done, {failed} failed")
         out.append((rate, recs))
     return out
 
 
-def _points(runs, slo: Slo | None, label: str, report, records_out) -> list[dict]:
+def _points(runs, slo: Slo | None, label: str, report, records_out, extra: dict | None = None) -> list[dict]:
     points = []
     for rate, recs in runs:
         s = summarize(recs, slo)
@@ -129,76 +160,192 @@ def _points(runs, slo: Slo | None, label: str, report, records_out) -> list[dict
         points.append(s)
         if records_out is not None:
             for r in recs:
-                records_out.write(json.dumps({"layout": label, "rate": rate, **r.as_json()}) + "\n")
+                records_out.write(json.dumps({"layout": label, "rate": rate, **(extra or {}), **r.as_json()}) + "\n")
         report.progress(f"{label} @ {rate}: goodput {s.get('goodput_rps', 0):.3f} req/s, "
                         f"TTFT p99 {s['ttft_s']['p99'] or 0:.2f}s, TPOT p99 {s['tpot_s']['p99'] or 0:.3f}s, "
                         f"{s['failed']} failed, generator lag p99 {s['generator_lag_s']['p99']:.3f}s")
     return points
 
 
-def _start_layout(args, prefill: int, decode: int, report):
-    from deploy.launcher import ClusterConfig, LocalCluster
-    from engine.config import CacheConfig, EngineConfig
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """One layout of the comparison: how many nodes of each role, and its two tunable constants."""
 
-    engine = EngineConfig(model=args.model, dtype="float32", cache=CacheConfig(kv_cache_bytes=args.kv_cache_mib * 2**20))
-    cfg = ClusterConfig(engine=engine, prefill_nodes=prefill, decode_nodes=decode, grpc_port=0, http_port=0,
-                        dashboard_port=0, node_threads=1, pin_cores=True,
-                        namespace=f"bench-serve-{prefill}p{decode}d-{os.getpid()}")
-    return LocalCluster(cfg, report.progress).start()
+    family: str  # "disagg" or "colocated"
+    prefill: int
+    decode: int
+    # Conditional disaggregation (Dynamo's): a prompt shorter than this is prefilled on the decode
+    # node; longer ones go to a prefill node (the router's short_prompt_tokens).
+    local_prefill_tokens: int
+    chunk_tokens: int  # the engines' per-step token budget (chunked prefill)
+    name: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.name or self.family
 
 
-def _compare(args, report) -> dict:
-    workload = _workload(args)
-    rates = _rates(args) or [0.1, 0.2, 0.3, 0.45]
-    layouts = {"disagg": (1, 1), "colocated": (0, 2)}
-    unloaded, runs = {}, {}
-    # One layout at a time on the same cores: warm up, unloaded requests (the SLO's base), the
-    # sweep. Goodput is computed afterwards, once both unloaded figures fix the common SLO.
-    for name, (p, d) in layouts.items():
-        report.progress(f"{name}: starting {p} prefill + {d} decode node(s), one core each")
-        cluster = _start_layout(args, p, d, report)
-        try:
-            target = cluster.address if args.api == "grpc" else f"http://{cluster.http_address}"
-            _measure(workload[:2], target, args.api, args.model)  # warm-up, alike for both
-            unloaded[name] = _unloaded(workload, args.unloaded_requests, target, args.api, args.model, report)
-            runs[name] = _sweep(workload, rates, target, args.api, args.model, report, name)
-        finally:
-            cluster.stop()
-    slo = (Slo(args.slo_ttft, args.slo_tpot) if args.slo_ttft and args.slo_tpot
-           else slo_from_unloaded(unloaded.values(), args.slo_ttft_factor, args.slo_tpot_factor))
-    report.progress(f"SLO: TTFT <= {', '.join(f'{k} {v:.3f}s' for k, v in slo.ttft_by_kind) or slo.ttft_s}, "
-                    f"TPOT <= {slo.tpot_s:.4f}s")
-    records_out = open(args.records, "w") if args.records else None
-    try:
-        results = {name: {"nodes": {"prefill": p, "decode": d}, "unloaded": summarize(unloaded[name]),
-                          "points": _points(runs[name], slo, name, report, records_out)}
-                   for name, (p, d) in layouts.items()}
-    finally:
-        if records_out is not None:
-            records_out.close()
-    dk, ck = knee(results["disagg"]["points"]), knee(results["colocated"]["points"])
-    at_rate = {p["rate"]: p for p in results["disagg"]["points"]}.get(ck["rate"])
-    out = {
-        "disagg": _strip(results["disagg"], dk), "colocated": _strip(results["colocated"], ck),
-        "goodput_ratio": dk["goodput_rps"] / ck["goodput_rps"] if ck["goodput_rps"] else None,
-        "tpot_p99_ratio": (ck["tpot_s"]["p99"] / at_rate["tpot_s"]["p99"]
-                           if at_rate and at_rate["tpot_s"]["p99"] and ck["tpot_s"]["p99"] else None),
-        "slo": {**slo.as_json(), "ttft_factor": args.slo_ttft_factor, "tpot_factor": args.slo_tpot_factor,
-                "base": "per request kind, the better layout's unloaded median"},
-        "rates": rates, "requests_per_point": len(workload), "workload": args.trace or args.workload,
-        "api": args.api, "cores": len(os.sched_getaffinity(0)),
-    }
-    report.table(["layout", "knee rate", "goodput req/s", "SLO met", "TTFT p99 s", "TPOT p99 s"],
-                 [[n, k["rate"], k["goodput_rps"], k["slo_attainment"], k["ttft_s"]["p99"], k["tpot_s"]["p99"]]
-                  for n, k in (("disagg", dk), ("colocated", ck))])
-    if args.plot:
-        _plot(args.plot, {"disagg": results["disagg"]["points"], "colocated": results["colocated"]["points"]}, slo)
+def _layouts(args) -> list[Layout]:
+    """Every candidate of each family; with one candidate each, the names are the families."""
+    local = _ints(args.disagg_local_prefill_tokens)
+    chunks = _ints(args.colocated_chunk_tokens)
+    out = [Layout("disagg", 1, 1, n, args.disagg_chunk_tokens, f"disagg_local{n}" if len(local) > 1 else "")
+           for n in local]
+    out += [Layout("colocated", 0, 2, 0, c, f"colocated_chunk{c}" if len(chunks) > 1 else "") for c in chunks]
     return out
 
 
-def _strip(layout: dict, k: dict) -> dict:
-    points = [{key: v for key, v in p.items() if key != "_records"} for p in layout["points"]]
-    return {"nodes": layout["nodes"], "unloaded": layout["unloaded"], "points": points,
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in str(text).split(",") if x.strip()]
+
+
+def _start_layout(args, layout: Layout, report):
+    from deploy.launcher import ClusterConfig, LocalCluster
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    engine = EngineConfig(model=args.model, dtype="float32", cache=CacheConfig(kv_cache_bytes=args.kv_cache_mib * 2**20),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=layout.chunk_tokens))
+    cfg = ClusterConfig(engine=engine, prefill_nodes=layout.prefill, decode_nodes=layout.decode, grpc_port=0,
+                        http_port=0, dashboard_port=0, node_threads=1, pin_cores=True,
+                        short_prompt_tokens=layout.local_prefill_tokens,
+                        namespace=f"bench-serve-{layout.prefill}p{layout.decode}d-{os.getpid()}")
+    return LocalCluster(cfg, report.progress).start()
+
+
+# Salts that give every phase of a share its own token ids (serve_workload.salted): nothing one
+# point cached is hit by the next, and both layouts see exactly the same ids at each point.
+_SALT_WARMUP, _SALT_UNLOADED, _SALT_POINTS = 90, 91, 1
+
+
+def _salt(share_index: int, phase: int) -> int:
+    return 1000 * share_index + phase
+
+
+def _compare(args, report) -> dict:
+    rates = _rates(args) or [0.4, 0.8, 1.2, 1.6]
+    shares = [float(x) for x in args.long_shares.split(",")] if args.long_shares else [args.long_share]
+    workloads = [_workload(args, share) for share in shares]
+    layouts = _layouts(args)
+    unloaded: dict[tuple[int, str], list] = {}
+    runs: dict[tuple[int, str], list] = {}
+    # One layout at a time on the same cores: warm up, unloaded requests (the SLO's base), the
+    # sweep, for every long-prompt share. Goodput is computed afterwards, once the unloaded
+    # figures of every layout fix the common SLO of each share.
+    for layout in layouts:
+        report.progress(f"{layout.label}: starting {layout.prefill} prefill + {layout.decode} decode node(s), one core "
+                        f"each (local prefill below {layout.local_prefill_tokens} tokens, chunk {layout.chunk_tokens})")
+        cluster = _start_layout(args, layout, report)
+        try:
+            target = cluster.address if args.api == "grpc" else f"http://{cluster.http_address}"
+            for i, (share, workload) in enumerate(zip(shares, workloads)):
+                report.progress(f"{layout.label}: long-prompt share {share:g}")
+                _measure(wl.salted(workload[:2], _salt(i, _SALT_WARMUP)), target, args.api, args.model)  # warm-up
+                unloaded[i, layout.label] = _unloaded(wl.salted(workload, _salt(i, _SALT_UNLOADED)),
+                                                      args.unloaded_requests, target, args.api, args.model, report)
+                runs[i, layout.label] = _sweep(workload, rates, target, args.api, args.model, report, layout.label,
+                                               salt=_salt(i, _SALT_POINTS))
+        finally:
+            cluster.stop()
+    records_out = open(args.records, "w") if args.records else None
+    try:
+        per_share = [_share_result(args, i, share, layouts, unloaded, runs, report, records_out)
+                     for i, share in enumerate(shares)]
+    finally:
+        if records_out is not None:
+            records_out.close()
+    head = next((r for r in per_share if r["long_share"] == wl.MIXED_LONG_SHARE), per_share[0])
+    out = {k: v for k, v in head.items() if not k.startswith("_")}
+    out.update(rates=rates, requests_per_point=args.num_requests, workload=args.trace or args.workload,
+               api=args.api, cores=len(os.sched_getaffinity(0)), seed=args.seed,
+               layouts=[{"name": lay.label, "family": lay.family, "prefill": lay.prefill, "decode": lay.decode,
+                         "local_prefill_tokens": lay.local_prefill_tokens, "chunk_tokens": lay.chunk_tokens}
+                        for lay in layouts])
+    if len(per_share) > 1:
+        out["by_long_share"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in per_share]
+        report.table(["long share", "disagg knee goodput", "colocated knee goodput", "goodput_ratio"],
+                     [[r["long_share"], r.get("disagg", {}).get("knee", {}).get("goodput_rps"),
+                       r.get("colocated", {}).get("knee", {}).get("goodput_rps"), r.get("goodput_ratio")]
+                      for r in per_share])
+    if args.plot:
+        _plot(args.plot, {lay.label: head["_points"][lay.label] for lay in layouts}, head["_slo"])
+        if len(per_share) > 1 or head.get("slo_grid"):
+            _plot_crossover(args.plot, per_share, head)
+    return out
+
+
+def _share_result(args, i: int, share: float, layouts: list[Layout], unloaded, runs, report, records_out) -> dict:
+    """One long-prompt share: the common SLO, every layout's points and knee, and (with one
+    candidate per family) the goodput ratio, also over a grid of SLO factors."""
+    base = [unloaded[i, lay.label] for lay in layouts]
+    slo = (Slo(args.slo_ttft, args.slo_tpot) if args.slo_ttft and args.slo_tpot
+           else slo_from_unloaded(base, args.slo_ttft_factor, args.slo_tpot_factor))
+    report.progress(f"share {share:g}: SLO TTFT <= {', '.join(f'{k} {v:.3f}s' for k, v in slo.ttft_by_kind) or slo.ttft_s}"
+                    f", TPOT <= {slo.tpot_s:.4f}s")
+    points, result = {}, {"long_share": share}
+    for lay in layouts:
+        pts = _points(runs[i, lay.label], slo, lay.label, report, records_out, extra={"long_share": share})
+        points[lay.label] = pts
+        result[lay.label] = _strip(summarize(unloaded[i, lay.label]), pts, knee(pts), lay)
+    result["slo"] = {**slo.as_json(), "ttft_factor": args.slo_ttft_factor, "tpot_factor": args.slo_tpot_factor,
+                     "base": "per request kind, the better layout's unloaded median"}
+    result["_points"], result["_slo"] = points, slo
+    families = {}
+    for lay in layouts:
+        families.setdefault(lay.family, []).append(lay.label)
+    if all(len(v) == 1 for v in families.values()) and {"disagg", "colocated"} <= families.keys():
+        dk, ck = knee(points["disagg"]), knee(points["colocated"])
+        at_rate = {p["rate"]: p for p in points["disagg"]}.get(ck["rate"])
+        result["goodput_ratio"] = dk["goodput_rps"] / ck["goodput_rps"] if ck["goodput_rps"] else None
+        result["tpot_p99_ratio"] = (ck["tpot_s"]["p99"] / at_rate["tpot_s"]["p99"]
+                                    if at_rate and at_rate["tpot_s"]["p99"] and ck["tpot_s"]["p99"] else None)
+        result["knee_bracketed"] = {name: _bracketed(points[name]) for name in ("disagg", "colocated")}
+        if not (args.slo_ttft and args.slo_tpot):
+            result["slo_grid"] = _slo_grid(base, points)
+        report.table(["layout", "knee rate", "goodput req/s", "SLO met", "TTFT p99 s", "TPOT p99 s"],
+                     [[n, k["rate"], k["goodput_rps"], k["slo_attainment"], k["ttft_s"]["p99"], k["tpot_s"]["p99"]]
+                      for n, k in (("disagg", dk), ("colocated", ck))])
+    else:
+        # Candidates of a family (a tuning run): each one's knee; the choice is made here and
+        # reported on other requests (another --seed), never on these.
+        result["tuning"] = {fam: max(((knee(points[n])["goodput_rps"], n) for n in names))[1]
+                            for fam, names in families.items()}
+        report.table(["layout", "knee rate", "goodput req/s", "SLO met"],
+                     [[lay.label, (k := knee(points[lay.label]))["rate"], k["goodput_rps"], k["slo_attainment"]]
+                      for lay in layouts])
+    return result
+
+
+def _bracketed(points: list[dict]) -> bool:
+    """Whether the sweep found the knee inside it: goodput fell at a higher rate than the knee's."""
+    k = knee(points)
+    return any(p["rate"] > k["rate"] for p in points)
+
+
+# The SLO factors of the grid: DistServe reports goodput against an "SLO scale" in the same way.
+SLO_GRID_TTFT = (2.0, 3.0, 5.0, 10.0, 20.0)
+SLO_GRID_TPOT = (1.5, 2.0, 3.0, 5.0)
+
+
+def _slo_grid(base, points: dict[str, list[dict]]) -> list[dict]:
+    """goodput_ratio under other SLOs, from the same records: where on the (TTFT, TPOT) plane the
+    winning layout changes."""
+    out = []
+    for ft in SLO_GRID_TTFT:
+        for fp in SLO_GRID_TPOT:
+            slo = slo_from_unloaded(base, ft, fp)
+            kn = {name: knee([{"rate": p["rate"], **summarize(p["_records"], slo)} for p in pts])
+                  for name, pts in points.items()}
+            d, c = kn["disagg"]["goodput_rps"], kn["colocated"]["goodput_rps"]
+            out.append({"ttft_factor": ft, "tpot_factor": fp, "disagg_goodput": d, "colocated_goodput": c,
+                        "goodput_ratio": d / c if c else None})
+    return out
+
+
+def _strip(unloaded_summary: dict, points: list[dict], k: dict, layout: Layout) -> dict:
+    return {"nodes": {"prefill": layout.prefill, "decode": layout.decode},
+            "local_prefill_tokens": layout.local_prefill_tokens, "chunk_tokens": layout.chunk_tokens,
+            "unloaded": unloaded_summary,
+            "points": [{key: v for key, v in p.items() if key != "_records"} for p in points],
             "knee": {key: v for key, v in k.items() if key != "_records"}}
 
 
@@ -274,4 +421,42 @@ def _plot(prefix: str, layouts: dict[str, list[dict]], slo: Slo | None) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(f"{prefix}_goodput.png", dpi=120)
+    plt.close(fig)
+
+
+def _plot_crossover(prefix: str, per_share: list[dict], head: dict) -> None:
+    """PREFIX_crossover.png: the goodput ratio against the long-document share (left) and, at the
+    headline share, against the SLO's TTFT factor for each TPOT factor (right). Above 1 the
+    disaggregated layout serves more requests within the SLO."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    rows = [r for r in per_share if r.get("goodput_ratio") is not None]
+    ax = axes[0]
+    ax.plot([r["long_share"] for r in rows], [r["goodput_ratio"] for r in rows], marker="o")
+    ax.set_xlabel("share of requests that are long documents")
+    ax.set_ylabel("goodput ratio (disagg / colocated)")
+    ax.set_title(f"SLO: TTFT {head['slo']['ttft_factor']:g}x, TPOT {head['slo']['tpot_factor']:g}x unloaded",
+                 fontsize=9)
+    ax = axes[1]
+    grid = head.get("slo_grid") or []
+    for fp in sorted({g["tpot_factor"] for g in grid}):
+        pts = [g for g in grid if g["tpot_factor"] == fp and g["goodput_ratio"] is not None]
+        ax.plot([g["ttft_factor"] for g in pts], [g["goodput_ratio"] for g in pts], marker="o",
+                label=f"TPOT <= {fp:g}x")
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT SLO (x unloaded TTFT of the request's kind)")
+    ax.set_ylabel("goodput ratio (disagg / colocated)")
+    ax.set_title(f"long-document share {head['long_share']:g}", fontsize=9)
+    if grid:
+        ax.legend(fontsize=8)
+    for ax in axes:
+        ax.axhline(1.0, color="grey", lw=1)
+        ax.axhline(1.3, color="grey", lw=1, ls="--")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(f"{prefix}_crossover.png", dpi=120)
     plt.close(fig)

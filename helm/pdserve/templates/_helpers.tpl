@@ -247,6 +247,12 @@ capabilities:
 
 {{/* TLS (docs/security.md): one Secret, mounted at the same path on the router and every
 worker pod, so the file paths a node config carries hold on whichever pod Ray places it. */}}
+{{/* How long a worker pod's preStop waits for its node to drain and exit: the node's drain
+timeout plus time to leave the index and end the actor. */}}
+{{- define "pdserve.nodePreStopSeconds" -}}
+{{- add (ceil .Values.nodes.drainSeconds | int) 15 }}
+{{- end }}
+
 {{- define "pdserve.tlsDir" -}}/etc/pdserve/tls{{- end }}
 
 {{- define "pdserve.tlsArgs" -}}
@@ -260,6 +266,26 @@ worker pod, so the file paths a node config carries hold on whichever pod Ray pl
 - --tls-server-name
 - {{ .Values.tls.serverName | quote }}
 {{- end }}
+{{- end }}
+
+{{/* A router probe when clients must present a certificate (tls.clientAuth): the kubelet's
+httpGet presents none, so the pod asks itself over HTTPS with its own member certificate
+(signed by the same CA). Exit status non-zero on any failure, 503 included. */}}
+{{- define "pdserve.routerProbeExec" -}}
+{{- $d := include "pdserve.tlsDir" .ctx -}}
+exec:
+  command:
+    - python
+    - -c
+    - >-
+      import ssl, sys, urllib.request;
+      c = ssl.create_default_context(cafile=sys.argv[1] + "/ca.crt");
+      c.check_hostname = False;
+      c.load_cert_chain(sys.argv[1] + "/tls.crt", sys.argv[1] + "/tls.key");
+      urllib.request.urlopen(sys.argv[2], context=c, timeout=5)
+    - {{ $d | quote }}
+    - {{ printf "https://127.0.0.1:%v%s" (.ctx.Values.router.httpPort | int) .path | quote }}
+timeoutSeconds: 6
 {{- end }}
 
 {{- define "pdserve.tlsVolumes" -}}

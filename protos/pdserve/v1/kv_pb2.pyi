@@ -211,7 +211,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation: _Optional[_Union[ReserveBlocksResponse, _Mapping]] = ..., resumed_output_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_ids", "first_logprobs", "cached_tokens", "blocks_sent", "bytes_sent", "prefill_s", "transfer_s", "transport", "transfer_exposed_s", "kv_streamed", "kv_pushes")
+    __slots__ = ("first_token_ids", "first_logprobs", "cached_tokens", "blocks_sent", "bytes_sent", "prefill_s", "transfer_s", "transport", "transfer_exposed_s", "kv_streamed", "kv_pushes", "kv_fallbacks")
     FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +223,7 @@ class PrefillResponse(_message.Message):
     TRANSFER_EXPOSED_S_FIELD_NUMBER: _ClassVar[int]
     KV_STREAMED_FIELD_NUMBER: _ClassVar[int]
     KV_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    KV_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     first_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_logprobs: _containers.RepeatedCompositeFieldContainer[_serving_pb2.TokenLogprobs]
     cached_tokens: int
@@ -234,4 +235,5 @@ class PrefillResponse(_message.Message):
     transfer_exposed_s: float
     kv_streamed: bool
     kv_pushes: int
-    def __init__(self, first_token_ids: _Optional[_Iterable[int]] = ..., first_logprobs: _Optional[_Iterable[_Union[_serving_pb2.TokenLogprobs, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., blocks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., transport: _Optional[str] = ..., transfer_exposed_s: _Optional[float] = ..., kv_streamed: _Optional[bool] = ..., kv_pushes: _Optional[int] = ...) -> None: ...
+    kv_fallbacks: int
+    def __init__(self, first_token_ids: _Optional[_Iterable[int]] = ..., first_logprobs: _Optional[_Iterable[_Union[_serving_pb2.TokenLogprobs, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., blocks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., transport: _Optional[str] = ..., transfer_exposed_s: _Optional[float] = ..., kv_streamed: _Optional[bool] = ..., kv_pushes: _Optional[int] = ..., kv_fallbacks: _Optional[int] = ...) -> None: ...

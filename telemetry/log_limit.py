@@ -7,8 +7,9 @@ logged in full; later ones within ``interval_s`` are only counted, and the next 
 after the interval logs itself plus "N more ... in the last T s". The count of a burst's tail
 is therefore reported with the reason's next occurrence (its window says how long that was).
 
-Only the log is thinned: the Prometheus counters are incremented per event elsewhere and stay
-exact. Plain data with an injected clock, so the tests need no logger timing.
+Shared by the router (refused reservations and prefills) and the prefill node (failed KV
+transfers: a decode node that refuses or has gone fails every push to it). Only the log is
+thinned: the Prometheus counters are incremented per event elsewhere and stay exact. Plain data with an injected clock, so the tests need no logger timing.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class Decision:
 class RateLimiter:
     """Decides, per reason, which occurrences are logged: the first, then at most one per
     ``interval_s`` carrying the count of those skipped. Thread-safe (the router logs from its
-    event loop and from worker threads)."""
+    event loop and from worker threads, a node from its gRPC threads)."""
 
     def __init__(self, interval_s: float = DEFAULT_INTERVAL_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.interval_s = interval_s

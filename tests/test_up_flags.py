@@ -1,0 +1,48 @@
+"""`pdserve up`'s router flags reach the RouterConfig the launcher starts the router with: the
+CLI's own parser, ClusterConfig and ``deploy.launcher.router_config`` (the function bring-up
+calls), no cluster needed. The flags match the router CLI's (`python -m router.server`)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from deploy.cli import add_up_arguments, cluster_config_from_args
+from deploy.launcher import router_config
+
+BRING_UP = dict(redis_url="redis://127.0.0.1:1/0", model_name="m", tokenizer_dir="/nonexistent", max_model_len=1024)
+
+
+def parse_up(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_up_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_router_fault_flags_reach_the_router_config():
+    cfg = cluster_config_from_args(parse_up("--max-migrations", "0", "--straggler-factor", "5.5",
+                                            "--short-prompt-tokens", "32", "--prefill-nodes", "0"))
+    rc = router_config(cfg, **BRING_UP)
+    assert (rc.max_migrations, rc.straggler_factor) == (0, 5.5)
+    assert rc.short_prompt_tokens == 32 and rc.ready_min_prefill == 0 and rc.redis_url == BRING_UP["redis_url"]
+
+
+def test_defaults_are_the_router_clis():
+    from router.server import build_parser
+
+    router_defaults = build_parser().parse_args(["--redis-url", "redis://x", "--tokenizer-dir", "/t", "--model-name", "m",
+                                                 "--max-model-len", "64"])
+    rc = router_config(cluster_config_from_args(parse_up()), **BRING_UP)
+    assert rc.max_migrations == router_defaults.max_migrations == 2
+    assert rc.straggler_factor == router_defaults.straggler_factor == 3.0
+
+
+@pytest.mark.parametrize("argv", [("--max-migrations", "-1"), ("--straggler-factor", "nan"),
+                                  ("--straggler-factor", "inf"), ("--straggler-factor", "-2")])
+def test_bad_values_stop_before_anything_starts(argv, capsys):
+    from deploy.cli import cmd_up
+
+    with pytest.raises(ValueError, match=argv[0].lstrip("-").replace("-", "_")):
+        cluster_config_from_args(parse_up(*argv))
+    assert cmd_up(parse_up(*argv)) == 2  # reported, nothing started
+    assert "error:" in capsys.readouterr().err
