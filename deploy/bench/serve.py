@@ -83,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--compare, disaggregated layout: prompts shorter than this are prefilled on the decode node "
                         "(conditional disaggregation); comma-separated candidates make a tuning run")
     p.add_argument("--disagg-chunk-tokens", type=int, default=512, help="--compare: the disaggregated nodes' step budget")
-    p.add_argument("--colocated-chunk-tokens", default="512",
+    p.add_argument("--colocated-chunk-tokens", default="256",
                    help="--compare, colocated layout: the per-step token budget of chunked prefill; comma-separated "
                         "candidates make a tuning run")
     p.add_argument("--unloaded-requests", type=int, default=3,
@@ -222,7 +222,7 @@ def _salt(share_index: int, phase: int) -> int:
 
 
 def _compare(args, report) -> dict:
-    rates = _rates(args) or [0.4, 0.8, 1.2, 1.6]
+    rates = _rates(args) or [0.15, 0.3, 0.45, 0.6]
     shares = [float(x) for x in args.long_shares.split(",")] if args.long_shares else [args.long_share]
     workloads = [_workload(args, share) for share in shares]
     layouts = _layouts(args)
