@@ -113,7 +113,7 @@ def _workload(args, long_share: float | None = None) -> list[wl.LoadRequest]:
 
 def _rates(args) -> list[float] | None:
     if args.rates:
-        return [float(x) for x in args.rates.split(",") if x.strip()]
+        return _csv(args.rates, float)
     return [args.rate] if args.rate else None
 
 
@@ -187,16 +187,17 @@ class Layout:
 
 def _layouts(args) -> list[Layout]:
     """Every candidate of each family; with one candidate each, the names are the families."""
-    local = _ints(args.disagg_local_prefill_tokens)
-    chunks = _ints(args.colocated_chunk_tokens)
+    local = _csv(args.disagg_local_prefill_tokens)
+    chunks = _csv(args.colocated_chunk_tokens)
     out = [Layout("disagg", 1, 1, n, args.disagg_chunk_tokens, f"disagg_local{n}" if len(local) > 1 else "")
            for n in local]
     out += [Layout("colocated", 0, 2, 0, c, f"colocated_chunk{c}" if len(chunks) > 1 else "") for c in chunks]
     return out
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in str(text).split(",") if x.strip()]
+def _csv(text, kind=int) -> list:
+    """A comma-separated flag's values ("0.1,0.2", "16,256"), blanks skipped."""
+    return [kind(x) for x in str(text).split(",") if x.strip()]
 
 
 def _start_layout(args, layout: Layout, report):
@@ -223,7 +224,7 @@ def _salt(share_index: int, phase: int) -> int:
 
 def _compare(args, report) -> dict:
     rates = _rates(args) or [0.15, 0.3, 0.45, 0.6]
-    shares = [float(x) for x in args.long_shares.split(",")] if args.long_shares else [args.long_share]
+    shares = _csv(args.long_shares, float) if args.long_shares else [args.long_share]
     workloads = [_workload(args, share) for share in shares]
     layouts = _layouts(args)
     unloaded: dict[tuple[int, str], list] = {}
