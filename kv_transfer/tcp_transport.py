@@ -14,14 +14,18 @@ framed protobufs plus raw bytes on a connection that is kept open and reused::
 
 The payload order is wire.py's (layer-major units, one block-layer each). Copies: the sender
 hands the pool's block views to one ``sendmsg`` per chunk (the kernel gathers them: no staging
-buffer); the receiver reads each chunk into a small reused buffer, checks its size against the
-validated header and its checksum, and only then scatters it into the destination blocks
-(one indexed copy per chunk, from a cache-warm buffer).
+buffer); on a CPU pool the receiver hands the chunk's destination blocks to ``recvmsg_into``
+(the kernel scatters into them: no staging buffer either; consecutive blocks merge into one
+view) and checksums them there. A device pool still reads each chunk into a small reused
+buffer, checks it, then copies it to the device.
 
-Integrity: the header is validated (validate.py) before any chunk is read, every chunk's
-checksum before it is written. A transfer that fails part-way has written only into blocks
-reserved for it, which no request can read until Decode takes the complete reservation; they
-stay reserved (a retry over gRPC overwrites them all) and are freed with the reservation
+Integrity: the header (request, reservation, block ids, shape, dtype, fingerprint) is
+validated (validate.py) before any chunk is read, and each chunk's size against it before
+its bytes are read, so bytes only ever land in blocks reserved for this transfer; every
+chunk's checksum is checked before the next chunk is read and before the transfer is
+acknowledged. A transfer that fails part-way (or whose chunk fails its checksum) has written
+only into blocks reserved for it, which no request can read until Decode takes the complete
+reservation; they stay reserved (a retry over gRPC overwrites them all) and are freed with the reservation
 (ReleaseReservation, a recompute, or its lease).
 """
 from __future__ import annotations
@@ -105,7 +109,9 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _tune(sock: socket.socket) -> None:
+def tune_socket(sock: socket.socket) -> None:
+    """The options every data connection gets (both ends): no Nagle delay, keepalive, 4 MiB
+    socket buffers. The transfer bench gives its raw-socket ceiling the same."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # idle kept connections to a dead peer end
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
@@ -126,17 +132,21 @@ def send_all(sock: socket.socket, buffers: Sequence, clock: Clock | None = None)
         batch = [views[i] for i in range(min(len(views), _MAX_IOV))]
         if clock is not None:
             clock.arm(sock)
-        sent = sock.sendmsg(batch)
-        while sent:
-            head = views[0]
-            if sent >= len(head):
-                sent -= len(head)
-                views.popleft()
-            else:
-                views[0] = head[sent:]
-                sent = 0
+        _advance(views, sock.sendmsg(batch))
         while views and not len(views[0]):
             views.popleft()
+
+
+def _advance(views: deque, n: int) -> None:
+    """Drop the first ``n`` bytes of ``views`` (a vectored call moved that many)."""
+    while n:
+        head = views[0]
+        if n >= len(head):
+            n -= len(head)
+            views.popleft()
+        else:
+            views[0] = head[n:]
+            n = 0
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
@@ -348,7 +358,7 @@ class TcpKVSender:
         host, port = self._address(endpoint)
         try:
             sock = socket.create_connection((host, port), timeout=clock.limit(self._connect_timeout_s))
-            _tune(sock)
+            tune_socket(sock)
             return False, self._open(sock, header, clock)
         except OSError as err:
             raise self._unavailable(endpoint, err, clock) from None
@@ -475,7 +485,7 @@ class TcpKVServer:
                     continue
                 self._conns.add(conn)
                 self.connections_accepted += 1
-            _tune(conn)
+            tune_socket(conn)
             threading.Thread(target=self._serve, args=(conn,), name=f"kv-tcp-conn-{self.port}", daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
@@ -573,23 +583,57 @@ class TcpKVServer:
                 raise _Desync(f"chunk {seq} raw_bytes: got {n}, expected a multiple of {unit} bytes, "
                               f"<= {MAX_CHUNK_BYTES}, within payload_bytes={header.payload_bytes} "
                               f"({received} received)")
-            data = conn.chunk_data(chunk)  # [n] uint8, from the socket or the shared buffer
-            checksum = new_checksum(header.checksum_algorithm)
-            checksum.update(data)
-            if checksum.value() != chunk.checksum:
-                raise KVDataLossError(f"chunk {seq} checksum: computed {checksum.value():#x}, "
-                                      f"frame says {chunk.checksum:#x}")
             # Units [first, first + k) of the payload (wire.py's order).
             first, k = received // unit, n // unit
             rows = all_rows[first : first + k]
-            src = data.reshape(k, unit)
-            if isinstance(self._rows, np.ndarray):
-                self._rows[rows] = src
-            else:  # [k, block_bytes] to the pool's device, then one scatter there
-                self._rows.index_copy_(0, torch.from_numpy(rows).to(self._rows.device),
-                                       torch.from_numpy(src).to(self._rows.device))
+            checksum = new_checksum(header.checksum_algorithm)
+            if isinstance(self._rows, np.ndarray) and not chunk.HasField("shm_offset"):
+                # Straight from the socket into the reserved blocks (one readv per call) and
+                # checked there: the staging buffer's extra pass was about a quarter of a
+                # chunk's time. A chunk that fails its checksum has written only into blocks
+                # reserved for this transfer, as a transfer that fails part-way always has.
+                views = _row_views(self._rows, rows)
+                _recv_into_views(conn.sock, views)
+                for v in views:
+                    checksum.update(v)
+                _check_chunk(seq, checksum.value(), chunk.checksum)
+            else:
+                data = conn.chunk_data(chunk)  # [n] uint8, from the shared buffer or staged
+                checksum.update(data)
+                _check_chunk(seq, checksum.value(), chunk.checksum)
+                src = data.reshape(k, unit)
+                if isinstance(self._rows, np.ndarray):
+                    self._rows[rows] = src
+                else:  # [k, block_bytes] to the pool's device, then one scatter there
+                    self._rows.index_copy_(0, torch.from_numpy(rows).to(self._rows.device),
+                                           torch.from_numpy(src).to(self._rows.device))
             received += n
             seq += 1
+
+
+def _check_chunk(seq: int, computed: int, declared: int) -> None:
+    if computed != declared:
+        raise KVDataLossError(f"chunk {seq} checksum: computed {computed:#x}, frame says {declared:#x}")
+
+
+def _row_views(rows: np.ndarray, idx: np.ndarray) -> list[memoryview]:
+    """Writable byte views of ``rows[idx]`` in order, consecutive rows merged into one view
+    (``rows``: [num_rows, row_bytes] uint8; ``idx``: [k] row numbers)."""
+    # Runs of consecutive rows: a new run wherever the next row is not this row + 1.
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    starts = np.concatenate(([0], breaks)).tolist()
+    ends = np.concatenate((breaks, [len(idx)])).tolist()
+    return [memoryview(rows[idx[a] : idx[a] + (b - a)]).cast("B") for a, b in zip(starts, ends)]
+
+
+def _recv_into_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill every view in order from ``sock`` (readv: the kernel scatters into them)."""
+    pending = deque(views)
+    while pending:
+        n = sock.recvmsg_into([pending[i] for i in range(min(len(pending), _MAX_IOV))])[0]
+        if n == 0:
+            raise _Desync("stream ended inside a chunk")
+        _advance(pending, n)
 
 
 class _Connection:

@@ -27,6 +27,11 @@ def test_engine_bench_quick_reports_both_transformers_baselines(dtype):
     assert out["requests"] == 8 and out["output_tokens"] > 0
     for key in ("speedup_vs_generate_batch", "speedup_vs_hf", "engine_tok_s", "generate_batch_tok_s", "hf_tok_s"):
         assert out[key] > 0, key
+    # A B A: the engine runs before and after the baselines; the ratio uses their mean.
+    assert len(out["engine_s_runs"]) == 2
+    assert out["engine_s"] == pytest.approx(sum(out["engine_s_runs"]) / 2, abs=1e-3)  # runs rounded to ms
+    low, high = out["speedup_vs_hf_range"]
+    assert low <= out["speedup_vs_hf"] * 1.001 and out["speedup_vs_hf"] <= high * 1.001
 
 
 def test_exactness_bench_quick_is_identical_in_float32_and_explains_bf16():

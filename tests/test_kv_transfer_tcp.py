@@ -1,7 +1,7 @@
 """The raw TCP data stream (kv_transfer/tcp_transport.py) on 127.0.0.1 and the fallback between
 transports (kv_transfer/transport.py): bit-exact round trips over kept connections, refusals
-that leave the pool and the connection intact, chunk checksums checked before a write, and a
-failed fast transfer falling back to gRPC."""
+that leave the pool and the connection intact, chunk checksums that fail a transfer having
+written only into its reserved blocks, and a failed fast transfer falling back to gRPC."""
 from __future__ import annotations
 
 import os
@@ -9,6 +9,7 @@ import socket
 from concurrent import futures
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -17,7 +18,7 @@ from kv_transfer.checksum import new_checksum
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, GrpcKVSender, KVReceiver
 from kv_transfer.layout import PoolLayout
 from kv_transfer.shm_transport import ShmKVSender, buffer_prefix, parse_shm_endpoint, shm_endpoint
-from kv_transfer.tcp_transport import TcpKVSender, TcpKVServer, frame, parse_endpoint
+from kv_transfer.tcp_transport import TcpKVSender, TcpKVServer, _row_views, frame, parse_endpoint
 from kv_transfer.transport import FallbackKVSender, PushResult, TransferError
 from kv_transfer.validate import Reservation
 from kv_transfer.wire import build_header, payload_units
@@ -161,20 +162,24 @@ def _reply(sock: socket.socket) -> kv_pb2.KVStreamReply:
     return kv_pb2.KVStreamReply.FromString(data[4:])
 
 
-def test_chunk_checksum_is_checked_before_its_write(node: Receiver) -> None:
+def test_chunk_checksum_fails_the_transfer_and_touches_only_reserved_blocks(node: Receiver) -> None:
     src = make_pool(node.pool.dtype, seed=4)
     node.reservations["r"] = Reservation(0, (6,), ())  # 1 block x 4 layers = 4 units, 2 per chunk
+    others = [b for b in range(node.pool.shape[1]) if b != 6]
     with socket.create_connection(("127.0.0.1", node.data.port), timeout=10) as sock:
         sock.sendall(_stream(src, [6], [3], bad_seq=0))
         reply = _reply(sock)
         assert reply.error.code == grpc.StatusCode.DATA_LOSS.value[0] and "checksum" in reply.error.message
-        assert node.unchanged()  # the bad chunk was never written
+        # The chunk is received straight into its reserved block and checked there: every
+        # other block is untouched, and nothing was taken.
+        assert torch.equal(node.pool[:, others], node.before[:, others]) and not node.received
 
         sock.sendall(_stream(src, [6], [3], bad_seq=1))  # the connection stayed in step
         assert _reply(sock).WhichOneof("kind") == "error"
-        # Chunk 0 (layers 0-1) landed in the reserved block before chunk 1 failed; no transfer
-        # was accepted, so the reservation stays incomplete until a whole rewrite or its release.
-        assert torch.equal(node.pool[:2, 6], src[:2, 3]) and torch.equal(node.pool[2:], node.before[2:])
+        # Chunks land in the reserved block as they are read; chunk 1 failed its check, so no
+        # transfer was accepted and the reservation stays incomplete until a whole rewrite or
+        # its release. Nothing outside it was written.
+        assert torch.equal(node.pool[:, others], node.before[:, others])
         assert not node.received
 
         sock.sendall(_stream(src, [6], [3]))
@@ -454,3 +459,11 @@ def test_transfer_bench_quick_reports_every_transport() -> None:
     st = out["streaming"]
     assert st["all_streamed"] and st["on"]["pushes"] >= 1 and st["off"]["pushes"] == 1
     assert st["off"]["transfer_s"] > 0 and st["transport"] == "shm"
+
+
+def test_row_views_merge_consecutive_rows_in_payload_order() -> None:
+    rows = np.arange(10 * 4, dtype=np.uint8).reshape(10, 4)  # [rows, row_bytes]
+    views = _row_views(rows, np.array([3, 4, 5, 9, 2, 3]))
+    assert [bytes(v) for v in views] == [rows[3:6].tobytes(), rows[9:10].tobytes(), rows[2:4].tobytes()]
+    views[1][:] = b"\xff" * 4  # writable, and into the pool itself
+    assert rows[9].tolist() == [255] * 4

@@ -17,6 +17,11 @@ Every side is warmed up the same way before it is timed: the first ``--batch`` r
 (``generate_batch``'s manager also runs its own ``warmup()``, as ``generate_batch`` does).
 Throughput counts only the tokens each request asked for (EOS ignored on every side); the run
 fails if the engine or ``generate_batch`` returns any other number of tokens for a request.
+
+With baselines the engine runs twice, before and after them (A B A): the VMs this is measured
+on drift by 10-20% within minutes (the same engine run took 58 to 71 s on one VM in one hour),
+and a single engine run before long baselines would put that drift in the ratio. The ratios
+use the mean of the two engine runs; ``*_range`` gives them against each run alone.
 """
 from __future__ import annotations
 
@@ -27,6 +32,10 @@ import time
 from pathlib import Path
 
 KV_CACHE_BYTES = 1024 * 2**20
+# --quick: a tiny model's tokens are so small that 1 GiB holds millions of them, and
+# transformers sizes its per-step attention masks by cached tokens (about 6.7 GB for
+# tiny-llama), more than it lets itself take on a VM that reports 8 GiB per NUMA node.
+QUICK_KV_CACHE_BYTES = 32 * 2**20
 STEP_TOKENS = 512  # engine max_num_batched_tokens = transformers max_batch_tokens
 WARMUP_PROMPT, WARMUP_OUTPUT = 64, 8
 
@@ -52,6 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="write a PNG comparing the systems")
 
 
+def _kv_bytes(args: argparse.Namespace) -> int:
+    """The KV budget both continuous batchers get (bytes)."""
+    return getattr(args, "kv_cache_bytes", KV_CACHE_BYTES)
+
+
 def make_requests(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
                   vocab: int, seed: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
@@ -68,6 +82,7 @@ def _apply_quick(args: argparse.Namespace) -> None:
     if args.model == "smollm2-135m":
         args.model = "tiny-llama"
     args.requests, args.batch, args.prompt_len, args.output_len = 8, 4, "8,64", "4,24"
+    args.kv_cache_bytes = QUICK_KV_CACHE_BYTES
 
 
 def run(args: argparse.Namespace, report) -> dict:
@@ -103,31 +118,46 @@ def _run(args, report, model_dir: Path, baselines: list[str]) -> dict:
     warm = [(p[:WARMUP_PROMPT], WARMUP_OUTPUT) for p, _ in reqs[: args.batch]]
     useful = sum(o for _, o in reqs)
 
-    t_eng, eng_info = _run_engine(model_dir, reqs, warm, args, report)
-    engine_tok_s = useful / t_eng
-    result = {"engine_tok_s": engine_tok_s, "engine_s": t_eng, "requests": len(reqs),
-              "output_tokens": useful, "batch": args.batch, "dtype": args.dtype, "threads": threads,
-              "model": args.model, **eng_info}
-    rows = [["pdserve engine (continuous)", t_eng, engine_tok_s]]
+    eng = _load_engine(model_dir, warm, args, report)
+    runs = [_time_engine(eng, reqs, report)]
+    eng_info = {"engine_steps": runs[0][1], "engine_preemptions": eng.scheduler.num_preemptions}
+    if args.profile:
+        eng_info["profile"] = _profile_decode(eng, reqs, args, report)
+    result = {"requests": len(reqs), "output_tokens": useful, "batch": args.batch, "dtype": args.dtype,
+              "threads": threads, "model": args.model, **eng_info}
+    baseline_s = {}
     if baselines:
         report.progress(f"loading transformers reference ({args.dtype})")
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(args.dtype)).eval()
     if "generate_batch" in baselines:
-        t_cb = _run_generate_batch(hf, reqs, warm, args, report)
-        result.update(generate_batch_tok_s=useful / t_cb, generate_batch_s=t_cb,
-                      speedup_vs_generate_batch=engine_tok_s / (useful / t_cb))
-        rows.append(["transformers generate_batch (continuous, paged)", t_cb, useful / t_cb])
+        baseline_s["generate_batch"] = _run_generate_batch(hf, reqs, warm, args, report)
     if "generate" in baselines:
-        t_hf = _run_static(hf, reqs, warm, args, report)
-        result.update(hf_tok_s=useful / t_hf, hf_s=t_hf, speedup_vs_hf=engine_tok_s / (useful / t_hf))
-        rows.append(["transformers generate (static batches)", t_hf, useful / t_hf])
+        baseline_s["hf"] = _run_static(hf, reqs, warm, args, report)
+    if baselines:
+        report.progress("engine again, after the baselines (drift check)")
+        runs.append(_time_engine(eng, reqs, report))
+    engine_runs = [t for t, _ in runs]
+    t_eng = sum(engine_runs) / len(engine_runs)
+    engine_tok_s = useful / t_eng
+    result.update(engine_tok_s=engine_tok_s, engine_s=t_eng, engine_s_runs=[round(t, 3) for t in engine_runs])
+    rows = [[f"pdserve engine (continuous; mean of {len(runs)} runs)" if len(runs) > 1 else
+             "pdserve engine (continuous)", t_eng, engine_tok_s]]
+    for name, label in (("generate_batch", "transformers generate_batch (continuous, paged)"),
+                        ("hf", "transformers generate (static batches)")):
+        if name not in baseline_s:
+            continue
+        t = baseline_s[name]
+        ratio = "speedup_vs_generate_batch" if name == "generate_batch" else "speedup_vs_hf"
+        result.update({f"{name}_tok_s": useful / t, f"{name}_s": t, ratio: t / t_eng,
+                       f"{ratio}_range": [round(t / max(engine_runs), 3), round(t / min(engine_runs), 3)]})
+        rows.append([label, t, useful / t])
     report.table(["system", "seconds", "useful tok/s"], rows)
     if args.plot:
         _plot(args.plot, rows, args)
     return result
 
 
-def _run_engine(model_dir, reqs, warm, args, report) -> tuple[float, dict]:
+def _load_engine(model_dir, warm, args, report):
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.engine import LLMEngine
     from tokens.sampling_params import SamplingParams
@@ -135,12 +165,19 @@ def _run_engine(model_dir, reqs, warm, args, report) -> tuple[float, dict]:
     report.progress(f"loading engine ({args.dtype})")
     eng = LLMEngine(EngineConfig(
         model=str(model_dir), dtype=args.dtype, device="cpu",
-        cache=CacheConfig(kv_cache_bytes=KV_CACHE_BYTES, enable_prefix_caching=False),
+        cache=CacheConfig(kv_cache_bytes=_kv_bytes(args), enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_batched_tokens=STEP_TOKENS, max_num_seqs=args.batch),
     ), load_tokenizer=False)
     eng.generate([p for p, _ in warm], [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)
                                         for _, o in warm])
-    steps0 = eng.num_steps
+    return eng
+
+
+def _time_engine(eng, reqs, report) -> tuple[float, int]:
+    """Every request queued at once, stepped to the end -> (seconds, steps)."""
+    from tokens.sampling_params import SamplingParams
+
+    steps0, preempted0 = eng.num_steps, eng.scheduler.num_preemptions
     report.progress(f"engine: {len(reqs)} requests, {sum(o for _, o in reqs)} output tokens")
     t0 = time.perf_counter()
     ids = [eng.add_request(prompt_token_ids=p, params=SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True))
@@ -156,11 +193,10 @@ def _run_engine(model_dir, reqs, warm, args, report) -> tuple[float, dict]:
             report.progress(f"engine: {len(got)}/{len(reqs)} done ({last - t0:.0f}s)")
     t_eng = time.perf_counter() - t0
     _check_lengths("engine", [got.get(i, 0) for i in ids], reqs)
-    info = {"engine_steps": eng.num_steps - steps0, "engine_preemptions": eng.scheduler.num_preemptions}
-    report.progress(f"engine: {t_eng:.1f}s, {info['engine_steps']} steps, {info['engine_preemptions']} preemptions")
-    if args.profile:
-        info["profile"] = _profile_decode(eng, reqs, args, report)
-    return t_eng, info
+    steps = eng.num_steps - steps0
+    report.progress(f"engine: {t_eng:.1f}s, {steps} steps, "
+                    f"{eng.scheduler.num_preemptions - preempted0} preemptions")
+    return t_eng, steps
 
 
 def _profile_decode(eng, reqs, args, report) -> list[dict]:
@@ -205,7 +241,7 @@ def _run_generate_batch(hf, reqs, warm, args, report) -> float:
     per_token = 2 * hf.config.num_hidden_layers * hf.config.num_key_value_heads * _head_dim(hf.config)
     per_token *= torch.tensor([], dtype=hf.dtype).element_size()
     page = 256  # transformers' default page size
-    cb = ContinuousBatchingConfig(page_size=page, num_blocks=max(1, KV_CACHE_BYTES // (per_token * page)),
+    cb = ContinuousBatchingConfig(page_size=page, num_blocks=max(1, _kv_bytes(args) // (per_token * page)),
                                   max_batch_tokens=STEP_TOKENS, max_requests_per_batch=args.batch)
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
 

@@ -25,12 +25,15 @@ import torch
 import xxhash
 
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, KVReceiver
-from kv_transfer.tcp_transport import TcpKVServer
+from kv_transfer.tcp_transport import TcpKVServer, tune_socket
 from kv_transfer.validate import Reservation
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 
 SINK_SERVICE, SINK_METHOD = "pdserve.bench.Sink", "PushBlocks"
 RAW_LEN = struct.Struct("!Q")
+
+
+RAW_MODES = ("default", "tuned", "warm")
 
 
 def _sink(request_iterator, context) -> bytes:
@@ -39,21 +42,27 @@ def _sink(request_iterator, context) -> bytes:
     return kv_pb2.PushBlocksResponse().SerializeToString()
 
 
-def _raw_server(listener: socket.socket) -> None:
-    """Length-prefixed payloads into one reused buffer, a 1-byte ack after each."""
+def _raw_server(listener: socket.socket, mode: str) -> None:
+    """Length-prefixed payloads, a 1-byte ack after each. ``mode``: "default" (the kernel's
+    socket options, the payload into one reused buffer of its size), "tuned" (the data port's
+    options, 4 MiB buffers), "warm" (default options, read 1 MiB at a time into one reused,
+    cache-warm 1 MiB buffer: moves the bytes without placing them anywhere)."""
     conn, _ = listener.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if mode == "tuned":
+        tune_socket(conn)
+    else:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buf = bytearray(1 << 20)
     head = bytearray(RAW_LEN.size)
     while True:
         if conn.recv_into(head, RAW_LEN.size, socket.MSG_WAITALL) < RAW_LEN.size:
             return
         (n,) = RAW_LEN.unpack(head)
-        if len(buf) < n:
+        if len(buf) < n and mode != "warm":
             buf = bytearray(n)
         view, got = memoryview(buf), 0
         while got < n:
-            k = conn.recv_into(view[got:n])
+            k = conn.recv_into(view[: n - got] if mode == "warm" else view[got:n])
             if k == 0:
                 return
             got += k
@@ -75,9 +84,12 @@ def main() -> None:
     server.start()
     data = TcpKVServer(pool, "bench", on_received=lambda r: None, reservation_for=reservations.get)
     data_port = data.start()
-    raw = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_raw_server, args=(raw,), daemon=True).start()
-    print(json.dumps({"grpc": grpc_port, "data": data_port, "raw": raw.getsockname()[1]}), flush=True)
+    raw = {}
+    for mode in RAW_MODES:
+        listener = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=_raw_server, args=(listener, mode), daemon=True).start()
+        raw[f"raw_{mode}"] = listener.getsockname()[1]
+    print(json.dumps({"grpc": grpc_port, "data": data_port, **raw}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if "reserve" in cmd:
