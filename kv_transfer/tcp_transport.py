@@ -25,8 +25,8 @@ its bytes are read, so bytes only ever land in blocks reserved for this transfer
 chunk's checksum is checked before the next chunk is read and before the transfer is
 acknowledged. A transfer that fails part-way (or whose chunk fails its checksum) has written
 only into blocks reserved for it, which no request can read until Decode takes the complete
-reservation; they stay reserved (a retry over gRPC overwrites them all) and are freed with the reservation
-(ReleaseReservation, a recompute, or its lease).
+reservation; they stay reserved (a retry over gRPC overwrites them all) and are freed with
+the reservation (ReleaseReservation, a recompute, or its lease).
 """
 from __future__ import annotations
 

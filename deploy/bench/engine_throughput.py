@@ -59,11 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="after the timed run, profile STEPS engine decode steps at full batch and print "
                         "the top operators (where a step's time goes)")
     p.add_argument("--plot", default=None, help="write a PNG comparing the systems")
-
-
-def _kv_bytes(args: argparse.Namespace) -> int:
-    """The KV budget both continuous batchers get (bytes)."""
-    return getattr(args, "kv_cache_bytes", KV_CACHE_BYTES)
+    p.set_defaults(kv_cache_bytes=KV_CACHE_BYTES)  # the KV budget both continuous batchers get
 
 
 def make_requests(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
@@ -142,12 +138,13 @@ def _run(args, report, model_dir: Path, baselines: list[str]) -> dict:
     result.update(engine_tok_s=engine_tok_s, engine_s=t_eng, engine_s_runs=[round(t, 3) for t in engine_runs])
     rows = [[f"pdserve engine (continuous; mean of {len(runs)} runs)" if len(runs) > 1 else
              "pdserve engine (continuous)", t_eng, engine_tok_s]]
-    for name, label in (("generate_batch", "transformers generate_batch (continuous, paged)"),
-                        ("hf", "transformers generate (static batches)")):
+    for name, ratio, label in (
+        ("generate_batch", "speedup_vs_generate_batch", "transformers generate_batch (continuous, paged)"),
+        ("hf", "speedup_vs_hf", "transformers generate (static batches)"),
+    ):
         if name not in baseline_s:
             continue
         t = baseline_s[name]
-        ratio = "speedup_vs_generate_batch" if name == "generate_batch" else "speedup_vs_hf"
         result.update({f"{name}_tok_s": useful / t, f"{name}_s": t, ratio: t / t_eng,
                        f"{ratio}_range": [round(t / max(engine_runs), 3), round(t / min(engine_runs), 3)]})
         rows.append([label, t, useful / t])
@@ -165,7 +162,7 @@ def _load_engine(model_dir, warm, args, report):
     report.progress(f"loading engine ({args.dtype})")
     eng = LLMEngine(EngineConfig(
         model=str(model_dir), dtype=args.dtype, device="cpu",
-        cache=CacheConfig(kv_cache_bytes=_kv_bytes(args), enable_prefix_caching=False),
+        cache=CacheConfig(kv_cache_bytes=args.kv_cache_bytes, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_batched_tokens=STEP_TOKENS, max_num_seqs=args.batch),
     ), load_tokenizer=False)
     eng.generate([p for p, _ in warm], [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)
@@ -241,7 +238,7 @@ def _run_generate_batch(hf, reqs, warm, args, report) -> float:
     per_token = 2 * hf.config.num_hidden_layers * hf.config.num_key_value_heads * _head_dim(hf.config)
     per_token *= torch.tensor([], dtype=hf.dtype).element_size()
     page = 256  # transformers' default page size
-    cb = ContinuousBatchingConfig(page_size=page, num_blocks=max(1, _kv_bytes(args) // (per_token * page)),
+    cb = ContinuousBatchingConfig(page_size=page, num_blocks=max(1, args.kv_cache_bytes // (per_token * page)),
                                   max_batch_tokens=STEP_TOKENS, max_requests_per_batch=args.batch)
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
 

@@ -58,12 +58,12 @@ import numpy as np
 import torch
 import xxhash
 
-from deploy.bench.transfer_receiver import RAW_LEN, RAW_MODES, SINK_METHOD, SINK_SERVICE
+from deploy.bench.transfer_receiver import RAW_LEN, RAW_MODES, SINK_METHOD, SINK_SERVICE, set_raw_options
 from kv_transfer import checksum as checksums
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, push_blocks
 from kv_transfer.layout import PoolLayout
 from kv_transfer.shm_transport import ShmKVSender, shm_endpoint
-from kv_transfer.tcp_transport import TcpKVSender, tune_socket
+from kv_transfer.tcp_transport import TcpKVSender
 from kv_transfer.wire import build_header, iter_wire_messages, payload_units
 from protos.pdserve.v1 import kv_pb2
 
@@ -140,10 +140,7 @@ class _Receiver:
         self.raw = {}
         for mode in RAW_MODES:
             sock = socket.create_connection(("127.0.0.1", ports[f"raw_{mode}"]))
-            if mode == "tuned":
-                tune_socket(sock)
-            else:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_raw_options(sock, mode)
             self.raw[mode] = sock
 
     def _read(self) -> dict:

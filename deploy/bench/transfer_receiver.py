@@ -36,6 +36,15 @@ RAW_LEN = struct.Struct("!Q")
 RAW_MODES = ("default", "tuned", "warm")
 
 
+def set_raw_options(sock: socket.socket, mode: str) -> None:
+    """Socket options of a raw-ceiling connection (either end): the data port's for "tuned",
+    else the kernel's defaults (plus no Nagle delay)."""
+    if mode == "tuned":
+        tune_socket(sock)
+    else:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 def _sink(request_iterator, context) -> bytes:
     for _ in request_iterator:  # read every message, keep nothing
         pass
@@ -48,10 +57,7 @@ def _raw_server(listener: socket.socket, mode: str) -> None:
     options, 4 MiB buffers), "warm" (default options, read 1 MiB at a time into one reused,
     cache-warm 1 MiB buffer: moves the bytes without placing them anywhere)."""
     conn, _ = listener.accept()
-    if mode == "tuned":
-        tune_socket(conn)
-    else:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    set_raw_options(conn, mode)
     buf = bytearray(1 << 20)
     head = bytearray(RAW_LEN.size)
     while True:
