@@ -10,7 +10,7 @@ import torch
 from engine.attention import get_attention_backend
 from engine.attention.kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks, kv_cache_shape
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_ref import TorchRefBackend
+from engine.attention.torch_ref import TorchRefBackend, split_short
 
 BS = 4
 D = 8
@@ -77,6 +77,37 @@ def test_torch_ref_matches_naive(hq, hkv, q_lens, ctx_lens):
     torch.testing.assert_close(flat_v[meta.slot_mapping], v, atol=0, rtol=0)
     # ... and attention over them and the old context matches the naive loop.
     torch.testing.assert_close(got, naive_attention(q, kv[0], meta), atol=1e-5, rtol=1e-5)
+
+
+def test_verifications_beside_decodes_split_into_their_own_batch_and_still_match_naive():
+    # Same lengths, so only the query length separates them: with a free call the decodes and
+    # the verifications run as separate padded batches; the result must not change.
+    q_lens, ctx_lens = [1, 13, 1, 5, 1, 1], [20, 19, 22, 21, 18, 23]
+    meta, kv, q, k, v = random_step(q_lens, ctx_lens, 6, 3)
+    backend = TorchRefBackend(6, 3, D, group_cost_cells=0)
+    backend.begin_step(meta)
+    assert len(backend._shorts) >= 2
+    torch.testing.assert_close(backend.forward(0, q, k, v, kv[0]), naive_attention(q, kv[0], meta),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_split_short_weighs_padded_queries():
+    lens = [400, 410, 390, 405, 395, 400, 402, 398]
+    decodes = [1] * 8
+    # All decodes of similar length: one batch (a call costs more than the padding it saves).
+    assert [sorted(g) for g in split_short(list(range(8)), lens, decodes, 1024)] == [list(range(8))]
+    # One of them verifies 12 drafts: padding all eight to 13 queries costs ~3x the positions,
+    # so it runs alone and the decodes stay together.
+    one_verifies = [1, 1, 1, 13, 1, 1, 1, 1]
+    groups = split_short(list(range(8)), lens, one_verifies, 1024)
+    assert sorted(map(sorted, groups)) == [[0, 1, 2, 4, 5, 6, 7], [3]]
+    # Weighing queries as free (the old rule) keeps the single batch.
+    assert len(split_short(list(range(8)), lens, one_verifies, 1024, query_weight=0.0)) == 1
+    # Short contexts: the extra call costs more than the padded queries, so they stay merged.
+    assert len(split_short(list(range(8)), [20] * 8, one_verifies, 1024)) == 1
+    # Lengths still split as before: short and long sequences apart.
+    assert sorted(map(sorted, split_short([0, 1, 2, 3], [40, 700, 60, 650], [1] * 4, 256))) == [[0, 2], [1, 3]]
+    assert split_short([], [], [], 1024) == []
 
 
 def test_begin_step_state_is_reused_across_layers():

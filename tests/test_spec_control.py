@@ -252,7 +252,7 @@ def test_gate_turns_speculation_off_where_verifying_steps_yield_less_and_probes_
     allowed = []
     for _ in range(200):
         ok = gate.allow(8)
-        allowed.append(ok)
+        allowed.append(bool(ok))
         if ok:  # the probe still loses
             gate.observe(8, tokens=9, ms=50.0, verifying=True)
     waits = [j - i for i, j in zip([-1] + [i for i, a in enumerate(allowed) if a],
@@ -328,3 +328,20 @@ def test_controller_plans_nothing_while_the_gate_is_off():
     for _ in range(GATE_MIN_STEPS):
         fixed.gate.observe(2, tokens=1, ms=100.0, verifying=True)
     assert fixed.plan(["a", "b"], 2) == {"a": 2, "b": 2}
+
+
+def test_an_off_gate_probes_with_one_draft_of_the_best_acceptor():
+    ctl = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=8), draft_cost=0.0,
+                         step_cost=StepCost(SpeculativeConfig(method="ngram"), lambda rows: 10.0))
+    seqs = [f"s{i}" for i in range(8)]
+    for i, sid in enumerate(seqs):  # s7 accepts best
+        for _ in range(10):
+            ctl.observe(sid, 4, i // 2)
+    for _ in range(GATE_MIN_STEPS):
+        ctl.gate.observe(8, tokens=8, ms=25.0, verifying=True)
+    for _ in range(3):
+        ctl.gate.observe(8, tokens=8, ms=12.0, verifying=False)
+    plans = [ctl.plan(seqs, 8) for _ in range(GATE_PROBE_EVERY)]
+    assert plans[:-1] == [{}] * (GATE_PROBE_EVERY - 1)
+    assert plans[-1] == {"s7": ctl.probe_k}  # one draft, not one per sequence
+

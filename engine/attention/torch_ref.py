@@ -2,9 +2,12 @@
 
 A step's sequences split into two groups by query length:
 
-* short queries (decode, speculative verification; q_len <= ``short_q_max``) run together as one
-  padded batch: one gather of their KV rows into ``[B, max_kv, H_kv, D]`` and one SDPA call with a
-  boolean mask (causal offset + padding);
+* short queries (decode, speculative verification; q_len <= ``short_q_max``) run in padded
+  batches: one gather of their KV rows into ``[B, max_kv, H_kv, D]`` and one SDPA call with a
+  boolean mask (causal offset + padding) per batch. Every sequence of a batch is padded to its
+  longest query and KV, so ``split_short`` chooses the batches by what padding costs: a step
+  where one sequence verifies 12 drafts beside 7 decodes would otherwise attend 13 query rows
+  for all 8 (3x the attention of the decodes alone, measured);
 * long queries (prefill chunks) run one sequence at a time, so no token pays for another
   sequence's padding; a chunk with no cached context uses SDPA's own causal path.
 
@@ -21,6 +24,11 @@ import torch.nn.functional as F
 
 from engine.attention.backend import flat_layer, slot_rows, write_kv
 from engine.attention.metadata import AttentionMetadata
+
+# What one more query row of a padded batch costs per KV position, relative to a decode's
+# one row: the gather is paid once per position, the scores and the mask per row (fit over
+# B 1-8, q_len 1-13, KV 128-512 on CPU; docs/benchmarks.md, "Figures behind constants").
+QUERY_WEIGHT = 0.17
 
 
 @dataclass(slots=True)
@@ -43,7 +51,7 @@ class _LongSeq:
 
 class TorchRefBackend:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, short_q_max: int = 16,
-                 group_cost_cells: int = 1024):
+                 group_cost_cells: int = 1024, query_weight: float = QUERY_WEIGHT):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads = num_heads
@@ -56,6 +64,7 @@ class TorchRefBackend:
         # padded KV positions: a call's fixed cost is worth about a thousand positions on CPU
         # (docs/benchmarks.md, "Figures behind constants").
         self.group_cost_cells = group_cost_cells
+        self.query_weight = query_weight
         self._meta: AttentionMetadata | None = None
         self._k_rows: torch.Tensor | None = None
         self._shorts: list[_ShortBatch] = []
@@ -71,7 +80,8 @@ class TorchRefBackend:
         starts = meta.query_start
         short = [s for s, q in enumerate(meta.q_lens) if q <= self.short_q_max]
         self._shorts = [self._build_short(meta, group, starts, device)
-                        for group in split_by_length(short, meta.seq_lens, self.group_cost_cells)]
+                        for group in split_short(short, meta.seq_lens, meta.q_lens, self.group_cost_cells,
+                                                 self.query_weight)]
         self._long = []
         for s, q in enumerate(meta.q_lens):
             if q <= self.short_q_max:
@@ -185,25 +195,48 @@ class TorchRefBackend:
         out[seq.start : seq.start + n] = o.view(hkv, n, g, d).permute(1, 0, 2, 3).reshape(n, hkv * g, d)
 
 
-def split_by_length(seqs: list[int], seq_lens: list[int], group_cost: int) -> list[list[int]]:
-    """Partition short-query sequences into padded batches that waste the least.
+def split_short(seqs: list[int], seq_lens: list[int], q_lens: list[int], group_cost: float,
+                query_weight: float = QUERY_WEIGHT) -> list[list[int]]:
+    """Partition short-query sequences into the padded batches that cost the least.
 
-    A padded batch costs ``size * longest`` KV positions plus ``group_cost`` for the call
-    itself. Sorted by length, the best partition is contiguous, found by a small DP::
+    A padded batch of ``size`` sequences costs ``size * longest * (1 + query_weight * (q_max -
+    1))`` KV positions, plus ``group_cost`` for the call itself: every sequence attends with
+    the batch's longest KV and its longest query. Sorted by length, the best partition into
+    contiguous runs is found by a small DP::
 
         lengths  40 60 90 | 500 650 700     one batch: 6 * 700 = 4200 positions
                  group 1   | group 2         two: 3 * 90 + 3 * 700 + cost = 2370 + cost
+
+    A verification (q_len k + 1) sits among decodes (q_len 1) of similar length, where no
+    contiguous run separates it, so the same DP also runs on decodes and verifications apart
+    and the cheaper of the two partitions wins.
     """
+    merged, cost = _split_sorted(seqs, seq_lens, q_lens, group_cost, query_weight)
+    one = [s for s in seqs if q_lens[s] == 1]
+    if not one or len(one) == len(seqs):
+        return merged
+    many = [s for s in seqs if q_lens[s] > 1]
+    g1, c1 = _split_sorted(one, seq_lens, q_lens, group_cost, query_weight)
+    g2, c2 = _split_sorted(many, seq_lens, q_lens, group_cost, query_weight)
+    return g1 + g2 if c1 + c2 < cost else merged
+
+
+def _split_sorted(seqs: list[int], seq_lens: list[int], q_lens: list[int], group_cost: float,
+                  query_weight: float) -> tuple[list[list[int]], float]:
+    """The cheapest partition of ``seqs`` into runs contiguous by length, and its cost."""
     if len(seqs) <= 1:
-        return [seqs] if seqs else []
+        return ([seqs] if seqs else []), (seq_lens[seqs[0]] * (1 + query_weight * (q_lens[seqs[0]] - 1))
+                                          + group_cost if seqs else 0.0)
     order = sorted(seqs, key=lambda s: seq_lens[s])
     n = len(order)
     best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j sequences
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
         longest = seq_lens[order[j - 1]]
-        for i in range(j):
-            c = best[i] + (j - i) * longest + group_cost
+        q_max = 1
+        for i in range(j - 1, -1, -1):  # group order[i:j], its longest query kept as i falls
+            q_max = max(q_max, q_lens[order[i]])
+            c = best[i] + (j - i) * longest * (1 + query_weight * (q_max - 1)) + group_cost
             if c < best[j]:
                 best[j], cut[j] = c, i
     groups = []
@@ -211,4 +244,4 @@ def split_by_length(seqs: list[int], seq_lens: list[int], group_cost: int) -> li
     while j > 0:
         groups.append(order[cut[j]:j])
         j = cut[j]
-    return groups[::-1]
+    return groups[::-1], best[n]
