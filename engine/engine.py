@@ -178,6 +178,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.kv_cache, backend, cc.block_size, self.device,
                                   Sampler(eos_token_ids=eos, seed=config.seed))
         self.spec: SpeculativeDecoding | None = None
+        self._whole_batch = False  # inside generate(): the caller waits for every request
         if config.speculative.enabled:
             if proposer_factory is None:
                 raise ValueError(
@@ -412,7 +413,8 @@ class LLMEngine:
         forward_ms = (time.perf_counter() - t0) * 1e3
         touched = self.scheduler.update_from_output(sched, sampled)
         if spec is not None:
-            spec.observe_step(sched, sampled, forward_ms)
+            spec.observe_step(sched, sampled, forward_ms,
+                              whole_batch=self._whole_batch and self.scheduler.num_waiting == 0)
 
         by_request: dict[str, list[CompletionOutput]] = {}
         for seq in touched:
@@ -550,15 +552,20 @@ class LLMEngine:
                 ids.append(self.add_request(prompt_token_ids=p, params=sp, hold_kv=hold_kv))
         final: dict[str, RequestOutput] = {}
         latest: dict[str, dict[int, CompletionOutput]] = {rid: {} for rid in ids}
-        while len(final) < len(ids):
-            for out in self.step():
-                if out.request_id not in latest:
-                    continue
-                for c in out.outputs:
-                    latest[out.request_id][c.index] = c
-                if out.finished:
-                    out.outputs = [latest[out.request_id][i] for i in sorted(latest[out.request_id])]
-                    final[out.request_id] = out
+        # The caller waits for the whole batch: speculation is judged by the batch's end.
+        outer, self._whole_batch = self._whole_batch, True
+        try:
+            while len(final) < len(ids):
+                for out in self.step():
+                    if out.request_id not in latest:
+                        continue
+                    for c in out.outputs:
+                        latest[out.request_id][c.index] = c
+                    if out.finished:
+                        out.outputs = [latest[out.request_id][i] for i in sorted(latest[out.request_id])]
+                        final[out.request_id] = out
+        finally:
+            self._whole_batch = outer
         return [final[r] for r in ids]
 
     def stream(self, prompt_token_ids: Seq[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:

@@ -22,7 +22,7 @@ from typing import Callable
 from engine.config import SpeculativeConfig
 from engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
 from engine.spec import DraftRequest, Proposer, SpecStats
-from engine.spec_control import SpecController, StepCost
+from engine.spec_control import SpecController, StepCost, laggard_advance
 
 
 class SpeculativeDecoding:
@@ -68,9 +68,12 @@ class SpeculativeDecoding:
             it.draft_probs = None if prop.probs is None or n == 0 else prop.probs[:n]
             it.draft_bucket = prop.bucket if n else None
 
-    def observe_step(self, sched: SchedulerOutput, sampled: dict[str, SampledTokens], forward_ms: float) -> None:
+    def observe_step(self, sched: SchedulerOutput, sampled: dict[str, SampledTokens], forward_ms: float,
+                     whole_batch: bool = False) -> None:
         """Learn from a finished step: its time (decode and verification steps only: a prefill
-        chunk says nothing about k + 1 query rows) and each draft's accepted length."""
+        chunk says nothing about k + 1 query rows) and each draft's accepted length.
+        ``whole_batch``: the caller waits for every request of the batch and none is queued,
+        so the gate values the step by how far it moved the request with the fewest tokens."""
         if all(it.num_new_tokens == 1 for it in sched.scheduled):
             rows = sum(1 + len(it.draft_token_ids) for it in sched.scheduled)
             verifying = any(it.draft_token_ids for it in sched.scheduled)
@@ -79,6 +82,13 @@ class SpeculativeDecoding:
             # against speculation in the gate like a verifying step.
             emitted = sum(len(sampled[it.seq.seq_id].token_ids) for it in sched.scheduled
                           if it.seq.seq_id in sampled)
+            if whole_batch and len(sched.scheduled) > 1:
+                running = [it.seq for it in sched.scheduled if not it.seq.is_finished and it.seq.seq_id in sampled]
+                if running:  # (a step that ends the batch counts per token)
+                    after = [s.num_output_tokens for s in running]
+                    before = [n - len(sampled[s.seq_id].token_ids) for s, n in zip(running, after)]
+                    # Per sequence, as the gate's yields are: B x the laggard's advance.
+                    emitted = len(sched.scheduled) * laggard_advance(before, after)
             self.controller.gate.observe(len(sched.scheduled), emitted, forward_ms + self._draft_ms,
                                          verifying or self._draft_ms > 0)
         for it in sched.scheduled:

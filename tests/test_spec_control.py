@@ -12,6 +12,7 @@ from engine.spec_control import (
     StepCost,
     StepGate,
     expected_tokens,
+    laggard_advance,
     step_budget,
 )
 
@@ -345,3 +346,22 @@ def test_an_off_gate_probes_with_one_draft_of_the_best_acceptor():
     assert plans[:-1] == [{}] * (GATE_PROBE_EVERY - 1)
     assert plans[-1] == {"s7": ctl.probe_k}  # one draft, not one per sequence
 
+
+
+def test_laggard_advance_is_how_far_the_request_with_the_fewest_tokens_moved():
+    assert laggard_advance([5, 5, 9], [6, 9, 13]) == 1  # one laggard verified nothing: 1, as a plain step
+    assert laggard_advance([5, 5, 9], [8, 7, 10]) == 2  # both tied laggards got more than one
+    assert laggard_advance([5, 9], [6, 10]) == 1
+    assert laggard_advance([], []) == 0  # nothing left running
+
+
+def test_a_whole_batch_gate_turns_off_where_tokens_only_put_requests_ahead():
+    """Per token a verifying step pays (three of eight requests took 3 tokens: 1.75x the tokens
+    for 1.3x the time); judged by the laggard it moved the batch's end by 1, as a plain step
+    does, at 1.3x the time."""
+    per_token, laggard = StepGate(lambda b: 10.0), StepGate(lambda b: 10.0)
+    for _ in range(GATE_MIN_STEPS):
+        per_token.observe(8, tokens=5 + 3 * 3, ms=13.0, verifying=True)
+        laggard.observe(8, tokens=8 * laggard_advance([20] * 8, [21] * 5 + [23] * 3), ms=13.0, verifying=True)
+    assert per_token.allow(8)
+    assert not laggard.allow(8)

@@ -317,3 +317,24 @@ def test_low_precision_declines_where_its_draft_cannot_pay(models, reference, mo
     forced = make_engine(models["target"], SpeculativeConfig(method="low_precision", adaptive=False,
                                                              num_speculative_tokens=3))
     assert forced.spec is not None  # adaptive off: drafting was ordered, and is done
+
+
+def test_a_whole_batch_caller_gets_the_gate_judged_by_its_slowest_request(models):
+    """generate() waits for every request: once none is queued the gate is told so (and values
+    steps by the laggard); step-driven serving never is, nor is a queue with requests left."""
+    eng = make_engine(models["target"], SpeculativeConfig(method="ngram", num_speculative_tokens=4), max_seqs=2)
+    seen = []
+    real = eng.spec.observe_step
+
+    def observe(sched, sampled, ms, whole_batch=False):
+        seen.append((eng.scheduler.num_waiting, whole_batch))
+        real(sched, sampled, ms, whole_batch)
+
+    eng.spec.observe_step = observe
+    eng.generate(prompts(n=3), SamplingParams(temperature=0.0, max_tokens=8))
+    assert any(w for _, w in seen) and all(not w for n, w in seen if n > 0)  # queued: per token
+    assert all(w for n, w in seen if n == 0)
+    seen.clear()
+    list(eng.stream(prompts(n=1)[0], SamplingParams(temperature=0.0, max_tokens=8)))
+    assert seen and not any(w for _, w in seen)
+    assert eng._whole_batch is False
