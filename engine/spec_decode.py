@@ -84,11 +84,11 @@ class SpeculativeDecoding:
                           if it.seq.seq_id in sampled)
             if whole_batch and len(sched.scheduled) > 1:
                 running = [it.seq for it in sched.scheduled if not it.seq.is_finished and it.seq.seq_id in sampled]
-                if running:  # (a step that ends the batch counts per token)
-                    after = [s.num_output_tokens for s in running]
-                    before = [n - len(sampled[s.seq_id].token_ids) for s, n in zip(running, after)]
-                    # Per sequence, as the gate's yields are: B x the laggard's advance.
-                    emitted = len(sched.scheduled) * laggard_advance(before, after)
+                after = [s.num_output_tokens for s in running]
+                before = [n - len(sampled[s.seq_id].token_ids) for s, n in zip(running, after)]
+                # Per sequence, as the gate's yields are: B x the laggard's advance (0 when the
+                # step ended the batch, which then counts per token).
+                emitted = len(sched.scheduled) * laggard_advance(before, after) or emitted
             self.controller.gate.observe(len(sched.scheduled), emitted, forward_ms + self._draft_ms,
                                          verifying or self._draft_ms > 0)
         for it in sched.scheduled:

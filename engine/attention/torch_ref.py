@@ -224,9 +224,6 @@ def split_short(seqs: list[int], seq_lens: list[int], q_lens: list[int], group_c
 def _split_sorted(seqs: list[int], seq_lens: list[int], q_lens: list[int], group_cost: float,
                   query_weight: float) -> tuple[list[list[int]], float]:
     """The cheapest partition of ``seqs`` into runs contiguous by length, and its cost."""
-    if len(seqs) <= 1:
-        return ([seqs] if seqs else []), (seq_lens[seqs[0]] * (1 + query_weight * (q_lens[seqs[0]] - 1))
-                                          + group_cost if seqs else 0.0)
     order = sorted(seqs, key=lambda s: seq_lens[s])
     n = len(order)
     best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j sequences
