@@ -93,8 +93,9 @@ class EngineConfig:
     device: str = "auto"  # auto -> cuda when available else cpu
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
-    # CPU matmul kernels: "auto" measures the candidates once per machine and model shapes
-    # (cached; see engine/models/cpu_linear.py), "torch" keeps F.linear everywhere.
+    # CPU kernels: "auto" measures the matmul candidates once per machine and model shapes
+    # (cached; see engine/models/cpu_linear.py) and, for bfloat16, builds the native decode
+    # attention (engine/attention/cpu_decode.py); "torch" keeps F.linear and SDPA everywhere.
     cpu_kernels: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -22,7 +22,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from engine.attention import get_attention_backend
+from engine.attention import cpu_decode, get_attention_backend
 from engine.attention.kv_cache import allocate_kv_cache, bytes_per_block
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
@@ -174,7 +174,11 @@ class LLMEngine:
             eos = eos + (tokenizer.eos_token_id,)
         self.eos_token_ids = eos
         self.scheduler = Scheduler(config.scheduler, cc, self.kv, self.max_model_len, eos)
-        backend = get_attention_backend(self.device, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.dtype)
+        decode_kernel = None
+        if self.device.type == "cpu" and config.cpu_kernels == "auto" and self.dtype == torch.bfloat16:
+            decode_kernel = cpu_decode.load(cache_dir() / "kernels")
+        backend = get_attention_backend(self.device, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.dtype,
+                                        decode_kernel=decode_kernel)
         self.runner = ModelRunner(loaded.model, self.kv_cache, backend, cc.block_size, self.device,
                                   Sampler(eos_token_ids=eos, seed=config.seed))
         self.spec: SpeculativeDecoding | None = None

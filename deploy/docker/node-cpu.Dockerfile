@@ -38,10 +38,12 @@ ENV PATH=/opt/pdserve/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PDSERVE_CACHE_DIR=/cache \
     HF_HUB_OFFLINE=1
-# Ray's `ray start` and KubeRay's probes call wget; nothing else comes from the distribution.
+# Ray's `ray start` and KubeRay's probes call wget. gcc and libc6-dev build the bf16 decode
+# attention kernel on the node's own CPU at first start (-march=native, cached in /cache;
+# engine/attention/cpu_decode.py); without them bf16 decode falls back to gather + SDPA.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends wget \
+    && apt-get install -y --no-install-recommends wget gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --gid 1000 pdserve \
     && useradd --uid 1000 --gid 1000 --create-home --shell /bin/bash pdserve \

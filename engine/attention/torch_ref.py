@@ -9,7 +9,9 @@ A step's sequences split into two groups by query length:
   where one sequence verifies 12 drafts beside 7 decodes would otherwise attend 13 query rows
   for all 8 (3x the attention of the decodes alone, measured);
 * long queries (prefill chunks) run one sequence at a time, so no token pays for another
-  sequence's padding; a chunk with no cached context uses SDPA's own causal path.
+  sequence's padding; a chunk with no cached context uses SDPA's own causal path;
+* with a native ``decode_kernel`` (bf16 models, ``cpu_decode.py``), decodes (q_len 1) skip both:
+  the kernel reads their K and V where they lie in the paged cache, with no gather and no padding.
 
 Gather indices and masks depend only on the metadata, so ``begin_step`` builds them once and all
 layers reuse them. GQA is handled by folding the query heads that share a KV head into the query
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import flat_layer, slot_rows, write_kv
+from engine.attention.cpu_decode import DecodeKernel
 from engine.attention.metadata import AttentionMetadata
 
 # What one more query row of a padded batch costs per KV position, relative to a decode's
@@ -42,6 +45,15 @@ class _ShortBatch:
 
 
 @dataclass(slots=True)
+class _Decodes:
+    """The step's decodes for the native kernel."""
+
+    tables: torch.Tensor  # [n, W] int32, each decode's block table
+    seq_lens: torch.Tensor  # [n] int32
+    q_start: torch.Tensor  # [n] int32, each decode's token
+
+
+@dataclass(slots=True)
 class _LongSeq:
     start: int  # first token in the flat token axis
     q_len: int
@@ -51,7 +63,8 @@ class _LongSeq:
 
 class TorchRefBackend:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, short_q_max: int = 16,
-                 group_cost_cells: int = 1024, query_weight: float = QUERY_WEIGHT):
+                 group_cost_cells: int = 1024, query_weight: float = QUERY_WEIGHT,
+                 decode_kernel: DecodeKernel | None = None):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads = num_heads
@@ -65,6 +78,8 @@ class TorchRefBackend:
         # (docs/benchmarks.md, "Figures behind constants").
         self.group_cost_cells = group_cost_cells
         self.query_weight = query_weight
+        self.decode_kernel = decode_kernel
+        self._decodes: _Decodes | None = None
         self._meta: AttentionMetadata | None = None
         self._k_rows: torch.Tensor | None = None
         self._shorts: list[_ShortBatch] = []
@@ -79,6 +94,16 @@ class TorchRefBackend:
         self._k_rows = slot_rows(meta.slot_mapping, bs)
         starts = meta.query_start
         short = [s for s, q in enumerate(meta.q_lens) if q <= self.short_q_max]
+        self._decodes = None
+        if self.decode_kernel is not None:
+            dec = [s for s in short if meta.q_lens[s] == 1]
+            short = [s for s in short if meta.q_lens[s] != 1]
+            if dec:
+                self._decodes = _Decodes(
+                    tables=meta.block_tables[torch.tensor(dec, device=device)].contiguous(),
+                    seq_lens=torch.tensor([meta.seq_lens[s] for s in dec], dtype=torch.int32),
+                    q_start=torch.tensor([starts[s] for s in dec], dtype=torch.int32),
+                )
         self._shorts = [self._build_short(meta, group, starts, device)
                         for group in split_short(short, meta.seq_lens, meta.q_lens, self.group_cost_cells,
                                                  self.query_weight)]
@@ -153,6 +178,10 @@ class TorchRefBackend:
         write_kv(kv_cache_layer, k, v, self._k_rows)
         flat = flat_layer(kv_cache_layer)  # [N * 2 * bs, H_kv, D]
         out = torch.empty_like(q)
+        if self._decodes is not None:
+            d = self._decodes
+            self.decode_kernel(q.contiguous(), flat, d.tables, d.seq_lens, d.q_start, self._meta.block_size,
+                               self.scale, out)
         for sb in self._shorts:
             self._attend_short(sb, q, flat, out)
         for seq in self._long:
