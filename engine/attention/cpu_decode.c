@@ -61,11 +61,29 @@ static float *scratch(size_t n) {
     return scratch_buf;
 }
 
-/* Returns 0, or -1 when a thread could not get scratch memory (out is then incomplete). */
-int pd_decode_attention_bf16(const uint16_t *q, const uint16_t *kv, const int32_t *tables, int64_t W,
-                             const int32_t *seq_len, const int32_t *q_start, int64_t n, int64_t Hq,
+/* Every index the kernel will follow, checked before any is followed: a query row inside q,
+   1 <= seq_len <= the table's width in positions, every block id it reads inside the cache. */
+static int check(const int32_t *tables, int64_t W, const int32_t *seq_len, const int32_t *q_start, int64_t n,
+                 int64_t T, int64_t N, int64_t bs) {
+    for (int64_t s = 0; s < n; s++) {
+        const int64_t L = seq_len[s];
+        if (q_start[s] < 0 || q_start[s] >= T || L < 1 || L > W * bs) return 0;
+        for (int64_t b = 0; b < (L + bs - 1) / bs; b++)
+            if (tables[s * W + b] < 0 || tables[s * W + b] >= N) return 0;
+    }
+    return 1;
+}
+
+/* Returns 0; -2 for an index out of range or heads that do not divide (nothing written); -1 when
+   a thread could not get scratch memory (out is then incomplete). q and out have T rows, the
+   cache N blocks. */
+int pd_decode_attention_bf16(const uint16_t *q, int64_t T, const uint16_t *kv, int64_t N, const int32_t *tables,
+                             int64_t W, const int32_t *seq_len, const int32_t *q_start, int64_t n, int64_t Hq,
                              int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t heads_per_item,
                              uint16_t *out) {
+    if (Hkv < 1 || Hq % Hkv || heads_per_item < 1 || Hkv % heads_per_item || D < 1 || bs < 1 || W < 0 ||
+        !check(tables, W, seq_len, q_start, n, T, N, bs))
+        return -2;
     const int64_t G = Hq / Hkv, row = Hkv * D, nh = heads_per_item, parts = Hkv / nh, nq = nh * G;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1)

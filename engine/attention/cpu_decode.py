@@ -34,6 +34,8 @@ SOURCE = Path(__file__).with_name("cpu_decode.c")
 # crtfastmath.o, which turns on flush-to-zero for the whole process when the library loads.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
+_CPU_FIELDS = {"vendor_id", "cpu family", "model", "model name", "flags", "CPU implementer", "CPU architecture",
+               "CPU variant", "CPU part", "Features"}
 
 
 class DecodeKernel:
@@ -43,7 +45,7 @@ class DecodeKernel:
         self.path = path
         fn = lib.pd_decode_attention_bf16
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, p, p, i64, p, p, i64, i64, i64, i64, i64, ctypes.c_float, i64, p]
+        fn.argtypes = [p, i64, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, ctypes.c_float, i64, p]
         fn.restype = ctypes.c_int
         self._fn = fn
 
@@ -67,7 +69,9 @@ class DecodeKernel:
             raise ValueError("tables, seq_lens and q_start must be int32")
         if not all(t.is_contiguous() and t.device.type == "cpu" for t in (q, flat_kv, tables, seq_lens, q_start, out)):
             raise ValueError("every tensor must be a contiguous CPU tensor")
-        if out.shape != q.shape or flat_kv.shape[2] != d or hq % hkv or seq_lens.shape != (n,) or q_start.shape != (n,):
+        if (q.dim() != 3 or flat_kv.dim() != 3 or tables.dim() != 2 or out.shape != q.shape or flat_kv.shape[2] != d
+                or hq % hkv or seq_lens.shape != (n,) or q_start.shape != (n,) or block_size < 1
+                or flat_kv.shape[0] % (2 * block_size)):
             raise ValueError(f"shapes disagree: q {tuple(q.shape)}, kv {tuple(flat_kv.shape)}, "
                              f"tables {tuple(tables.shape)}, out {tuple(out.shape)}")
         if n == 0:
@@ -75,8 +79,12 @@ class DecodeKernel:
         # A sequence's whole row of KV heads per item reads each cache row once, contiguously
         # (the fastest order); with few sequences that leaves threads idle, so split by head.
         heads_per_item = hkv if n >= 2 * torch.get_num_threads() else 1
-        rc = self._fn(q.data_ptr(), flat_kv.data_ptr(), tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(),
-                      q_start.data_ptr(), n, hq, hkv, d, block_size, scale, heads_per_item, out.data_ptr())
+        rc = self._fn(q.data_ptr(), q.shape[0], flat_kv.data_ptr(), flat_kv.shape[0] // (2 * block_size),
+                      tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), q_start.data_ptr(), n, hq, hkv, d,
+                      block_size, scale, heads_per_item, out.data_ptr())
+        if rc == -2:
+            raise ValueError("cpu decode attention: a query row, sequence length or block id is out of range "
+                             "(checked in the kernel before anything is read)")
         if rc != 0:
             raise MemoryError("cpu decode attention: a thread could not allocate its scratch buffer")
 
@@ -90,10 +98,18 @@ def load(cache_dir: Path, compiler: str | None = None) -> DecodeKernel | None:
         return None
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = _key(version)
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        path = cache_dir / f"cpu_decode-{key}.so"
-        with open(cache_dir / "tune.lock", "w") as lock:
+        path = cache_dir / f"cpu_decode-{_key(version)}.so"
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            lock = open(cache_dir / "tune.lock", "w")
+        except OSError:
+            # A read-only cache (an image's prebuilt one, say): use what is there, else build
+            # into a private temporary directory.
+            if not path.exists():
+                path = Path(tempfile.mkdtemp(prefix="pdserve-kernels-")) / path.name
+                _build(cc, path)
+            return DecodeKernel(ctypes.CDLL(str(path)), path)
+        with lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not path.exists():
                 _build(cc, path)
@@ -118,14 +134,12 @@ def _build(cc: str, path: Path) -> None:
 
 def _key(compiler_version: str) -> str:
     """Source, compiler and CPU: -march=native code is only valid on the CPU it was built for."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "model name")):
-                flags += line
-                if line.startswith("flags"):
-                    break
+    flags = platform.machine()
+    try:  # the first processor's identity: x86 (vendor, model, flags) and ARM (implementer, part, features)
+        for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines():
+            if line.split(":")[0].strip() in _CPU_FIELDS:
+                flags += "\n" + line
     except OSError:
-        flags = platform.processor() or platform.machine()
+        flags += platform.processor()
     ident = "\n".join([SOURCE.read_text(), compiler_version, " ".join(COMPILE_FLAGS + LINK_FLAGS), flags])
     return hashlib.blake2b(ident.encode(), digest_size=10).hexdigest()

@@ -177,11 +177,13 @@ class TorchRefBackend:
         assert self._meta is not None and self._k_rows is not None, "begin_step() first"
         write_kv(kv_cache_layer, k, v, self._k_rows)
         flat = flat_layer(kv_cache_layer)  # [N * 2 * bs, H_kv, D]
-        out = torch.empty_like(q)
-        if self._decodes is not None:
+        if self._decodes is None:
+            out = torch.empty_like(q)
+        else:
             d = self._decodes
-            self.decode_kernel(q.contiguous(), flat, d.tables, d.seq_lens, d.q_start, self._meta.block_size,
-                               self.scale, out)
+            q = q.contiguous()
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # the kernel writes dense rows
+            self.decode_kernel(q, flat, d.tables, d.seq_lens, d.q_start, self._meta.block_size, self.scale, out)
         for sb in self._shorts:
             self._attend_short(sb, q, flat, out)
         for seq in self._long:
