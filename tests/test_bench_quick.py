@@ -55,6 +55,17 @@ def test_specdec_bench_quick_has_natural_forced_and_peer_rows():
     assert out["per_proposer_forced_length"]["off"]["grounded"]["tokens"] == 2 * 16  # forced: exact length
 
 
+def test_specdec_bench_repeats_each_chunk_and_reports_every_repeat():
+    out = run_bench("specdec", "--quick", "--threads", "1", "--repeats", "2", "--skip-hf", "--skip-forced")
+    assert out["repeats"] == 2
+    assert len(out["speedup_repeats"]) == 2 and len(out["speedup_open_repeats"]) == 2
+    assert all(x > 0 for x in out["speedup_repeats"] + out["speedup_open_repeats"])
+    # Tokens add up over the repeats; the mean output length is per prompt, not per repeat.
+    off = out["per_proposer"]["off"]["grounded"]
+    assert off["tokens"] == 2 * 2 * out["mean_output_tokens"]["grounded"]
+    assert out["outputs_identical"]  # and every repeat returned the first one's tokens (else it raises)
+
+
 def test_kv_memory_bench_reports_the_mean_and_the_max_tokens_reservation():
     out = run_bench("kv-memory", "--max-requests", "300")  # enough for a backlog on every trace
     assert out["concurrency_ratio_mean"] == out["saturated_concurrency_ratio"] > 0

@@ -130,6 +130,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-hf", action="store_true", help="leave out the transformers peer row")
     p.add_argument("--skip-forced", action="store_true", help="leave out the forced-length row")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every chunk of prompts this many times per engine, the engine order reversed "
+                        "on every other repeat (A B B A); times add up, `speedup_repeats` gives each repeat's "
+                        "ratio. A batch-8 chunk is one 8-11 s batch, which this VM alone moves by +-13%%")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: a tiny random model, 2 + 2 token-id prompts, 16 tokens, n-gram (tests use it)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="bar chart of tokens/s per engine")
@@ -249,9 +253,12 @@ def _run(args: argparse.Namespace, report, tmp) -> dict:
         "outputs_identical": all(per[m][s]["identical"] for m in engine_methods for s in sets)
         and (forced_per is None or all(e[s]["identical"] for e in forced_per.values() for s in sets)),
         "stopping": "natural (EOS or max_tokens)",
-        "mean_output_tokens": {s: per["off"][s]["tokens"] / max(1, len(sets[s])) for s in sets},
+        "mean_output_tokens": {s: per["off"][s]["tokens"] / max(1, len(sets[s]) * max(1, args.repeats)) for s in sets},
         "proposer": head_name,
         "batch": args.batch,
+        "repeats": max(1, args.repeats),
+        "speedup_repeats": head["grounded"].get("speedup_repeats"),
+        "speedup_open_repeats": head["open"].get("speedup_repeats"),
         "max_tokens": args.max_tokens,
         "dtype": args.dtype,
         "per_proposer": {m: per[m] for m in engine_methods},
@@ -304,22 +311,31 @@ def _measure(engines: dict, sets: dict, params, batch: int, hf, eos, args, repor
     results: dict[str, dict] = {}
     outputs: dict[str, dict] = {}
     forced = params.min_tokens > 0
+    repeats = max(1, getattr(args, "repeats", 1))
     for set_name, prompts in sets.items():
         for i in range(0, len(prompts), batch):
             chunk = prompts[i : i + batch]
-            for m, eng in engines.items():
-                before = eng.spec.stats.as_dict() if eng.spec is not None else None
-                t0 = time.perf_counter()
-                outs = eng.generate(chunk, params)
-                dt = time.perf_counter() - t0
-                r = results.setdefault(m, {}).setdefault(set_name, {"seconds": 0.0, "tokens": 0})
-                r["seconds"] += dt
-                r["tokens"] += sum(len(o.outputs[0].token_ids) for o in outs)
-                outputs.setdefault(m, {}).setdefault(set_name, []).extend(o.outputs[0].token_ids for o in outs)
-                if before is not None:
-                    after = eng.spec.stats.as_dict()
-                    r["drafts"] = r.get("drafts", 0) + after["drafts"] - before["drafts"]
-                    r["accepted"] = r.get("accepted", 0) + after["accepted_tokens"] - before["accepted_tokens"]
+            for rep in range(repeats):
+                order = list(engines.items()) if rep % 2 == 0 else list(engines.items())[::-1]
+                for m, eng in order:
+                    before = eng.spec.stats.as_dict() if eng.spec is not None else None
+                    t0 = time.perf_counter()
+                    outs = eng.generate(chunk, params)
+                    dt = time.perf_counter() - t0
+                    r = results.setdefault(m, {}).setdefault(set_name, {"seconds": 0.0, "tokens": 0})
+                    r["seconds"] += dt
+                    r["tokens"] += sum(len(o.outputs[0].token_ids) for o in outs)
+                    r.setdefault("rep_seconds", [0.0] * repeats)[rep] += dt
+                    r.setdefault("rep_tokens", [0] * repeats)[rep] += sum(len(o.outputs[0].token_ids) for o in outs)
+                    ids = [o.outputs[0].token_ids for o in outs]
+                    if rep == 0:
+                        outputs.setdefault(m, {}).setdefault(set_name, []).extend(ids)
+                    elif ids != outputs[m][set_name][-len(ids):]:
+                        raise RuntimeError(f"{m} returned other tokens on repeat {rep + 1} of the same prompts")
+                    if before is not None:
+                        after = eng.spec.stats.as_dict()
+                        r["drafts"] = r.get("drafts", 0) + after["drafts"] - before["drafts"]
+                        r["accepted"] = r.get("accepted", 0) + after["accepted_tokens"] - before["accepted_tokens"]
             if hf is not None:
                 for name, lookup in (("hf_generate", None), ("hf_prompt_lookup", args.hf_prompt_lookup_tokens)):
                     t0 = time.perf_counter()
@@ -342,6 +358,10 @@ def _measure(engines: dict, sets: dict, params, batch: int, hf, eos, args, repor
                 "tok_s": tps, "tokens": r["tokens"], "seconds": r["seconds"],
                 "speedup": tps / (b["tokens"] / b["seconds"]), "mean_accepted_tokens": mean_acc,
                 "identical": outputs[m][set_name] == outputs[base][set_name]}
+            if "rep_seconds" in r and "rep_seconds" in b:  # the engines; the peer pair runs once
+                per[m][set_name]["speedup_repeats"] = [
+                    round((t / s) / (bt / bs), 4)
+                    for t, s, bt, bs in zip(r["rep_tokens"], r["rep_seconds"], b["rep_tokens"], b["rep_seconds"])]
     return per, outputs
 
 
