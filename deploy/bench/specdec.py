@@ -183,6 +183,7 @@ def _run(args: argparse.Namespace, report, tmp) -> dict:
     from engine.models.loader import load_model
     from tokens.sampling_params import SamplingParams
 
+    args.repeats = max(1, args.repeats)
     tiny = args.model.startswith("tiny-")
     model_dir = bench_model_dir(args.model, tmp, progress=report.progress)
     model_name = str(model_dir) if tiny else args.model
@@ -253,10 +254,10 @@ def _run(args: argparse.Namespace, report, tmp) -> dict:
         "outputs_identical": all(per[m][s]["identical"] for m in engine_methods for s in sets)
         and (forced_per is None or all(e[s]["identical"] for e in forced_per.values() for s in sets)),
         "stopping": "natural (EOS or max_tokens)",
-        "mean_output_tokens": {s: per["off"][s]["tokens"] / max(1, len(sets[s]) * max(1, args.repeats)) for s in sets},
+        "mean_output_tokens": {s: per["off"][s]["tokens"] / max(1, len(sets[s]) * args.repeats) for s in sets},
         "proposer": head_name,
         "batch": args.batch,
-        "repeats": max(1, args.repeats),
+        "repeats": args.repeats,
         "speedup_repeats": head["grounded"].get("speedup_repeats"),
         "speedup_open_repeats": head["open"].get("speedup_repeats"),
         "max_tokens": args.max_tokens,
@@ -311,7 +312,7 @@ def _measure(engines: dict, sets: dict, params, batch: int, hf, eos, args, repor
     results: dict[str, dict] = {}
     outputs: dict[str, dict] = {}
     forced = params.min_tokens > 0
-    repeats = max(1, getattr(args, "repeats", 1))
+    repeats = args.repeats
     for set_name, prompts in sets.items():
         for i in range(0, len(prompts), batch):
             chunk = prompts[i : i + batch]
@@ -322,12 +323,13 @@ def _measure(engines: dict, sets: dict, params, batch: int, hf, eos, args, repor
                     t0 = time.perf_counter()
                     outs = eng.generate(chunk, params)
                     dt = time.perf_counter() - t0
+                    ids = [o.outputs[0].token_ids for o in outs]
+                    n = sum(len(t) for t in ids)
                     r = results.setdefault(m, {}).setdefault(set_name, {"seconds": 0.0, "tokens": 0})
                     r["seconds"] += dt
-                    r["tokens"] += sum(len(o.outputs[0].token_ids) for o in outs)
+                    r["tokens"] += n
                     r.setdefault("rep_seconds", [0.0] * repeats)[rep] += dt
-                    r.setdefault("rep_tokens", [0] * repeats)[rep] += sum(len(o.outputs[0].token_ids) for o in outs)
-                    ids = [o.outputs[0].token_ids for o in outs]
+                    r.setdefault("rep_tokens", [0] * repeats)[rep] += n
                     if rep == 0:
                         outputs.setdefault(m, {}).setdefault(set_name, []).extend(ids)
                     elif ids != outputs[m][set_name][-len(ids):]:
