@@ -24,9 +24,9 @@ import time
 
 import grpc
 
+from decode_node.proposers import build_proposer
 from decode_node.reservations import NotReadyError, ReservationTable
 from decode_node.responses import ResponseBuilder
-from decode_node.spec import build_proposer
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from kv_index.nodes import Role

@@ -262,7 +262,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             cfg = engine_config_from_args(a)
             factory = None
             if cfg.speculative.enabled:  # in-process: this engine plays the decode role
-                from decode_node.spec import build_proposer as factory
+                from decode_node.proposers import build_proposer as factory
             eng = LLMEngine(cfg, progress=sp.update, proposer_factory=factory)
             sp.update("tokenizing")
             ids = eng.encode(a.prompt, chat=not a.no_chat, system=a.system)

@@ -5,7 +5,7 @@ returns a ``RequestOutput`` for every request that produced something (new token
 finish), so callers stream by looping on ``step``. ``generate`` is the blocking helper.
 
 With ``EngineConfig.speculative`` on, each step also runs the speculation loop
-(``engine/spec_decode.py``): lookahead slots planned by the adaptive controller, drafts from
+(``engine/speculative/loop.py``): lookahead slots planned by the adaptive controller, drafts from
 the injected ``Proposer``, all k + 1 positions verified in the step's one forward pass, and
 only the accepted run kept by the scheduler (docs/speculative.md).
 """
@@ -35,8 +35,8 @@ from engine.models.loader import LoadedModel, load_model
 from engine.sampler import Sampler
 from engine.scheduler import SampledTokens, Scheduler
 from engine.sequence import Sequence, seq_id_of
-from engine.spec import Proposer, SpecStats
-from engine.spec_decode import SpeculativeDecoding
+from engine.speculative.loop import SpeculativeDecoding
+from engine.speculative.proposer import Proposer, SpecStats
 from tokens.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from tokens.sampling_params import SamplingParams
 from tokens.stop import FinishReason
@@ -134,7 +134,7 @@ class LLMEngine:
     ) -> None:
         """``proposer_factory`` builds the speculative-decoding proposer from this engine (its
         model, KV cache, device); required when ``config.speculative`` is on. Decode nodes
-        pass ``decode_node.spec.build_proposer``. It may return None when it measured that its
+        pass ``decode_node.proposers.build_proposer``. It may return None when it measured that its
         drafter cannot pay here; the engine then runs without speculation (``self.spec`` None)."""
         self.config = config
         self.device = resolve_device(config.device)
@@ -187,7 +187,7 @@ class LLMEngine:
             if proposer_factory is None:
                 raise ValueError(
                     f"speculative method {config.speculative.method!r} is configured but no proposer "
-                    "factory was passed (decode nodes pass decode_node.spec.build_proposer)")
+                    "factory was passed (decode nodes pass decode_node.proposers.build_proposer)")
             # None: the factory measured that its drafter cannot pay on this machine (a bf16
             # draft on a CPU without bf16 matmuls); the engine serves without speculation.
             proposer = proposer_factory(self)

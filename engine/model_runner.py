@@ -20,7 +20,6 @@ import torch
 
 from engine.attention.kv_cache import copy_blocks
 from engine.attention.metadata import AttentionMetadata
-from engine.rejection_sampler import verify_by_target_samples, verify_drafts
 from engine.sampler import (
     Sampler,
     SamplingRow,
@@ -30,7 +29,8 @@ from engine.sampler import (
     probs_from_penalized,
 )
 from engine.scheduler import SampledTokens, ScheduledSeq, SchedulerOutput
-from engine.spec import TargetStates
+from engine.speculative.proposer import TargetStates
+from engine.speculative.rejection_sampler import verify_by_target_samples, verify_drafts
 
 # (seq id, first position, [n, hidden] states): how a proposer receives target states
 StateSink = Callable[[str, int, torch.Tensor], None]

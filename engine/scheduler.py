@@ -53,7 +53,7 @@ class ScheduledSeq:
     num_lookahead: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: Any = None  # [len(draft_token_ids), V] tensor, or None (one-hot proposals)
-    draft_bucket: int | None = None  # the proposal's confidence bucket (engine.spec.Proposal)
+    draft_bucket: int | None = None  # the proposal's confidence bucket (engine.speculative.proposer.Proposal)
 
 
 @dataclass(slots=True)

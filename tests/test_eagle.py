@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from decode_node.spec import build_proposer
-from decode_node.spec.eagle import _SeqState, load_eagle, save_tiny_eagle
+from decode_node.proposers import build_proposer
+from decode_node.proposers.eagle import _SeqState, load_eagle, save_tiny_eagle
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.engine import LLMEngine
 from engine.models.config import ModelConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from scipy import stats
 
-from engine.rejection_sampler import sample_inverse_cdf, verify_by_target_samples, verify_drafts
+from engine.speculative.rejection_sampler import sample_inverse_cdf, verify_by_target_samples, verify_drafts
 
 
 def test_greedy_keeps_the_longest_matching_prefix_plus_the_next_argmax():

@@ -176,7 +176,7 @@ def run(args: argparse.Namespace, report) -> dict:
 
 
 def _run(args: argparse.Namespace, report, tmp) -> dict:
-    from decode_node.spec import build_proposer
+    from decode_node.proposers import build_proposer
     from deploy.bench.bench_models import bench_model_dir
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
     from engine.engine import LLMEngine, encode_chat, load_hf_tokenizer, torch_dtype

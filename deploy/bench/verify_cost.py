@@ -6,7 +6,7 @@ each batch size B in ``--batches`` and each k in ``--ks`` one forward over B seq
 q_len k + 1 (logits of every row, as verification needs) against the baseline q_len 1 forward
 of the same B sequences. ``ratio`` = time(k + 1 rows per sequence) / time(1 row per sequence):
 the price of a verification in plain decode steps, which is what speculative decoding's
-adaptive controller weighs acceptance against (engine/spec_control.py, StepCost).
+adaptive controller weighs acceptance against (engine/speculative/control.py, StepCost).
 
 On CPU the engine's measured matmul kernel plan is used (as the engine would); on CUDA the
 flashinfer backend when installed (half precision), else the torch reference backend.

@@ -30,9 +30,9 @@ from engine.attention.metadata import AttentionMetadata
 from engine.engine import torch_dtype
 from engine.model_runner import seeded_generator
 from engine.models.loader import load_model
-from engine.rejection_sampler import sample_inverse_cdf
 from engine.sampler import SamplingRow, processed_probs
-from engine.spec import DraftRequest, Proposal
+from engine.speculative.proposer import DraftRequest, Proposal
+from engine.speculative.rejection_sampler import sample_inverse_cdf
 
 
 class ModelDrafter:

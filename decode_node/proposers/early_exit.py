@@ -5,7 +5,7 @@ writes the target's own cache; verification rewrites the draft positions with fu
 """
 from __future__ import annotations
 
-from decode_node.spec.draft_model import ModelDrafter
+from decode_node.proposers.draft_model import ModelDrafter
 
 
 def from_engine(engine) -> ModelDrafter:

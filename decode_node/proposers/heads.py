@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.spec import DraftRequest, Proposal, TargetStates
+from engine.speculative.proposer import DraftRequest, Proposal, TargetStates
 
 
 class ResBlock(nn.Module):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.config import SpeculativeConfig
-from engine.spec import DraftRequest, Proposal
+from engine.speculative.proposer import DraftRequest, Proposal
 
 
 def ngram_propose(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:

@@ -48,7 +48,7 @@ from torch import nn
 
 from engine.models.config import ModelConfig
 from engine.models.llama import MLP, Attention, Linear, RMSNorm, weight_targets
-from engine.spec import DraftRequest, Proposal, TargetStates
+from engine.speculative.proposer import DraftRequest, Proposal, TargetStates
 
 
 class EagleLayer(nn.Module):

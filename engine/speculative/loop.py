@@ -10,7 +10,7 @@
 
 The engine owns the mechanism's state-free parts (scheduler lookahead, verification in the
 runner); this object owns what speculation learns and counts. The proposer is injected (the
-decode role builds it, ``decode_node/spec/``); what it needs from the target's forward it
+decode role builds it, ``decode_node/proposers/``); what it needs from the target's forward it
 declares in ``Proposer.target_states`` and receives through ``observe_target`` (the runner's
 one hook), so nothing here or in the runner knows which method is running.
 """
@@ -21,8 +21,8 @@ from typing import Callable
 
 from engine.config import SpeculativeConfig
 from engine.scheduler import SampledTokens, Scheduler, SchedulerOutput
-from engine.spec import DraftRequest, Proposer, SpecStats
-from engine.spec_control import SpecController, StepCost, laggard_advance
+from engine.speculative.control import SpecController, StepCost, laggard_advance
+from engine.speculative.proposer import DraftRequest, Proposer, SpecStats
 
 
 class SpeculativeDecoding:

@@ -3,7 +3,7 @@ confidence buckets (pure logic)."""
 import pytest
 
 from engine.config import SpeculativeConfig
-from engine.spec_control import (
+from engine.speculative.control import (
     GATE_MAX_PROBE_EVERY,
     GATE_MIN_STEPS,
     GATE_PROBE_EVERY,

@@ -22,4 +22,4 @@ def build_proposer(engine):
     method = engine.config.speculative.method
     if method not in PROPOSERS:
         raise ValueError(f"unknown speculative method {method!r}; known: off, {', '.join(sorted(PROPOSERS))}")
-    return importlib.import_module(f"decode_node.spec.{PROPOSERS[method]}").from_engine(engine)
+    return importlib.import_module(f"decode_node.proposers.{PROPOSERS[method]}").from_engine(engine)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from scipy import stats
 
-from decode_node.spec import build_proposer
-from decode_node.spec.eagle import save_tiny_eagle
-from decode_node.spec.heads import save_tiny_heads
+from decode_node.proposers import build_proposer
+from decode_node.proposers.eagle import save_tiny_eagle
+from decode_node.proposers.heads import save_tiny_heads
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.engine import LLMEngine
 from engine.models.tiny import save_tiny_model
@@ -230,7 +230,7 @@ def test_target_states_reach_the_proposer_as_declared(models, positions, layer):
     draft), equal to a plain forward over the final sequence (transformers' hidden states)."""
     import transformers
 
-    from engine.spec import Proposal, TargetStates
+    from engine.speculative.proposer import Proposal, TargetStates
 
     prompt = [5, 9, 11, 40, 7, 7, 3, 5, 9, 11, 40, 7, 60, 61]
     plain = make_engine(models["target"]).generate([prompt], GREEDY)[0].outputs[0].token_ids
@@ -296,7 +296,7 @@ def test_low_precision_declines_where_its_draft_cannot_pay(models, reference, mo
     (both kernel plans measured on this machine) and declines when a draft round would cost
     MAX_DRAFT_COST target steps or more: the engine then decodes without speculation, exactly.
     The threshold is moved instead of the machine, so the test means the same on every CPU."""
-    from decode_node.spec import low_precision
+    from decode_node.proposers import low_precision
 
     adaptive = SpeculativeConfig(method="low_precision", num_speculative_tokens=3)
     monkeypatch.setattr(low_precision, "MAX_DRAFT_COST", 0.0)
