@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from engine.engine import RequestOutput
+from engine.outputs import RequestOutput
 from protos.convert import finish_reason_to_proto, token_logprobs_to_proto
 from protos.pdserve.v1 import serving_pb2 as pb
 

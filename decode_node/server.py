@@ -30,11 +30,11 @@ from decode_node.responses import ResponseBuilder
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from kv_index.nodes import Role
-from kv_transfer.grpc_transport import KVReceiver, ReceivedBlocks
+from kv_transfer.grpc_transport import KVReceiver
+from kv_transfer.receiver import TcpKVServer
 from kv_transfer.shm_transport import shm_endpoint
 from kv_transfer.tcp_transport import SCHEME as TCP_SCHEME
-from kv_transfer.tcp_transport import TcpKVServer
-from kv_transfer.validate import Reservation
+from kv_transfer.validate import ReceivedBlocks, Reservation
 from node.config import NodeConfig, host_port
 from node.engine_thread import EngineStoppedError, OutputStream, RequestFailedError
 from node.rpc_trace import DecodeStreamTrace, traced_rpc
@@ -74,7 +74,7 @@ class DecodeServer(NodeServer):
             self.data_server = TcpKVServer(
                 self.engine.kv_cache, self.engine.fingerprint, on_received=self._on_received,
                 reservation_for=self.reservations.get, begin_push=self.reservations.begin_push,
-                end_push=self._end_data_push, on_outcome=self._data_push_outcome,
+                end_push=self._end_data_push, on_outcome=self.record_push,
                 host=config.host, port=config.kv_data_port)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._expire_reservations, name=f"reaper-{config.node_id}",
@@ -115,6 +115,28 @@ class DecodeServer(NodeServer):
                 "transfer_failures": self.num_transfer_failures, "decodes": self.num_decodes}
 
     # ---- reservation plumbing (gRPC threads)
+    def drop_reservation(self, request_id: str) -> tuple[bool, bool]:
+        """Forget ``request_id``'s reservation -> (found, released now). Its blocks go back to
+        the engine now, unless a push into them is in flight: that push's end releases them
+        (``ReservationTable.drop``). Thread-safe (the table's lock); idempotent: a second call
+        finds nothing and releases nothing. Raises EngineStoppedError when the blocks were due
+        back and the engine is gone."""
+        found, release_now = self.reservations.drop(request_id)
+        if release_now:
+            self.aengine.release_kv(request_id)
+        return found, release_now
+
+    def record_push(self, ok: bool, nbytes: int, seconds: float) -> None:
+        """Count one finished KV push, over either data plane (PushBlocks or the raw TCP
+        stream): bytes and time on /metrics when it landed, a transfer failure (metrics and
+        ``stats``) when it was refused or broken off."""
+        if ok:
+            self.metrics.transfer_bytes.inc(nbytes)
+            self.metrics.transfer_seconds.observe(seconds)
+        else:
+            self.metrics.transfer_failures.inc()
+            self.num_transfer_failures += 1
+
     def _on_received(self, r: ReceivedBlocks) -> None:
         self.reservations.received(r.request_id, r.layers, r.first_block_index, len(r.block_ids))
 
@@ -124,21 +146,6 @@ class DecodeServer(NodeServer):
                 self.aengine.release_kv(request_id)
             except EngineStoppedError:
                 pass  # the engine and its blocks are gone with it
-
-    def _data_push_outcome(self, ok: bool, nbytes: int, seconds: float) -> None:
-        if ok:
-            self.metrics.transfer_bytes.inc(nbytes)
-            self.metrics.transfer_seconds.observe(seconds)
-        else:
-            self.metrics.transfer_failures.inc()
-            self.num_transfer_failures += 1
-
-    def _drop_reservation(self, request_id: str) -> tuple[bool, bool]:
-        """-> (found, released now); a push in flight releases it when it ends."""
-        found, release_now = self.reservations.drop(request_id)
-        if release_now:
-            self.aengine.release_kv(request_id)
-        return found, release_now
 
     def _expire_reservations(self) -> None:
         period = max(0.05, min(1.0, self.config.reservation_lease_s / 4))
@@ -204,22 +211,19 @@ class _KVTransferService(kv_pb2_grpc.KVTransferServicer):
         rid = first.header.request_id if first is not None and first.WhichOneof("kind") == "header" else None
         began = rid is not None and self.node.reservations.begin_push(rid)
         messages = itertools.chain([] if first is None else [first], request_iterator)
-        metrics = self.node.metrics
         try:
             resp = self.node.receiver.PushBlocks(messages, context)
         except BaseException:  # refused (validation, checksum, no reservation) or broken off
-            metrics.transfer_failures.inc()
-            self.node.num_transfer_failures += 1
+            self.node.record_push(False, 0, 0.0)
             raise
         finally:
             if began and self.node.reservations.end_push(rid):
                 self.node.aengine.release_kv(rid)
-        metrics.transfer_bytes.inc(resp.bytes_written)
-        metrics.transfer_seconds.observe(time.monotonic() - t0)
+        self.node.record_push(True, resp.bytes_written, time.monotonic() - t0)
         return resp
 
     def ReleaseReservation(self, request: kv_pb2.ReleaseReservationRequest, context):
-        found, _ = self.node._drop_reservation(request.request_id)
+        found, _ = self.node.drop_reservation(request.request_id)
         return kv_pb2.ReleaseReservationResponse(found=found)
 
     def RenewReservation(self, request: kv_pb2.RenewReservationRequest, context):
@@ -301,7 +305,7 @@ class _DecodeService(kv_pb2_grpc.DecodeNodeServicer):
             raise
 
     def _drop_for_recompute(self, rid: str, context) -> None:
-        found, released = self.node._drop_reservation(rid)
+        found, released = self.node.drop_reservation(rid)
         if found and not released:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"request {rid!r}: a KV push into its reservation is still in flight")
@@ -309,7 +313,7 @@ class _DecodeService(kv_pb2_grpc.DecodeNodeServicer):
     def AbortDecode(self, request: serving_pb2.AbortRequest, context):
         rid = request.request_id
         running = self.node.aengine.abort(rid)
-        reserved, _ = self.node._drop_reservation(rid)
+        reserved, _ = self.node.drop_reservation(rid)
         return serving_pb2.AbortResponse(found=running or reserved)
 
 

@@ -12,11 +12,7 @@ only the accepted run kept by the scheduler (docs/speculative.md).
 from __future__ import annotations
 
 import itertools
-import math
-import os
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterable, Iterator
 from typing import Sequence as Seq
 
@@ -25,101 +21,24 @@ import torch
 from engine.attention import cpu_decode, get_attention_backend
 from engine.attention.kv_cache import allocate_kv_cache, bytes_per_block
 from engine.config import EngineConfig
+from engine.device import resolve_device, torch_dtype
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
+from engine.limits import RequestLimits
 from engine.model_runner import KV_PREEMPTED, KVLayerListener, ModelRunner
 from engine.models.builtin import cache_dir
 from engine.models.config import ModelConfig
 from engine.models.cpu_linear import load_or_tune
 from engine.models.loader import LoadedModel, load_model
+from engine.outputs import CompletionOutput, RequestOutput, RequestState, RequestTimes, pick_logprobs
 from engine.sampler import Sampler
-from engine.scheduler import SampledTokens, Scheduler
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence, seq_id_of
 from engine.speculative.loop import SpeculativeDecoding
-from engine.speculative.proposer import Proposer, SpecStats
-from tokens.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.speculative.proposer import Proposer
+from engine.tokenizer import encode_chat, load_hf_tokenizer
 from tokens.sampling_params import SamplingParams
 from tokens.stop import FinishReason
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-@dataclass(slots=True)
-class CompletionOutput:
-    index: int
-    token_ids: list[int]  # every generated token so far
-    new_token_ids: list[int]  # generated in this step
-    text: str  # detokenized so far, stop strings trimmed ("" without a tokenizer)
-    text_delta: str
-    logprobs: list[float] | None = None
-    new_logprobs: list[float] | None = None
-    new_top_logprobs: list[list[tuple[int, float]]] | None = None
-    finish_reason: str | None = None
-    spec: SpecStats | None = None  # speculative-decoding counters of this sample (None: off)
-
-
-@dataclass(slots=True)
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    # Times any of the request's sequences was preempted (recomputed) so far: a node's trace
-    # marks each new one as it streams the request's outputs.
-    num_preemptions: int = 0
-
-    @property
-    def queue_s(self) -> float | None:
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    num_cached_tokens: int
-    metrics: RequestMetrics
-
-
-@dataclass(slots=True)
-class _SeqText:
-    """Per-sample text state; None parts when the engine runs without a tokenizer."""
-
-    detok: IncrementalDetokenizer | None
-    stops: StopStringMatcher | None
-    text: str = ""
-    logprobs: list[float] | None = None
-
-
-@dataclass(slots=True)
-class _Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    metrics: RequestMetrics
-    texts: dict[int, _SeqText] = field(default_factory=dict)
-    # Output tokens this request produced elsewhere before it came here (a migrated request):
-    # not streamed again; the detokenizer replays them (_append_text).
-    resumed: int = 0
 
 
 class LLMEngine:
@@ -163,6 +82,7 @@ class LLMEngine:
         per_block = bytes_per_block(mc, cc.block_size, self.dtype)
         num_blocks = cc.num_blocks or max(1, cc.kv_cache_bytes // per_block)
         self.num_blocks = num_blocks
+        self.limits = RequestLimits(mc.vocab_size, self.max_model_len, cc.block_size, num_blocks)
         if progress:
             progress(f"allocating KV cache: {num_blocks} blocks x {cc.block_size} tokens "
                      f"({num_blocks * per_block / 2**20:.0f} MiB)")
@@ -181,25 +101,30 @@ class LLMEngine:
                                         decode_kernel=decode_kernel)
         self.runner = ModelRunner(loaded.model, self.kv_cache, backend, cc.block_size, self.device,
                                   Sampler(eos_token_ids=eos, seed=config.seed))
-        self.spec: SpeculativeDecoding | None = None
         self._whole_batch = False  # inside generate(): the caller waits for every request
+        self.spec: SpeculativeDecoding | None = None  # set before the factory, which gets this engine
         if config.speculative.enabled:
-            if proposer_factory is None:
-                raise ValueError(
-                    f"speculative method {config.speculative.method!r} is configured but no proposer "
-                    "factory was passed (decode nodes pass decode_node.proposers.build_proposer)")
-            # None: the factory measured that its drafter cannot pay on this machine (a bf16
-            # draft on a CPU without bf16 matmuls); the engine serves without speculation.
-            proposer = proposer_factory(self)
-            if proposer is not None:
-                if proposer.target_states is not None:
-                    self.runner.send_target_states(proposer.target_states, proposer.observe_target)
-                gemm = self.linear_plan.gemm_ms if self.linear_plan is not None else None
-                self.spec = SpeculativeDecoding(config.speculative, proposer, gemm)
-        self._requests: dict[str, _Request] = {}
+            self.spec = self._start_speculation(proposer_factory)
+        self._requests: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._ids = itertools.count()
         self.num_steps = 0
+
+    def _start_speculation(self, proposer_factory) -> SpeculativeDecoding | None:
+        cfg = self.config.speculative
+        if proposer_factory is None:
+            raise ValueError(
+                f"speculative method {cfg.method!r} is configured but no proposer "
+                "factory was passed (decode nodes pass decode_node.proposers.build_proposer)")
+        # None: the factory measured that its drafter cannot pay on this machine (a bf16
+        # draft on a CPU without bf16 matmuls); the engine serves without speculation.
+        proposer = proposer_factory(self)
+        if proposer is None:
+            return None
+        if proposer.target_states is not None:
+            self.runner.send_target_states(proposer.target_states, proposer.observe_target)
+        gemm = self.linear_plan.gemm_ms if self.linear_plan is not None else None
+        return SpeculativeDecoding(cfg, proposer, gemm)
 
     # ------------------------------------------------------------------ requests
     def encode(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
@@ -245,10 +170,9 @@ class LLMEngine:
                 raise InvalidRequestError("a request needs a prompt or prompt_token_ids")
             prompt_token_ids = self.encode(prompt)
         tokens = [int(t) for t in prompt_token_ids]
-        k = self._check_resumed(tokens, params, resumed_output_tokens)
-        self._validate(tokens[: len(tokens) - k], params)
+        k = self.limits.check(tokens, params, resumed_output_tokens)
         now = time.monotonic() if arrival_time is None else arrival_time
-        req = _Request(request_id, tokens[: len(tokens) - k], params, RequestMetrics(arrival_time=now), resumed=k)
+        req = RequestState(request_id, tokens[: len(tokens) - k], params, RequestTimes(arrival_time=now), resumed=k)
         self._requests[request_id] = req
         self.scheduler.add_sequence(
             Sequence(request_id=request_id, index=0, token_ids=list(tokens),
@@ -256,20 +180,6 @@ class LLMEngine:
                      stream_kv=stream_kv)
         )
         return request_id
-
-    @staticmethod
-    def _check_resumed(tokens: list[int], params: SamplingParams, k: int) -> int:
-        if k == 0:
-            return 0
-        if params.n != 1:
-            raise InvalidRequestError(f"a resumed request continues one sequence: n must be 1, got {params.n}")
-        if not 0 < k < len(tokens):
-            raise InvalidRequestError(f"resumed_output_tokens is {k} but the prompt has {len(tokens)} tokens "
-                                      "(at least one must be prompt)")
-        if k >= params.max_tokens:
-            raise InvalidRequestError(f"resumed_output_tokens is {k}: max_tokens ({params.max_tokens}) leaves "
-                                      "nothing to generate")
-        return k
 
     # ------------------------------------------------------------------ role modes
     def reserve_kv(self, request_id: str, prompt_token_ids: Seq[int]) -> tuple[list[int], int] | None:
@@ -310,13 +220,12 @@ class LLMEngine:
             raise InvalidRequestError(f"no KV reserved for request {request_id!r}")
         prompt = [int(t) for t in prompt_token_ids]
         outs = [int(t) for t in output_token_ids]
-        k = self._check_resumed(prompt, params, resumed_output_tokens)
-        self._validate(prompt[: len(prompt) - k], params)
+        k = self.limits.check(prompt, params, resumed_output_tokens)
         if not outs:
             raise InvalidRequestError("a prefilled request needs the prefill node's first token")
         self.kv.cache_computed_blocks(seq_id, prompt, len(prompt))
         now = time.monotonic() if arrival_time is None else arrival_time
-        req = _Request(request_id, prompt[: len(prompt) - k], params, RequestMetrics(arrival_time=now), resumed=k)
+        req = RequestState(request_id, prompt[: len(prompt) - k], params, RequestTimes(arrival_time=now), resumed=k)
         self._requests[request_id] = req
         seq = Sequence(request_id=request_id, index=0, token_ids=prompt + outs,
                        num_prompt_tokens=len(prompt) - k, params=params, arrival_time=now,
@@ -325,11 +234,10 @@ class LLMEngine:
         self.scheduler.add_sequence(seq)
         # The prefill node's token may already end the request (EOS, a stop token, max_tokens=1).
         self.scheduler.check_stop(seq)
-        delta = "".join(self._append_text(req, seq, t, final=seq.is_finished and i == len(outs) - 1)[0]
-                        for i, t in enumerate(outs))
+        delta, _ = self._feed_text(req, seq, outs)
         done = self.scheduler.request_finished(request_id)
         self._pending.append(self._request_output(
-            req, [self._completion(req, seq, outs, delta, None, None)], finished=done))
+            req, [self._completion(req, seq, outs, delta)], finished=done))
         if done:
             self._finish_request(req)
 
@@ -348,35 +256,6 @@ class LLMEngine:
         if self.kv.has_seq(seq_id) and request_id not in self._requests:
             self.kv.free(seq_id)
 
-    def _validate(self, tokens: list[int], params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        try:
-            params.validate(vocab)
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
-        n = len(tokens)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty")
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {n} tokens but the model's context is {self.max_model_len} tokens "
-                f"(at least one token must remain for the output)"
-            )
-        if n + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
-                f"exceeds the model's context of {self.max_model_len} tokens"
-            )
-        need = math.ceil((n + params.max_tokens) / self.block_size) * params.n
-        if need > self.num_blocks:
-            raise InvalidRequestError(
-                f"request needs {need} KV blocks (prompt {n} + max_tokens {params.max_tokens}, "
-                f"n={params.n}) but the KV cache has only {self.num_blocks} blocks"
-            )
-
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; returns False for an unknown id."""
         req = self._requests.get(request_id)
@@ -385,7 +264,7 @@ class LLMEngine:
         seqs = self.scheduler.abort(request_id)
         outs = []
         for seq in seqs:
-            outs.append(self._completion(req, seq, [], "", None, None))
+            outs.append(self._completion(req, seq, [], ""))
         self._pending.append(self._request_output(req, outs, finished=True))
         self._finish_request(req)
         return True
@@ -426,7 +305,7 @@ class LLMEngine:
             # A forked child is new this step: its one token is the last.
             new = seq.token_ids[before.get(seq.seq_id, seq.num_tokens - 1):]
             delta, new = self._append_run(req, seq, new)
-            logprobs, tops = _pick_logprobs(seq, sampled, len(new))
+            logprobs, tops = pick_logprobs(seq, sampled, len(new))
             by_request.setdefault(seq.request_id, []).append(
                 self._completion(req, seq, new, delta, logprobs, tops)
             )
@@ -444,96 +323,38 @@ class LLMEngine:
                 self.spec.forget(seq.seq_id)
 
     # ------------------------------------------------------------------ text
-    def _append_run(self, req: _Request, seq: Sequence, new: list[int]) -> tuple[str, list[int]]:
+    def _append_run(self, req: RequestState, seq: Sequence, new: list[int]) -> tuple[str, list[int]]:
         """Detokenize a step's new tokens (several after a verification); a stop string met
         before the last of them cuts the rest off (they were never output)."""
-        delta = ""
-        for i, tok in enumerate(new):
-            last = i == len(new) - 1
-            d, hit = self._append_text(req, seq, tok, final=seq.is_finished and last)
-            delta += d
-            if hit and not last:
-                del seq.token_ids[len(seq.token_ids) - (len(new) - 1 - i):]
-                seq.finish_reason = FinishReason.STOP  # may have been finished by a later token
-                return delta, new[: i + 1]
+        delta, kept = self._feed_text(req, seq, new)
+        if kept is not None and kept < len(new):
+            del seq.token_ids[len(seq.token_ids) - (len(new) - kept):]
+            seq.finish_reason = FinishReason.STOP  # may have been finished by a later token
+            new = new[:kept]
         return delta, new
 
-    def _append_text(self, req: _Request, seq: Sequence, token: int, final: bool) -> tuple[str, bool]:
-        """-> (text delta, a stop string matched). ``final``: the sequence ends with this token."""
-        st = req.texts.get(seq.index)
-        if st is None:
-            detok = (IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
-                     if self.tokenizer is not None else None)
-            stops = (StopStringMatcher(tuple(req.params.stop), req.params.include_stop_str_in_output)
-                     if req.params.stop and detok is not None else None)
-            st = req.texts[seq.index] = _SeqText(detok, stops)
-            if detok is not None and req.resumed:
-                # A resumed request's earlier outputs, replayed one by one as the node that
-                # streamed them did: their text was sent, and what that node held back (part
-                # of a character, the start of a stop string) is held here too, so the text
-                # goes on exactly where the client's stopped.
-                start = seq.num_prompt_tokens
-                for earlier in seq.token_ids[start : start + req.resumed]:
-                    sent = detok.step([earlier])
-                    if stops is not None:
-                        stops.feed(sent)
-        if st.detok is None:
-            return "", False
-        delta = st.detok.step([token])
-        if final:  # text held back for a split character is final now
-            delta += st.detok.flush()
-        hit = False
-        if st.stops is not None:
-            delta, hit = st.stops.feed(delta)
-            if hit and not seq.is_finished:
-                self.scheduler.finish_and_release(seq, FinishReason.STOP)
-            elif final and not hit:
-                delta += st.stops.flush()  # a held-back partial stop string was just text
-        st.text += delta
-        return delta, hit
+    def _feed_text(self, req: RequestState, seq: Sequence, new: list[int]) -> tuple[str, int | None]:
+        """-> ``SequenceText.append``'s (delta, kept); a stop string finishes the sequence."""
+        if self.tokenizer is None:
+            return "", None
+        delta, kept = req.text(seq, self.tokenizer).append(new, final=seq.is_finished)
+        if kept is not None and not seq.is_finished:
+            self.scheduler.finish_and_release(seq, FinishReason.STOP)
+        return delta, kept
 
-    def _completion(self, req, seq, new_ids, delta, logprobs, tops) -> CompletionOutput:
-        """``logprobs`` / ``tops``: one entry per new token, or None."""
-        st = req.texts.get(seq.index)
-        if logprobs is not None:
-            if st is None:
-                st = req.texts[seq.index] = _SeqText(None, None)
-            st.logprobs = (st.logprobs or []) + list(logprobs)
-        return CompletionOutput(
-            index=seq.index,
-            token_ids=seq.output_token_ids,
-            new_token_ids=new_ids,
-            text=st.text if st else "",
-            text_delta=delta,
-            logprobs=st.logprobs if st else None,
-            new_logprobs=list(logprobs) if logprobs is not None else None,
-            new_top_logprobs=list(tops) if tops is not None else None,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            spec=self.spec.seq_stats(seq.seq_id) if self.spec is not None else None,
-        )
+    def _completion(self, req: RequestState, seq: Sequence, new_ids: list[int], delta: str,
+                    logprobs: list[float] | None = None, tops: list | None = None) -> CompletionOutput:
+        return req.completion(seq, new_ids, delta, logprobs, tops,
+                              self.spec.seq_stats(seq.seq_id) if self.spec is not None else None)
 
-    def _finish_request(self, req: _Request) -> None:
-        req.metrics.finished_time = time.monotonic()
+    def _finish_request(self, req: RequestState) -> None:
+        req.times.finished_time = time.monotonic()
         self._forget_speculation(req.request_id)
         self.scheduler.forget(req.request_id)
         self._requests.pop(req.request_id, None)
 
-    def _request_output(self, req: _Request, comps, finished: bool) -> RequestOutput:
-        seqs = self.scheduler.sequences(req.request_id)
-        first = seqs[0] if seqs else None
-        if first is not None:
-            req.metrics.first_scheduled_time = first.first_scheduled_time
-            req.metrics.first_token_time = first.first_token_time
-            # max: a sample that finished early has left ``seqs``, its preemptions not the count
-            req.metrics.num_preemptions = max(req.metrics.num_preemptions, sum(s.num_preemptions for s in seqs))
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=comps,
-            finished=finished,
-            num_cached_tokens=first.num_cached_tokens if first else 0,
-            metrics=req.metrics,
-        )
+    def _request_output(self, req: RequestState, comps: list[CompletionOutput], finished: bool) -> RequestOutput:
+        return req.output(self.scheduler.sequences(req.request_id), comps, finished)
 
     # ------------------------------------------------------------------ helpers
     def generate(
@@ -598,35 +419,3 @@ class LLMEngine:
             "prefix_cache_hit_tokens": pool.prefix_hit_tokens,
             "speculative": self.spec.snapshot() if self.spec is not None else None,
         }
-
-
-def _pick_logprobs(
-    seq: Sequence, sampled: dict[str, SampledTokens], num_new: int
-) -> tuple[list[float] | None, list | None]:
-    """The logprobs of this sequence's ``num_new`` new tokens (several after a verification).
-
-    On the step that forks an n > 1 request, the parent's entry holds all n samples and a new
-    child's sample is at its own index there.
-    """
-    own = seq.seq_id in sampled
-    st = sampled[seq.seq_id] if own else sampled[seq_id_of(seq.request_id, 0)]
-    k = 0 if own else seq.index
-    lps = st.logprobs[k : k + num_new] if st.logprobs else None
-    tops = st.top_logprobs[k : k + num_new] if st.top_logprobs else None
-    return lps, tops
-
-
-def load_hf_tokenizer(path: str | os.PathLike):
-    from transformers import AutoTokenizer
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return AutoTokenizer.from_pretrained(str(Path(path)), local_files_only=True)
-
-
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError("this model's tokenizer has no chat template; send a plain prompt")
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(out, dict) or hasattr(out, "input_ids"):
-        out = out["input_ids"]
-    return [int(t) for t in out]

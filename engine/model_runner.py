@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -59,6 +60,53 @@ def seeded_generator(device: torch.device, *key: int, person: bytes = b"") -> to
     which step."""
     digest = hashlib.blake2b(struct.pack(f"<{len(key)}q", *key), digest_size=8, person=person).digest()
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One step's scheduled slices flattened onto one token axis (T tokens), as plain lists;
+    ``_run_model`` makes them tensors.
+
+    A verifying sequence queries its last token and its k drafts::
+
+        item:         a (prompt, samples)   b (decode)   c (verifies 3 drafts)
+        flat row:     0  1  2  3  4         5            6  7  8  9
+        input_ids:    p0 p1 p2 p3 p4        t            t  d1 d2 d3
+        flat_starts:  0                     5            6
+        sample_rows:              4         5
+        verify_rows:                                     6
+    """
+
+    input_ids: list[int] = field(default_factory=list)  # [T]
+    positions: list[int] = field(default_factory=list)  # [T]
+    q_lens: list[int] = field(default_factory=list)  # per scheduled item: its tokens this step
+    seq_lens: list[int] = field(default_factory=list)  # per scheduled item: KV length after the step
+    tables: list[list[int]] = field(default_factory=list)  # per scheduled item: its block table
+    flat_starts: list[int] = field(default_factory=list)  # flat index of each item's first token
+    sample_rows: list[int] = field(default_factory=list)  # flat index of each sampled slice end
+    verify_rows: list[int] = field(default_factory=list)  # flat index of the first of a verification's k + 1 rows
+    verifying: list[ScheduledSeq] = field(default_factory=list)  # the items verify_rows belong to
+
+
+def prepare_batch(scheduled: list[ScheduledSeq], block_table_of: Callable[[str], list[int]]) -> StepBatch:
+    """Flatten the scheduled slices (plus any drafts) into one token axis."""
+    b = StepBatch()
+    for item in scheduled:
+        b.flat_starts.append(len(b.input_ids))
+        end = item.start + item.num_new_tokens
+        drafts = item.draft_token_ids
+        b.input_ids.extend(item.seq.token_ids[item.start : end])
+        b.input_ids.extend(drafts)
+        b.positions.extend(range(item.start, end + len(drafts)))
+        b.q_lens.append(item.num_new_tokens + len(drafts))
+        b.seq_lens.append(end + len(drafts))
+        b.tables.append(block_table_of(item.seq.seq_id))
+        if drafts:
+            b.verifying.append(item)
+            b.verify_rows.append(len(b.input_ids) - len(drafts) - 1)
+        elif item.sample:
+            b.sample_rows.append(len(b.input_ids) - 1)
+    return b
 
 
 class ModelRunner:
@@ -127,100 +175,82 @@ class ModelRunner:
     def execute(
         self, out: SchedulerOutput, block_table_of: Callable[[str], list[int]]
     ) -> dict[str, SampledTokens]:
+        """One step: prepare the batch, run the model, then verify and sample."""
         if out.block_copies:
             copy_blocks(self.kv_cache, out.block_copies)
-
-        input_ids: list[int] = []
-        positions: list[int] = []
-        q_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []  # index into the flattened tokens of each sampled slice end
-        verify_rows: list[int] = []  # flat index of the first of the k + 1 rows of each verification
-        verifying: list[ScheduledSeq] = []
-        flat_starts: list[int] = []  # flat index of each scheduled item's first token
-        for item in out.scheduled:
-            flat_starts.append(len(input_ids))
-            end = item.start + item.num_new_tokens
-            drafts = item.draft_token_ids
-            input_ids.extend(item.seq.token_ids[item.start : end])
-            input_ids.extend(drafts)
-            positions.extend(range(item.start, end + len(drafts)))
-            q_lens.append(item.num_new_tokens + len(drafts))
-            seq_lens.append(end + len(drafts))
-            tables.append(block_table_of(item.seq.seq_id))
-            if drafts:
-                verifying.append(item)
-                verify_rows.append(len(input_ids) - len(drafts) - 1)
-            elif item.sample:
-                sample_rows.append(len(input_ids) - 1)
-
-        meta = AttentionMetadata.build(q_lens, seq_lens, tables, self.block_size, self.device)
-        self.backend.begin_step(meta)
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
-        want = self._states
-        hidden, layer_states = self.model.forward_states(  # [T, hidden], [T, hidden] | None
-            ids_t, pos_t, self.kv_cache, self.backend, capture_layer=want.layer if want is not None else None,
-            after_layer=self._layer_hook(out, tables))
-        # What the proposer reads: the final output, or the layer it asked for.
-        states = layer_states if layer_states is not None else hidden  # [T, hidden]
-        if want is not None and want.positions == "final":
-            for item, first in zip(out.scheduled, flat_starts):
-                if not item.draft_token_ids:  # a verification sends its accepted run in _verify
-                    self._state_sink(item.seq.seq_id, item.start,
-                                     states[first : first + item.num_new_tokens].clone())  # [n, hidden]
-        if not sample_rows and not verifying:
+        batch = prepare_batch(out.scheduled, block_table_of)
+        hidden, states = self._run_model(out, batch)  # [T, hidden], [T, hidden]
+        if not batch.sample_rows and not batch.verifying:
             return {}  # prefill chunks that end short of their prompt's last token
         # Every row that needs logits, sampled and verified, through the LM head at once: the
         # head is the largest matrix, and a second pass would read it twice in mixed steps.
-        verified = [first + j for item, first in zip(verifying, verify_rows)
+        verified = [first + j for item, first in zip(batch.verifying, batch.verify_rows)
                     for j in range(len(item.draft_token_ids) + 1)]
-        idx = torch.tensor(sample_rows + verified, dtype=torch.long, device=self.device)
+        idx = torch.tensor(batch.sample_rows + verified, dtype=torch.long, device=self.device)  # [S + R]
         all_logits = self.model.compute_logits(hidden.index_select(0, idx))  # [S + R, V] fp32
-        logits = all_logits[: len(sample_rows)]  # [S_sample, V]
+        num_sampled = len(batch.sample_rows)
         results: dict[str, SampledTokens] = {}
-        if verifying:
-            results.update(self._verify(verifying, verify_rows, states, all_logits[len(sample_rows):]))
-        if not sample_rows:
-            return results
-        if self.logits_hook is not None:
-            self.logits_hook([it.seq.seq_id for it in out.scheduled if it.sample], logits)
+        # Verify, then sample: unseeded draws of both come from one default generator.
+        if batch.verifying:
+            results.update(self._verify(batch.verifying, batch.verify_rows, states, all_logits[num_sampled:]))
+        if num_sampled:
+            results.update(self._sample(out.scheduled, batch.sample_rows, states, all_logits[:num_sampled]))
+        return results
 
+    def _run_model(self, out: SchedulerOutput, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward pass over the paged cache. -> (hidden [T, hidden], states [T, hidden]):
+        the final hidden states, and what a proposer reads (the layer it asked for, else the
+        same final states), sent to it here when it wants every position."""
+        meta = AttentionMetadata.build(batch.q_lens, batch.seq_lens, batch.tables, self.block_size, self.device)
+        self.backend.begin_step(meta)
+        ids_t = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)  # [T]
+        pos_t = torch.tensor(batch.positions, dtype=torch.long, device=self.device)  # [T]
+        want = self._states
+        hidden, layer_states = self.model.forward_states(  # [T, hidden], [T, hidden] | None
+            ids_t, pos_t, self.kv_cache, self.backend, capture_layer=want.layer if want is not None else None,
+            after_layer=self._layer_hook(out, batch.tables))
+        states = layer_states if layer_states is not None else hidden  # [T, hidden]
+        if want is not None and want.positions == "final":
+            for item, first in zip(out.scheduled, batch.flat_starts):
+                if not item.draft_token_ids:  # a verification sends its accepted run in _verify
+                    self._state_sink(item.seq.seq_id, item.start,
+                                     states[first : first + item.num_new_tokens].clone())  # [n, hidden]
+        return hidden, states
+
+    def _sample(
+        self,
+        scheduled: list[ScheduledSeq],
+        sample_rows: list[int],  # flat row of each sampling item's last token
+        states: torch.Tensor,  # [T, hidden]: what a proposer reads (see send_target_states)
+        logits: torch.Tensor,  # [S, V] fp32: one row per sampling item, in order
+    ) -> dict[str, SampledTokens]:
+        """Sample the next token of every sequence whose slice reached its last token (not the
+        verifications); an n > 1 prompt's row is sampled n times."""
+        if self.logits_hook is not None:
+            self.logits_hook([it.seq.seq_id for it in scheduled if it.sample], logits)
+        items = [it for it in scheduled if it.sample and not it.draft_token_ids]  # one per logits row
         rows: list[SamplingRow] = []
         src: list[int] = []  # logits row feeding each sampling row (n > 1 repeats it)
-        owners: list[tuple[str, int]] = []
-        r = 0
-        for item in out.scheduled:
-            if not item.sample or item.draft_token_ids:
-                continue
-            seq = item.seq
-            p = seq.params
+        owners: list[str] = []  # seq id of each sampling row
+        for r, item in enumerate(items):
+            seq, p = item.seq, item.seq.params
             prompt = seq.prompt_token_ids if p.repetition_penalty != 1.0 else ()
             output = seq.output_token_ids
             for k in range(item.num_samples):
-                index = seq.index + k
-                rows.append(
-                    SamplingRow(
-                        params=p,
-                        prompt_token_ids=prompt,
-                        output_token_ids=output,
-                        generator=self._generator(p.seed, index, len(output)),
-                    )
-                )
+                rows.append(SamplingRow(params=p, prompt_token_ids=prompt, output_token_ids=output,
+                                        generator=self._generator(p.seed, seq.index + k, len(output))))
                 src.append(r)
-                owners.append((seq.seq_id, k))
-            r += 1
+                owners.append(seq.seq_id)
         if len(src) != logits.shape[0]:
-            logits = logits.index_select(0, torch.tensor(src, dtype=torch.long, device=self.device))
+            logits = logits.index_select(0, torch.tensor(src, dtype=torch.long, device=self.device))  # [N, V]
         res = self.sampler(logits, rows)
+        want = self._states
         if want is not None and want.positions == "last":
-            sampled_items = [it for it in out.scheduled if it.sample and not it.draft_token_ids]
-            for item, row in zip(sampled_items, sample_rows):
+            for item, row in zip(items, sample_rows):
                 last = item.start + item.num_new_tokens - 1  # the position that produced the new token
                 self._state_sink(item.seq.seq_id, last, states[row : row + 1].clone())  # [1, hidden]
-
-        for i, (seq_id, _) in enumerate(owners):
+        results: dict[str, SampledTokens] = {}
+        for i, seq_id in enumerate(owners):
             st = results.setdefault(seq_id, SampledTokens(token_ids=[], logprobs=None, top_logprobs=None))
             st.token_ids.append(res.token_ids[i])
             if res.logprobs is not None:

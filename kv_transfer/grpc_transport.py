@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import grpc
 import torch
@@ -18,11 +17,12 @@ from kv_transfer.buffers import BufferPool
 from kv_transfer.layout import PoolLayout
 from kv_transfer.transport import PushResult, TransferError
 from kv_transfer.validate import (
+    HeaderGate,
     KVDataLossError,
-    KVNotReservedError,
     KVValidationError,
+    ReceivedBlocks,
     Reservation,
-    validate_header,
+    status_code,
 )
 from kv_transfer.wire import (
     CHUNK_BYTES,
@@ -46,17 +46,6 @@ KV_GRPC_OPTIONS = grpc_options(MAX_KV_MESSAGE_BYTES, stream_window_bytes=16 << 2
 
 _PUSH_BLOCKS = kv_pb2.DESCRIPTOR.services_by_name["KVTransfer"].methods_by_name["PushBlocks"]
 PUSH_BLOCKS_PATH = f"/{_PUSH_BLOCKS.containing_service.full_name}/{_PUSH_BLOCKS.name}"
-
-
-class ReceivedBlocks(NamedTuple):
-    """Handed to ``on_received`` once a transfer is in the pool."""
-
-    request_id: str
-    layers: range
-    first_block_index: int
-    block_ids: tuple[int, ...]
-    block_hashes: tuple[int, ...]
-    num_tokens: int
 
 
 def push_blocks(
@@ -119,14 +108,6 @@ def push_blocks(
     return call(iter_wire_messages(header, units, chunk_bytes), timeout=timeout)
 
 
-def _status(err: KVValidationError) -> grpc.StatusCode:
-    if isinstance(err, KVDataLossError):
-        return grpc.StatusCode.DATA_LOSS
-    if isinstance(err, KVNotReservedError):
-        return grpc.StatusCode.NOT_FOUND
-    return grpc.StatusCode.INVALID_ARGUMENT
-
-
 class KVReceiver(kv_pb2_grpc.KVTransferServicer):
     """PushBlocks into one KV pool. The decode node delegates PushBlocks to it and serves
     ReserveBlocks / ReleaseReservation itself, which own the reservations ``reservation_for`` reads.
@@ -147,10 +128,8 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
         buffers: BufferPool | None = None,
     ) -> None:
         self._pool = pool
-        self._layout = PoolLayout.of(pool)
-        self._fingerprint = fingerprint
+        self._gate = HeaderGate(PoolLayout.of(pool), fingerprint, reservation_for)
         self._on_received = on_received
-        self._reservation_for = reservation_for
         self._buffers = buffers or BufferPool()
 
     def PushBlocks(self, request_iterator, context: grpc.ServicerContext) -> kv_pb2.PushBlocksResponse:
@@ -159,18 +138,11 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
             header, buffer, payload = self._receive(request_iterator)
             write_payload(self._pool, header, payload)
         except KVValidationError as err:
-            context.abort(_status(err), str(err))
+            context.abort(status_code(err), str(err))
         finally:
             if buffer is not None:
                 self._buffers.release(buffer)
-        received = ReceivedBlocks(
-            request_id=header.request_id,
-            layers=range(header.layer_start, header.layer_start + header.layer_count),
-            first_block_index=header.first_block_index,
-            block_ids=tuple(header.dest_block_ids),
-            block_hashes=tuple(header.block_hashes),
-            num_tokens=header.num_tokens,
-        )
+        received = ReceivedBlocks.of(header)
         try:
             self._on_received(received)
         except Exception as err:  # the sender must learn the blocks were not taken
@@ -182,15 +154,7 @@ class KVReceiver(kv_pb2_grpc.KVTransferServicer):
 
         Raises KVValidationError; the buffer goes back to the pool on every path.
         """
-        first = next(messages, None)
-        if first is None or first.WhichOneof("kind") != "header":
-            got = "end of stream" if first is None else first.WhichOneof("kind")
-            raise KVValidationError(f"first message: got {got}, expected header")
-        header = first.header
-        reservation = self._reservation_for(header.request_id)
-        if reservation is None:
-            raise KVNotReservedError(f"request_id: no reservation for {header.request_id!r}")
-        validate_header(header, self._layout, self._fingerprint, reservation)
+        header = self._gate.accept(next(messages, None))
         buffer = self._buffers.acquire(header.payload_bytes)
         try:
             assembler = PayloadAssembler(header, buffer)

@@ -1,6 +1,6 @@
 """KV blocks between two processes on one host through shared memory: ``ShmKVSender``.
 
-The decode node's data server (tcp_transport.TcpKVServer) is the receiver for both; it
+The decode node's data server (receiver.TcpKVServer) is the receiver for both; it
 advertises ``shm://<host key>/<host>:<port>`` before ``tcp://<host>:<port>``. The host key is
 the kernel's boot id, so a sender on another machine skips the endpoint without trying it.
 
@@ -33,26 +33,21 @@ import numpy as np
 import torch
 
 from kv_transfer.checksum import new_checksum
+from kv_transfer.data_port import MAX_SHM_BYTES, SHM_DIR, SHM_PREFIX, frame, send_all
 from kv_transfer.layout import PoolLayout
 from kv_transfer.tcp_transport import (
-    CHUNK_BYTES,
-    MAX_SHM_BYTES,
     PROGRESS_TIMEOUT_S,
-    SHM_DIR,
-    SHM_PREFIX,
     Clock,
     Link,
     TcpKVSender,
-    frame,
     parse_endpoint,
     read_reply,
-    send_all,
 )
 from kv_transfer.tcp_transport import (
     SCHEME as TCP_SCHEME,
 )
 from kv_transfer.transport import PushResult, TransferError, TransportSkipped
-from kv_transfer.wire import unit_rows
+from kv_transfer.wire import CHUNK_BYTES, unit_rows
 from protos.pdserve.v1 import kv_pb2
 
 SCHEME = "shm"
@@ -175,7 +170,7 @@ class ShmKVSender(TcpKVSender):
             raise
         try:
             send_all(sock, [frame(kv_pb2.KVBlockMessage(attach=kv_pb2.KVAttach(path=link.path, size=link.size)))],
-                     clock)
+                     clock.arm)
             clock.arm(sock)  # the receiver only maps the file before it answers
             reply = read_reply(sock)
         except BaseException:
@@ -204,7 +199,7 @@ class ShmKVSender(TcpKVSender):
         all_idx = unit_rows(header.layer_start, header.layer_count, send_ids, layout.num_blocks)  # [n_units]
         n_units = len(all_idx)
         per_chunk = max(1, self._chunk_bytes // unit)
-        send_all(sock, [frame(kv_pb2.KVBlockMessage(header=header))], clock)
+        send_all(sock, [frame(kv_pb2.KVBlockMessage(header=header))], clock.arm)
         for seq, first in enumerate(range(0, n_units, per_chunk)):
             idx = all_idx[first : first + per_chunk]
             off, n = first * unit, len(idx) * unit
@@ -217,8 +212,8 @@ class ShmKVSender(TcpKVSender):
             checksum = new_checksum(header.checksum_algorithm)
             checksum.update(out)
             chunk = kv_pb2.KVChunk(seq=seq, raw_bytes=n, checksum=checksum.value(), shm_offset=off)
-            send_all(sock, [frame(kv_pb2.KVBlockMessage(chunk=chunk))], clock)
-        send_all(sock, [frame(kv_pb2.KVBlockMessage(trailer=kv_pb2.KVTrailer()))], clock)
+            send_all(sock, [frame(kv_pb2.KVBlockMessage(chunk=chunk))], clock.arm)
+        send_all(sock, [frame(kv_pb2.KVBlockMessage(trailer=kv_pb2.KVTrailer()))], clock.arm)
         return self._reply(sock, header, clock)
 
 

@@ -1,4 +1,8 @@
-"""Receiver-side checks of a KV transfer, run before a byte is written into the pool.
+"""Receiver-side checks of a KV transfer, run before a byte is written into the pool, shared
+by both receivers (grpc_transport.KVReceiver, receiver.TcpKVServer): what a transfer is
+checked against (``Reservation``), how its first message is taken (``HeaderGate``), the
+status a refusal is answered with, and what a landed transfer is handed on as
+(``ReceivedBlocks``).
 
 Every check names the field and both values. Header checks run when the header arrives (so a
 bad stream is refused before its chunks are buffered); byte count and checksum run once the
@@ -7,7 +11,10 @@ trailer arrives, still before the pool is touched.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import NamedTuple
+
+import grpc
 
 from kv_transfer import checksum
 from kv_transfer.layout import PoolLayout, dtype_from_wire
@@ -32,6 +39,86 @@ class Reservation(NamedTuple):
     first_block_index: int  # leading blocks it already held; not sent
     block_ids: tuple[int, ...]  # destination ids of the sent blocks, in order
     block_hashes: tuple[int, ...]  # chained hashes of the sent full blocks, in order
+
+
+class ReceivedBlocks(NamedTuple):
+    """Handed to ``on_received`` once a transfer is in the pool."""
+
+    request_id: str
+    layers: range
+    first_block_index: int
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]
+    num_tokens: int
+
+    @classmethod
+    def of(cls, header: kv_pb2.KVHeader) -> ReceivedBlocks:
+        """What the (validated) ``header`` says landed."""
+        return cls(
+            request_id=header.request_id,
+            layers=range(header.layer_start, header.layer_start + header.layer_count),
+            first_block_index=header.first_block_index,
+            block_ids=tuple(header.dest_block_ids),
+            block_hashes=tuple(header.block_hashes),
+            num_tokens=header.num_tokens,
+        )
+
+
+def status_code(err: KVValidationError) -> grpc.StatusCode:
+    """The status a refused transfer is answered with, whichever transport carried it."""
+    if isinstance(err, KVDataLossError):
+        return grpc.StatusCode.DATA_LOSS
+    if isinstance(err, KVNotReservedError):
+        return grpc.StatusCode.NOT_FOUND
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
+class HeaderGate:
+    """How a receiver takes a transfer's first message:
+
+        1. it must be a header                                  else KVValidationError
+        2. its request must hold a reservation                  else KVNotReservedError
+        3. the header must fit the pool, the model and that
+           reservation (validate_header)                        else KVValidationError
+
+    ``accept`` runs all three. The data port (receiver.py) brackets each transfer with the
+    decode node's begin_push / end_push, so that a reservation is not released while blocks
+    are written into it; the bracket needs the request id (after 1) and must hold before the
+    reservation is looked up (2), or it could be released in between. That receiver calls
+    ``header`` and ``admit`` on either side of its begin_push and refuses a false one with
+    ``not_reserved``.
+    """
+
+    def __init__(self, layout: PoolLayout, fingerprint: str,
+                 reservation_for: Callable[[str], Reservation | None]) -> None:
+        self._layout = layout
+        self._fingerprint = fingerprint
+        self._reservation_for = reservation_for
+
+    def accept(self, first: kv_pb2.KVBlockMessage | None) -> kv_pb2.KVHeader:
+        """Steps 1-3 on the first message (None: the stream ended before it)."""
+        header = self.header(first)
+        self.admit(header)
+        return header
+
+    @staticmethod
+    def header(first: kv_pb2.KVBlockMessage | None) -> kv_pb2.KVHeader:
+        """Step 1: the first message's header."""
+        kind = "end of stream" if first is None else first.WhichOneof("kind")
+        if kind != "header":
+            raise KVValidationError(f"first message: got {kind}, expected header")
+        return first.header
+
+    def admit(self, header: kv_pb2.KVHeader) -> None:
+        """Steps 2 and 3."""
+        reservation = self._reservation_for(header.request_id)
+        if reservation is None:
+            raise self.not_reserved(header.request_id)
+        validate_header(header, self._layout, self._fingerprint, reservation)
+
+    @staticmethod
+    def not_reserved(request_id: str) -> KVNotReservedError:
+        return KVNotReservedError(f"request_id: no reservation for {request_id!r}")
 
 
 _SHOWN_CHARS = 200  # of a value in an error: a peer's header may list a million block ids
@@ -129,8 +216,13 @@ def validate_header(
 
 def check_payload(header: kv_pb2.KVHeader, received_bytes: int, computed: int, trailer_checksum: int) -> None:
     """Byte count and checksum of a complete payload."""
-    if received_bytes != header.payload_bytes:
-        raise KVDataLossError(f"payload bytes: got {received_bytes}, header declared {header.payload_bytes}")
+    check_payload_bytes(header, received_bytes)
     if computed != trailer_checksum:
         raise KVDataLossError(f"checksum: computed {computed:#x}, trailer says {trailer_checksum:#x}")
 
+
+def check_payload_bytes(header: kv_pb2.KVHeader, received_bytes: int) -> None:
+    """Byte count of a complete payload (the data port checks each chunk's checksum as it
+    arrives, so at its trailer only the count is left)."""
+    if received_bytes != header.payload_bytes:
+        raise KVDataLossError(f"payload bytes: got {received_bytes}, header declared {header.payload_bytes}")

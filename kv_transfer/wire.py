@@ -27,8 +27,10 @@ from kv_transfer.layout import PoolLayout, dtype_to_wire
 from kv_transfer.validate import KVValidationError, check_payload
 from protos.pdserve.v1 import kv_pb2
 
-# ~1 MiB per KVChunk: far below gRPC's 4 MiB default message limit, large enough that the
-# per-message cost (HTTP/2 framing, Python calls) is small next to the copies.
+# ~1 MiB per KVChunk, on every transport: large enough that per-chunk work (HTTP/2 framing or
+# a data-port frame, a checksum call, a scatter, Python calls) is small next to the copies;
+# far below gRPC's 4 MiB default message limit, and small enough that the data port's
+# receive buffer stays cache-warm.
 CHUNK_BYTES = 1 << 20
 
 

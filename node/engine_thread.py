@@ -27,7 +27,8 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
-from engine.engine import LLMEngine, RequestOutput
+from engine.engine import LLMEngine
+from engine.outputs import RequestOutput
 from tokens.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,10 @@ class OutputStream:
         self._drained = False  # the reader has seen the end
 
     # ---- loop side
-    def _put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Loop thread only (one writer): queue an output, or the error that failed the request.
+        A finished output or an error ends the stream: ``finished`` turns True at once, and
+        the reader gets what was queued before it, then the end."""
         self._queue.put(item)
         if isinstance(item, BaseException) or item.finished:
             self._ended.set()
@@ -356,7 +360,7 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # a request whose stream was already failed
-            stream._put(out)
+            stream.put(out)
             if out.finished:
                 del self._streams[out.request_id]
         self._publish_events()
@@ -393,7 +397,7 @@ class AsyncEngine:
                 self.engine.abort(rid)
             except Exception:
                 log.exception("abort of %r after a failed step also failed", rid)
-            stream._put(err)
+            stream.put(err)
         self._streams.clear()
 
     def _fail_everything(self, err: BaseException) -> None:
@@ -404,7 +408,7 @@ class AsyncEngine:
             if cmd.future.set_running_or_notify_cancel():
                 cmd.future.set_exception(err)
         for stream in self._streams.values():
-            stream._put(err)
+            stream.put(err)
         self._streams.clear()
 
     def _snapshot(self) -> LoadSnapshot:

@@ -27,7 +27,7 @@ from opentelemetry.trace import SpanKind
 from telemetry import tracing as tr
 
 if TYPE_CHECKING:
-    from engine.engine import RequestOutput
+    from engine.outputs import RequestOutput
 
 
 def _mark_failed(span: trace.Span, context, error: BaseException) -> None:

@@ -23,14 +23,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import threading
 import time
 
 import grpc
 from opentelemetry.trace import SpanKind
 
-from engine.engine import LLMEngine, RequestOutput
+from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
+from engine.outputs import RequestOutput
 from kv_index.nodes import Role, StepReport
 from kv_transfer.grpc_transport import GrpcKVSender
 from kv_transfer.layout import PoolLayout
@@ -38,9 +38,10 @@ from kv_transfer.shm_transport import ShmKVSender
 from kv_transfer.tcp_transport import TcpKVSender
 from kv_transfer.transport import FallbackKVSender, KVSender, PushResult, TransferError
 from node.config import NodeConfig
-from node.engine_thread import EngineStoppedError, RequestFailedError
+from node.engine_thread import EngineStoppedError, OutputStream, RequestFailedError
 from node.rpc_trace import child_span, prefill_phases, traced_rpc
 from node.server import NodeServer
+from prefill_node.inflight import InflightPrefills
 from prefill_node.kv_streamer import KVStreamer
 from protos.convert import sampling_from_proto, token_logprobs_to_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
@@ -88,20 +89,15 @@ class PrefillServer(NodeServer):
         # A streamed push waits until it carries at least this much, unless the prefill is done
         # (fixed cost per push: docs/benchmarks.md, transfer).
         self.kv_stream_min_push_bytes = KV_STREAM_MIN_PUSH_BYTES
-        self._streamers: dict[str, KVStreamer] = {}  # request id -> its streamer, while it runs
+        self.inflight = InflightPrefills()  # their count, and the streamers of streamed ones
         self.engine.set_kv_layer_listener(self._on_kv_layer)
         kv_pb2_grpc.add_PrefillNodeServicer_to_server(_PrefillService(self), self.grpc_server)
         self.num_prefills = 0
         self.num_transfer_failures = 0
-        # Prefills in progress on this node: a step report is only clean (pure compute, no
-        # queueing behind another request) when its prefill ran alone.
-        self._inflight = 0
-        self._starts = 0
-        self._inflight_lock = threading.Lock()
 
     def _on_kv_layer(self, request_id: str, layer: int, ready_blocks: int, table: tuple[int, ...]) -> None:
         # The engine thread, after each layer of a step: hand the news over, nothing more.
-        streamer = self._streamers.get(request_id)
+        streamer = self.inflight.streamer_for(request_id)
         if streamer is not None:
             streamer.on_layer(layer, ready_blocks, table)
 
@@ -131,7 +127,7 @@ class PrefillServer(NodeServer):
 
     def role_stats(self) -> dict:
         return {"prefills": self.num_prefills, "transfer_failures": self.num_transfer_failures,
-                "prefills_in_progress": self._inflight}
+                "prefills_in_progress": self.inflight.count}
 
 
 def first_token_params(params: SamplingParams, resumed: int = 0) -> SamplingParams:
@@ -143,6 +139,60 @@ def first_token_params(params: SamplingParams, resumed: int = 0) -> SamplingPara
                                stop=(), include_stop_str_in_output=False)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillOutcome:
+    """What one prefill reports (``PrefillResponse``, the push span): its final output with the
+    first token, its compute time, and how its KV reached the decode node. The KV figures stay
+    zero (transport "") when nothing was sent: the decode node already caches every block."""
+
+    final: RequestOutput
+    prefill_s: float
+    streamed: bool  # layer-wise, while it computed (prefill_node/kv_streamer.py)
+    blocks_sent: int = 0
+    bytes_sent: int = 0
+    transport: str = ""
+    transfer_s: float = 0.0  # the pushes' own time: the attempts that landed
+    exposed_s: float = 0.0  # what the request waited for its KV beyond the compute
+    pushes: int = 0
+    fallbacks: int = 0
+
+    def pushed(self, result: PushResult, waited_s: float) -> PrefillOutcome:
+        """Sent in one push after the prefill, which waited ``waited_s`` for every attempt; the
+        transport is priced by the one that landed (kv_fallbacks says a detour came before it)."""
+        return dataclasses.replace(
+            self, blocks_sent=result.blocks_written, bytes_sent=result.bytes_written, transport=result.transport,
+            transfer_s=result.seconds or waited_s, exposed_s=waited_s, pushes=1, fallbacks=result.fallbacks)
+
+    def streamed_by(self, streamer: KVStreamer, num_blocks: int, sent_from: float) -> PrefillOutcome:
+        """Sent by ``streamer``: exposed is from the first token sampled (the compute's end;
+        ``sent_from`` when unknown) to the last push landed."""
+        done_compute = self.final.metrics.first_token_time or sent_from
+        return dataclasses.replace(
+            self, blocks_sent=num_blocks, bytes_sent=streamer.bytes_sent, transport=streamer.transport,
+            transfer_s=streamer.transfer_s, exposed_s=max(0.0, (streamer.last_landed or done_compute) - done_compute),
+            pushes=streamer.pushes, fallbacks=streamer.fallbacks)
+
+    def span_attributes(self) -> dict:
+        # The receiver takes nothing unless every checksum matched: a push that returns was verified.
+        return {tracing.KV_BLOCKS: self.blocks_sent, tracing.KV_BYTES: self.bytes_sent,
+                tracing.KV_TRANSFER_S: self.transfer_s, tracing.KV_CHECKSUM_VERIFIED: True,
+                "pdserve.kv.transport": self.transport, "pdserve.kv.pushes": self.pushes,
+                "pdserve.kv.fallbacks": self.fallbacks, "pdserve.kv.transfer_exposed_s": self.exposed_s}
+
+    def response(self, resumed_output_tokens: int) -> kv_pb2.PrefillResponse:
+        c = self.final.outputs[0]
+        first = c.token_ids[resumed_output_tokens:]  # a resumed request's earlier outputs are known
+        first_logprobs = token_logprobs_to_proto(first[:1], c.logprobs and c.logprobs[:1],
+                                                 c.new_top_logprobs and c.new_top_logprobs[:1])
+        return kv_pb2.PrefillResponse(
+            first_token_ids=first, first_logprobs=first_logprobs, cached_tokens=self.final.num_cached_tokens,
+            blocks_sent=self.blocks_sent, bytes_sent=self.bytes_sent,
+            prefill_s=self.prefill_s, transfer_s=self.transfer_s, transport=self.transport,
+            transfer_exposed_s=self.exposed_s, kv_streamed=self.streamed, kv_pushes=self.pushes,
+            kv_fallbacks=self.fallbacks,
+        )
+
+
 class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
     def __init__(self, node: PrefillServer) -> None:
         self.node = node
@@ -151,11 +201,11 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
         tracing.REQUEST_ID: r.request_id, tracing.GEN_AI_USAGE_INPUT_TOKENS: len(r.prompt_token_ids),
         "pdserve.decode_address": r.decode_address})
     def Prefill(self, request: kv_pb2.PrefillRequest, context: grpc.ServicerContext):
-        node, eng = self.node, self.node.engine
+        node = self.node
         rid = request.request_id
         prompt = list(request.prompt_token_ids)
         params = sampling_from_proto(request.sampling)
-        problem = _prefill_problem(rid, prompt, params, request, eng)
+        problem = _prefill_problem(rid, prompt, params, request, node.engine)
         if problem:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         node.admit(context)
@@ -165,74 +215,12 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
         res = request.reservation
         # Layer-wise streaming: the KV leaves while the prefill computes (prefill_node/kv_streamer.py).
         streamer = self._streamer(rid, prompt, request, context) if res.block_ids and node.kv_streaming else None
-        try:
-            resumed = request.resumed_output_tokens
-            stream = node.aengine.add_request(prompt, first_token_params(params, resumed), request_id=rid,
-                                              hold_kv=True, resumed_output_tokens=resumed,
-                                              stream_kv=streamer is not None)
-        except (InvalidRequestError, EngineStoppedError) as err:
-            if streamer is not None:
-                self._stop_streamer(rid, streamer)
-            code = (grpc.StatusCode.INVALID_ARGUMENT if isinstance(err, InvalidRequestError)
-                    else grpc.StatusCode.UNAVAILABLE)
-            context.abort(code, str(err))
-        if streamer is not None:  # a push failure stops the compute too
-            streamer.on_error = stream.cancel
-            if streamer.error is not None:
-                stream.cancel()
-        with node._inflight_lock:
-            node._inflight += 1
-            node._starts += 1
-            alone, starts = node._inflight == 1, node._starts
+        stream = self._start(rid, prompt, params, request, streamer, context)
         context.add_callback(stream.cancel)  # the router gave up: stop computing
         try:
-            try:
-                final = self._wait(stream, context, rid, request, streamer)
-            finally:
-                with node._inflight_lock:
-                    node._inflight -= 1
-                    alone = alone and node._starts == starts  # nobody started meanwhile
-            prefill_s = time.monotonic() - t0
-            prefill_phases(t0, final)
-            rec.scheduled(final.metrics.first_scheduled_time)
-            rec.sample(0, len(final.outputs[0].token_ids), now=t0 + prefill_s)
-            if alone and node.publisher is not None:
-                node.publisher.submit_step(StepReport(
-                    new_tokens=len(prompt) - final.num_cached_tokens, context_tokens=len(prompt),
-                    seconds=prefill_s))
-            blocks_sent = bytes_sent = pushes = fallbacks = 0
-            transport = ""
-            transfer_s = exposed_s = 0.0
-            t1 = time.monotonic()
+            outcome = self._compute(stream, rid, prompt, request, streamer, context, t0, rec)
             if res.block_ids:
-                with child_span("kv_transfer.push", context, {
-                        "pdserve.decode_address": request.decode_address,
-                        tracing.KV_CACHED_BLOCKS: res.num_cached_blocks,
-                        "pdserve.kv.streamed": streamer is not None}, SpanKind.CLIENT) as span:
-                    if streamer is None:
-                        result = self._push(rid, prompt, request, context)
-                        blocks_sent, bytes_sent, transport = result.blocks_written, result.bytes_written, result.transport
-                        # The request waited for every attempt; the transport is priced by the
-                        # one that landed (kv_fallbacks says a detour came before it).
-                        exposed_s = time.monotonic() - t1
-                        transfer_s, pushes, fallbacks = result.seconds or exposed_s, 1, result.fallbacks
-                    else:
-                        self._finish_stream(rid, request, streamer, context)
-                        blocks_sent, bytes_sent, transport = len(res.block_ids), streamer.bytes_sent, streamer.transport
-                        transfer_s, pushes, fallbacks = streamer.transfer_s, streamer.pushes, streamer.fallbacks
-                        # From the first token sampled (the compute's end) to the last push landed.
-                        done_compute = final.metrics.first_token_time or t1
-                        exposed_s = max(0.0, (streamer.last_landed or done_compute) - done_compute)
-                    # The receiver takes nothing unless every checksum matched: a push that
-                    # returns was verified.
-                    span.set_attributes({tracing.KV_BLOCKS: blocks_sent, tracing.KV_BYTES: bytes_sent,
-                                         tracing.KV_TRANSFER_S: transfer_s,
-                                         tracing.KV_CHECKSUM_VERIFIED: True,
-                                         "pdserve.kv.transport": transport, "pdserve.kv.pushes": pushes,
-                                         "pdserve.kv.fallbacks": fallbacks,
-                                         "pdserve.kv.transfer_exposed_s": exposed_s})
-                node.metrics.transfer_bytes.inc(bytes_sent)
-                node.metrics.transfer_seconds.observe(transfer_s)
+                outcome = self._send_kv(outcome, rid, prompt, request, streamer, context)
         finally:
             if streamer is not None:  # before the blocks go: it may still read them
                 self._stop_streamer(rid, streamer)
@@ -245,17 +233,62 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
         # The request leaves this node here: "prefilled", whatever the decode node makes of it.
         rec.sample(0, 0, "prefilled")
         rec.finish(len(prompt))
-        c = final.outputs[0]
-        first = c.token_ids[request.resumed_output_tokens:]  # a resumed request's earlier outputs are known
-        first_logprobs = token_logprobs_to_proto(first[:1], c.logprobs and c.logprobs[:1],
-                                                 c.new_top_logprobs and c.new_top_logprobs[:1])
-        return kv_pb2.PrefillResponse(
-            first_token_ids=first, first_logprobs=first_logprobs, cached_tokens=final.num_cached_tokens,
-            blocks_sent=blocks_sent, bytes_sent=bytes_sent,
-            prefill_s=prefill_s, transfer_s=transfer_s, transport=transport,
-            transfer_exposed_s=exposed_s, kv_streamed=streamer is not None, kv_pushes=pushes,
-            kv_fallbacks=fallbacks,
-        )
+        return outcome.response(request.resumed_output_tokens)
+
+    def _start(self, rid: str, prompt: list[int], params: SamplingParams, request: kv_pb2.PrefillRequest,
+               streamer: KVStreamer | None, context) -> OutputStream:
+        """Queue the prefill with its KV held (streamed layer by layer with a streamer)."""
+        try:
+            resumed = request.resumed_output_tokens
+            stream = self.node.aengine.add_request(prompt, first_token_params(params, resumed), request_id=rid,
+                                                   hold_kv=True, resumed_output_tokens=resumed,
+                                                   stream_kv=streamer is not None)
+        except (InvalidRequestError, EngineStoppedError) as err:
+            if streamer is not None:
+                self._stop_streamer(rid, streamer)
+            code = (grpc.StatusCode.INVALID_ARGUMENT if isinstance(err, InvalidRequestError)
+                    else grpc.StatusCode.UNAVAILABLE)
+            context.abort(code, str(err))
+        if streamer is not None:  # a push failure stops the compute too
+            streamer.on_error = stream.cancel
+            if streamer.error is not None:
+                stream.cancel()
+        return stream
+
+    def _compute(self, stream: OutputStream, rid: str, prompt: list[int], request: kv_pb2.PrefillRequest,
+                 streamer: KVStreamer | None, context, t0: float, rec: RequestRecorder) -> PrefillOutcome:
+        """Wait for the first token; record the prefill (metrics, phases, and a step report
+        when it ran alone: pure compute, no queueing behind another request)."""
+        node = self.node
+        with node.inflight.track() as run:
+            final = self._wait(stream, context, rid, request, streamer)
+        prefill_s = time.monotonic() - t0
+        prefill_phases(t0, final)
+        rec.scheduled(final.metrics.first_scheduled_time)
+        rec.sample(0, len(final.outputs[0].token_ids), now=t0 + prefill_s)
+        if run.alone and node.publisher is not None:
+            node.publisher.submit_step(StepReport(
+                new_tokens=len(prompt) - final.num_cached_tokens, context_tokens=len(prompt), seconds=prefill_s))
+        return PrefillOutcome(final, prefill_s, streamed=streamer is not None)
+
+    def _send_kv(self, outcome: PrefillOutcome, rid: str, prompt: list[int], request: kv_pb2.PrefillRequest,
+              streamer: KVStreamer | None, context) -> PrefillOutcome:
+        """The KV into the reservation: the rest of the stream, or one push now."""
+        node, res = self.node, request.reservation
+        t1 = time.monotonic()
+        with child_span("kv_transfer.push", context, {
+                "pdserve.decode_address": request.decode_address, tracing.KV_CACHED_BLOCKS: res.num_cached_blocks,
+                "pdserve.kv.streamed": streamer is not None}, SpanKind.CLIENT) as span:
+            if streamer is None:
+                result = self._push(rid, prompt, request, context)
+                outcome = outcome.pushed(result, waited_s=time.monotonic() - t1)
+            else:
+                self._finish_stream(rid, request, streamer, context)
+                outcome = outcome.streamed_by(streamer, len(res.block_ids), sent_from=t1)
+            span.set_attributes(outcome.span_attributes())
+        node.metrics.transfer_bytes.inc(outcome.bytes_sent)
+        node.metrics.transfer_seconds.observe(outcome.transfer_s)
+        return outcome
 
     def _wait(self, stream, context, rid: str, request, streamer: KVStreamer | None) -> RequestOutput:
         try:
@@ -299,7 +332,7 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
         streamer = KVStreamer(push, num_layers=eng.model_config.num_layers, num_blocks=num_blocks, skip=cached,
                               min_push_units=math.ceil(node.kv_stream_min_push_bytes / unit),
                               name=f"kv-stream-{rid}"[:60], start=False)
-        if node._streamers.setdefault(rid, streamer) is not streamer:
+        if not node.inflight.add_streamer(rid, streamer):
             return None
         streamer.start()
         return streamer
@@ -318,8 +351,7 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
     def _stop_streamer(self, rid: str, streamer: KVStreamer) -> None:
         streamer.cancel()
         streamer.wait()  # bounded by the push in flight's own timeout
-        if self.node._streamers.get(rid) is streamer:
-            del self.node._streamers[rid]
+        self.node.inflight.remove_streamer(rid, streamer)
 
     def _transfer_failed(self, rid: str, request, err: TransferError, context) -> None:
         node = self.node

@@ -185,7 +185,7 @@ class TransferCost:
         return self.fixed_s * max(1, pushes) + max(num_bytes, 0.0) / self.bandwidth
 
 
-# Priors per transport: docs/benchmarks.md "transfer", the quiet-VM run of 2026-12-01 (grpc 1.12
+# Priors per transport: docs/benchmarks.md "Figures behind constants", the quiet-VM run of 2026-12-01 (grpc 1.12
 # GB/s and 1.30 ms fixed; tcp 3.19 GB/s, 0.41 ms; shm 4.18 GB/s, 0.20 ms). A pair's own
 # measurements replace them within a few transfers; they matter for the first requests and for
 # the split between fixed cost and bandwidth while a pair has only seen one size of prompt.

@@ -44,6 +44,17 @@ def is_node_failure(code: grpc.StatusCode | int) -> bool:
     return code in NODE_FAILURE_CODES
 
 
+class NodeFailed(Exception):
+    """A node's call or stream ended by the node failing (``is_node_failure``): the request
+    moves. The client sees UNAVAILABLE (retryable) if it cannot move, whatever the node's code."""
+
+    def __init__(self, node: NodeInfo, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        super().__init__(message)
+        self.node = node
+        self.code = code
+        self.message = message
+
+
 @dataclass(frozen=True, slots=True)
 class Continuation:
     """What the next attempt of a request sends: its prompt with the streamed tokens appended."""

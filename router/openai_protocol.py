@@ -1,5 +1,5 @@
 """OpenAI's request and response shapes, and their translation to and from the router's own
-``GenerateRequest`` / ``GenerateResponse``. No I/O: ``router/http_server.py`` serves them.
+``GenerateRequest`` / ``GenerateResponse``. No I/O: ``router/http_routes.py`` serves them.
 
 Requests are pydantic models so that a malformed body is refused with a 400 naming the field,
 as OpenAI does. Fields OpenAI defines but pdserve cannot honour (tools, logit_bias, echo, ...)

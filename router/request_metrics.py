@@ -1,17 +1,16 @@
-"""What one request's response stream tells the router's metrics: time to first token,
-inter-token latency per sample, end-to-end latency, queue time, token counts and finish
-reasons, all measured from the router's arrival time (what the client sees, give or take the
-network).
+"""The router's request metrics: the response stream it relays, fed into the same
+``RequestRecorder`` (telemetry/metrics.py) the nodes use, so router and node series follow one
+convention (one inter-token-latency observation per token, durations clamped at 0). Times are
+from the router's arrival: what the client sees, give or take the network.
 
-Kept apart from the orchestrator so that the orchestrator only says "this response went out"
-and "this request ended": the arithmetic lives here and is tested on plain messages.
+What only the router does, and so lives here: it reads wire messages, and it counts tokens as
+the client is billed them, each sample's Complete ``usage`` (the prompt once per request), not
+as the chunks went by.
 """
 from __future__ import annotations
 
-import time
-
 from protos.pdserve.v1 import serving_pb2 as pb
-from telemetry.metrics import RequestMetrics
+from telemetry.metrics import RequestMetrics, RequestRecorder
 from tokens.stop import FinishReason
 
 _REASON_NAMES = {pb.FinishReason.Value(f"FINISH_REASON_{r.name}"): r.value for r in FinishReason}
@@ -21,44 +20,26 @@ class StreamObserver:
     """Feed every response of one request, then ``finish()`` once (also on failure)."""
 
     def __init__(self, metrics: RequestMetrics, arrival: float) -> None:
-        self.m = metrics
-        self.arrival = arrival
-        self._first_token_seen = False
-        self._last_chunk_at: dict[int, float] = {}
-        self._prompt_counted = False
-        self._finished = False
+        self.recorder = RequestRecorder(metrics, arrival)
+        self.prompt_tokens = 0  # from the first Complete: every sample's repeats the prompt's count
+        self.generation_tokens = 0
+        self._completed = False
 
     def queued(self, queue_s: float) -> None:
-        self.m.queue.observe(queue_s)
+        """The router's queue (arrival -> the first attempt started) lasted ``queue_s``."""
+        self.recorder.scheduled(self.recorder.arrival + queue_s)
 
     def feed(self, resp: pb.GenerateResponse, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
         kind = resp.WhichOneof("kind")
         if kind == "chunk":
-            ch = resp.chunk
-            if not ch.token_ids:
-                return
-            if not self._first_token_seen:
-                self._first_token_seen = True
-                self.m.ttft.observe(now - self.arrival)
-            prev = self._last_chunk_at.get(ch.index)
-            if prev is not None:
-                # A chunk can carry several tokens (a speculative step): spread the gap over them.
-                gap = (now - prev) / len(ch.token_ids)
-                for _ in ch.token_ids:
-                    self.m.itl.observe(gap)
-            self._last_chunk_at[ch.index] = now
+            self.recorder.sample(resp.chunk.index, len(resp.chunk.token_ids), now=now)
         elif kind == "complete":
             done = resp.complete
-            if not self._prompt_counted:
-                self._prompt_counted = True  # every sample's Complete repeats the prompt's count
-                self.m.prompt_tokens.inc(done.usage.prompt_tokens)
-            self.m.generation_tokens.inc(done.usage.completion_tokens)
-            self.m.success(_REASON_NAMES.get(done.finish_reason, "unknown"))
+            if not self._completed:
+                self._completed = True
+                self.prompt_tokens = done.usage.prompt_tokens
+            self.generation_tokens += done.usage.completion_tokens
+            self.recorder.sample(done.index, 0, _REASON_NAMES.get(done.finish_reason, "unknown"), now)
 
     def finish(self, now: float | None = None) -> None:
-        if self._finished:
-            return
-        self._finished = True
-        now = time.monotonic() if now is None else now
-        self.m.e2e.observe(now - self.arrival)
+        self.recorder.finish(self.prompt_tokens, now, generated=self.generation_tokens)

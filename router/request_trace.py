@@ -35,7 +35,7 @@ def _error_of(e: BaseException) -> tuple[str, str | None]:
     code = getattr(e, "code", None)
     if callable(code):  # grpc.aio.AioRpcError
         return e.details() or "", code().name
-    if code is not None and hasattr(e, "message"):  # router.orchestrator.RouterError
+    if code is not None and hasattr(e, "message"):  # router.validation.RouterError
         return e.message, code.name
     return str(e) or type(e).__name__, type(e).__name__
 

@@ -32,7 +32,7 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
-# The router's label values (router/placement.py Placement.kind, router/orchestrator.py RouterError.reason).
+# The router's label values (router/placement.py Placement.kind, router/validation.py RouterError.reason).
 DECISIONS = ("disaggregated", "disaggregated_fetch", "local")
 REJECTIONS = ("invalid", "not_found", "duplicate_id", "overloaded", "slo", "unavailable")
 # Requests placed again after a node failed (router/migration.py): the decode stream broke and
@@ -60,8 +60,8 @@ class RequestMetrics:
             return Counter(name(short), doc, keys, registry=registry).labels(**self.labels)
 
         self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between two consecutive streamed outputs of a "
-                        "sample, divided by the tokens the later one carried.", ITL_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between two consecutive tokens of a sample; an "
+                        "output carrying n tokens is n observations of its gap / n.", ITL_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last sample's completion.",
                         REQUEST_BUCKETS)
         self.queue = hist("request_queue_time_seconds", "Time from arrival until the request's prefill "
@@ -247,21 +247,25 @@ class MetricsServer:
 
 
 class RequestRecorder:
-    """One request's life on one process, recorded into ``RequestMetrics`` as it happens.
+    """One request's life on one process, recorded into ``RequestMetrics`` as it happens: the
+    one bookkeeping of the router (router/request_metrics.py feeds it the client's stream) and
+    of the nodes (their handlers feed it engine outputs), so their series count alike.
 
-    The caller feeds plain facts (no engine types here): when the request was first scheduled,
-    each streamed output of each sample, the finish. What gets observed:
+    The caller feeds plain facts (no engine or wire types here): when the request was first
+    scheduled, each streamed output of each sample, the finish. What gets observed:
 
     - ``time_to_first_token_seconds``: ``arrival`` -> the first output that carries tokens;
-    - ``inter_token_latency_seconds``: per sample, between two outputs that carry tokens,
-      divided by the tokens the later one carried (one observation per output);
+    - ``inter_token_latency_seconds``: per sample, one observation per token (vLLM's
+      convention): an output carrying n tokens after a gap g (from the sample's previous
+      output with tokens) is n observations of g / n, so a speculative step of 3 tokens counts
+      3 and a sample of N tokens streamed one at a time N - 1;
     - ``request_queue_time_seconds``: ``arrival`` -> the first scheduled step (once);
     - ``request_success_total{finished_reason}``: once per sample, when its reason is known;
-    - at ``finish``: ``e2e_request_latency_seconds``, the prompt tokens and the tokens counted
-      by ``sample`` so far.
+    - at ``finish``: ``e2e_request_latency_seconds``, the prompt tokens and the tokens generated.
 
-    Times are ``clock()`` values (``time.monotonic`` by default, the engine's clock too).
-    Each method is called by the one thread that serves the request.
+    Every duration is clamped at 0 (``arrival`` may come from another clock reading than
+    ``now``). Times are ``clock()`` values (``time.monotonic`` by default, the engine's clock
+    too). Each method is called by the one thread (or event loop) that serves the request.
     """
 
     def __init__(self, requests: RequestMetrics, arrival: float | None = None,
@@ -292,20 +296,24 @@ class RequestRecorder:
                 self.requests.ttft.observe(max(0.0, now - self.arrival))
             last = self._last.get(index)
             if last is not None:
-                self.requests.itl.observe(max(0.0, now - last) / new_tokens)
+                gap = max(0.0, now - last) / new_tokens
+                for _ in range(new_tokens):
+                    self.requests.itl.observe(gap)
             self._last[index] = now
             self.generated += new_tokens
         if finish_reason is not None:
             self.requests.success(finish_reason)
 
-    def finish(self, prompt_tokens: int, now: float | None = None) -> None:
-        """The request ended (every sample finished); idempotent."""
+    def finish(self, prompt_tokens: int, now: float | None = None, generated: int | None = None) -> None:
+        """The request ended (every sample finished); idempotent. ``generated``: the tokens to
+        count, when the caller knows better than the outputs fed to ``sample`` (the router
+        counts each sample's reported usage); None: those outputs' tokens."""
         if self._finished:
             return
         self._finished = True
         now = self.clock() if now is None else now
         self.requests.e2e.observe(max(0.0, now - self.arrival))
         self.requests.prompt_tokens.inc(prompt_tokens)
-        self.requests.generation_tokens.inc(self.generated)
+        self.requests.generation_tokens.inc(self.generated if generated is None else generated)
 
 

@@ -9,16 +9,10 @@ import pytest
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
-from engine.models.tiny import save_tiny_model
 from node.engine_thread import AsyncEngine, EngineStoppedError, RequestFailedError
 from tokens.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=0)
 
 
 def make_engine(path, num_blocks=64) -> LLMEngine:

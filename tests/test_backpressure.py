@@ -13,26 +13,18 @@ import uuid
 import grpc
 import pytest
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import EngineConfig, SchedulerConfig
 from protos.convert import sampling_to_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc, serving_pb2
 from tests.clusters import start_node
-from tests.test_lifecycle import prompt, wait_for
+from tests.helpers import engine_config, prompt, wait_for
 from tokens.sampling_params import SamplingParams
 
 LONG = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from engine.models.tiny import save_tiny_model
-
-    return str(save_tiny_model(tmp_path_factory.mktemp("tiny")))
-
-
 def engine(model: str, max_num_seqs: int = 64) -> EngineConfig:
-    return EngineConfig(model=model, device="cpu", num_threads=1, cache=CacheConfig(block_size=16, num_blocks=512),
-                        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs))
+    return engine_config(model, num_blocks=512, scheduler=SchedulerConfig(max_num_seqs=max_num_seqs))
 
 
 def decode_call(stub, rid: str, n: int = 20):

@@ -1,19 +1,10 @@
 """`pdserve bench` plumbing: the last line printed with --json is one JSON object."""
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_bench(*args: str) -> dict:
-    r = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", *args, "--json"],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
+from tests.helpers import REPO, run_bench
 
 
 def test_kv_memory_bench_reports_paged_vs_contiguous():

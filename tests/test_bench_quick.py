@@ -2,22 +2,12 @@
 --json line carries the fields scripts read (docs/benchmarks.md)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import run_bench
 
-
-def run_bench(*args: str) -> dict:
-    # One torch thread: on a shared 2-core machine two threads wait on each other's barriers.
-    r = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", *args, "--json"],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+# The benches run with one torch thread (--threads 1): on a shared 2-core machine two threads
+# wait on each other's barriers.
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 import uuid
 
 import grpc
@@ -15,35 +14,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.nodes import NodeSupervisor, NodeTemplate, Plan, node_index, plan, pool_capacity
 from deploy.redis_server import find_redis_server, free_port
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from kv_index.nodes import Role
 from kv_index.reader import IndexReader
 from kv_index.redis_url import PASSWORD_ENV, resolve_redis_url, with_password
 from node.config import NodeConfig, host_port, is_wildcard_host, ray_actor_options
-
-BS = 4
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from engine.models.tiny import save_tiny_model
-
-    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=0)
+from tests.helpers import engine_config, wait_for
 
 
-def engine_config(path) -> EngineConfig:
-    return EngineConfig(model=str(path), dtype="float32", device="cpu", num_threads=1,
-                        cache=CacheConfig(block_size=BS, num_blocks=32),
-                        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4))
-
-
-def wait_for(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return cond()
+def small_engine_config(path) -> EngineConfig:
+    """A smaller pool and batch than ``node_engine_config``'s: nothing here comes near either."""
+    return engine_config(path, block_size=4, num_blocks=32,
+                         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4))
 
 
 # ---------------------------------------------------------------------- the supervisor's plan
@@ -120,7 +102,7 @@ def test_a_node_bound_to_every_interface_registers_its_advertised_address(tiny_d
     from tests.clusters import start_node
 
     ns = f"adv-{uuid.uuid4().hex[:6]}"
-    server = start_node(Role.DECODE, "decode-0", engine_config(tiny_dir), redis_url=redis_url, namespace=ns,
+    server = start_node(Role.DECODE, "decode-0", small_engine_config(tiny_dir), redis_url=redis_url, namespace=ns,
                         host="0.0.0.0", advertise_host="127.0.0.1", lease_s=2.0, heartbeat_s=0.2)
     try:
         port = int(server.address.rsplit(":", 1)[1])
@@ -139,7 +121,7 @@ def test_a_node_bound_to_every_interface_needs_an_address_to_register(tiny_dir, 
     from decode_node.server import DecodeServer
 
     cfg = NodeConfig(node_id="decode-0", role="decode", redis_url=redis_url, host="0.0.0.0",
-                     engine=engine_config(tiny_dir), load_tokenizer=False)
+                     engine=small_engine_config(tiny_dir), load_tokenizer=False)
     server = DecodeServer(cfg)
     try:
         with pytest.raises(ValueError, match="advertise_host"):
@@ -175,7 +157,7 @@ def test_a_password_protected_redis_takes_the_resolved_url():
     try:
         url = f"redis://127.0.0.1:{port}/0"
         plain = redis.Redis.from_url(url, socket_timeout=2)
-        assert wait_for(lambda: _answers(plain), 10)
+        assert wait_for(lambda: _answers(plain), 10, every=0.1)
         with pytest.raises(redis.AuthenticationError):
             plain.ping()
         assert redis.Redis.from_url(resolve_redis_url(url, {PASSWORD_ENV: "s3cr/t@ x"})).ping()
@@ -263,14 +245,14 @@ def pool_ray():
 def test_supervisor_keeps_the_pools_filled(tiny_dir, redis_url, pool_ray, tmp_path):
     ray = pool_ray
     ns = f"sup-{uuid.uuid4().hex[:6]}"
-    engine = engine_config(with_tokenizer(tiny_dir, tmp_path / "model"))  # decode nodes load a tokenizer
+    engine = small_engine_config(with_tokenizer(tiny_dir, tmp_path / "model"))  # decode nodes load a tokenizer
     # Bound to every interface like a pod's node: each registers the Ray node's address.
     template = NodeTemplate(engine=engine, redis_url=redis_url, namespace=ns, host="0.0.0.0", lease_s=2.0)
     reader = IndexReader(redis.Redis.from_url(redis_url), ns=ns)
 
     sup = NodeSupervisor(template, {Role.PREFILL: None, Role.DECODE: None})
     assert sup.step() == {Role.PREFILL: Plan(("prefill-0", "prefill-1"), ()), Role.DECODE: Plan(("decode-0",), ())}
-    assert wait_for(lambda: set(reader.live_nodes()) == {"prefill-0", "prefill-1", "decode-0"}, 90)
+    assert wait_for(lambda: set(reader.live_nodes()) == {"prefill-0", "prefill-1", "decode-0"}, 90, every=0.1)
     node_ip = ray.util.get_node_ip_address()
     assert all(i.grpc_address.startswith(f"{node_ip}:") for i in reader.live_nodes().values())
 

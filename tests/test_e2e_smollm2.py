@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import LLMEngine, encode_chat
+from engine.engine import LLMEngine
+from engine.tokenizer import encode_chat
 from tokens.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.e2e

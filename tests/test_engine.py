@@ -18,6 +18,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
+    """This module's own tiny model, in place of conftest's: seed 3, not 0 (the same sizes)."""
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=3)
 
 

@@ -19,32 +19,19 @@ import pdserve
 from router.config import RouterConfig
 from router.server import serve
 from tests.clusters import start_node
+from tests.helpers import engine_config, prompt, wait_for
 
 MAX_TOKENS = 32
 DEADLINE_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def tok_dir():
-    from engine.models.builtin import resolve_builtin
-
-    return str(resolve_builtin("smollm2-135m"))
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from engine.models.tiny import save_tiny_model
-
-    return str(save_tiny_model(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture(scope="module")
-def reference(model):
+def reference(tiny_model):
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
     from tokens.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=model, device="cpu", num_threads=1), load_tokenizer=False)
+    engine = LLMEngine(EngineConfig(model=tiny_model, device="cpu", num_threads=1), load_tokenizer=False)
 
     def run(ids, **sampling):
         out = engine.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **sampling))
@@ -54,16 +41,14 @@ def reference(model):
 
 
 @pytest.fixture
-def cluster(redis_url, tok_dir, model):
+def cluster(redis_url, tok_dir, tiny_model):
     """prefill-0, decode-0, decode-1 and a router in a fresh namespace; torn down after each test."""
-    yield from make_cluster(redis_url, tok_dir, model)
+    yield from make_cluster(redis_url, tok_dir, tiny_model)
 
 
 def make_cluster(redis_url, tok_dir, model):
-    from engine.config import CacheConfig, EngineConfig
-
     ns = f"fault-{uuid.uuid4().hex[:6]}"
-    eng = EngineConfig(model=model, device="cpu", num_threads=1, cache=CacheConfig(block_size=16, num_blocks=256))
+    eng = engine_config(model, num_blocks=256)
     nodes = {nid: start_node(role, nid, eng, redis_url=redis_url, namespace=ns, lease_s=1.5, heartbeat_s=0.2,
                              grpc_workers=8)
              for nid, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode"))}
@@ -71,18 +56,12 @@ def make_cluster(redis_url, tok_dir, model):
                                 max_model_len=512, http_port=None, node_refresh_s=0.1, short_prompt_tokens=32,
                                 vocab_size=512))
     with pdserve.Client(router.address) as c:
-        deadline = time.monotonic() + 20
-        while not c.health() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for(c.health, timeout=20, every=0.1)
     yield router, nodes
     router.stop()
     for s in nodes.values():
         if s.aengine is not None and s.aengine.alive:
             s.stop(grace_s=0)
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 7919 + i * 31) % 500 + 3 for i in range(n)]
 
 
 # Two prompts take the disaggregated path (>= 32 tokens), two prefill on the decode node; one
@@ -169,7 +148,7 @@ def test_kill_prefill_mid_prefill_is_placed_again(cluster, reference):
     for nid in ("decode-0", "decode-1"):
         nodes[nid].aengine.step_delay_s = 0.01
     streams = Streams(router.address)
-    streams.wait_until(lambda: prefill._inflight > 0, "a prefill in progress")
+    streams.wait_until(lambda: prefill.inflight.count > 0, "a prefill in progress")
     crash(prefill)
     streams.join()
     assert_exact(streams, reference)
@@ -203,7 +182,7 @@ def test_corrupt_kv_is_detected_recomputed_and_never_written(cluster, reference,
     assert sum(bytes_written(d) for d in decoders) > 0  # healthy transfers are written again
 
 
-def test_redis_restart_keeps_serving_and_the_index_is_rebuilt(tok_dir, model, reference):
+def test_redis_restart_keeps_serving_and_the_index_is_rebuilt(tok_dir, tiny_model, reference):
     import redis
 
     from deploy.redis_server import RedisServer
@@ -212,7 +191,7 @@ def test_redis_restart_keeps_serving_and_the_index_is_rebuilt(tok_dir, model, re
 
     server = RedisServer().start()
     try:
-        gen = make_cluster(server.url, tok_dir, model)
+        gen = make_cluster(server.url, tok_dir, tiny_model)
         router, nodes = next(gen)
         try:
             ns = router.orchestrator.config.namespace

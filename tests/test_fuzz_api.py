@@ -17,7 +17,6 @@ import http.client
 import json
 import math
 import re
-import time
 import uuid
 
 import grpc
@@ -30,6 +29,7 @@ from protos.pdserve.v1 import serving_pb2 as pb
 from router.config import RouterConfig
 from router.server import serve
 from tests.clusters import start_node
+from tests.helpers import engine_config, wait_for
 
 MAX_LEN = 256
 VOCAB = 49152  # SmolLM2's tokenizer, and so the tiny model's
@@ -47,23 +47,18 @@ REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
 
 
 @pytest.fixture(scope="module")
-def cluster(redis_url, tmp_path_factory):
-    from engine.config import CacheConfig, EngineConfig
-    from engine.models.builtin import resolve_builtin
+def cluster(redis_url, tok_dir, tmp_path_factory):
     from engine.models.tiny import save_tiny_model
 
-    model = str(save_tiny_model(tmp_path_factory.mktemp("tiny-fuzz"), vocab_size=VOCAB))
+    model = save_tiny_model(tmp_path_factory.mktemp("tiny-fuzz"), vocab_size=VOCAB)
     ns = f"fuzz-{uuid.uuid4().hex[:6]}"
-    eng = EngineConfig(model=model, device="cpu", num_threads=1, cache=CacheConfig(block_size=16, num_blocks=256))
+    eng = engine_config(model, num_blocks=256)
     nodes = [start_node(role, f"fz-{role}", eng, redis_url=redis_url, namespace=ns, lease_s=1.5, heartbeat_s=0.2,
                         grpc_workers=8) for role in ("decode", "prefill")]
-    router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=str(resolve_builtin("smollm2-135m")),
-                                port=0, http_port=0, namespace=ns, node_refresh_s=0.1, max_model_len=MAX_LEN,
-                                short_prompt_tokens=32))
+    router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0, http_port=0,
+                                namespace=ns, node_refresh_s=0.1, max_model_len=MAX_LEN, short_prompt_tokens=32))
     with pdserve.Client(router.address) as c:
-        deadline = time.monotonic() + 30
-        while not c.health() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for(c.health, timeout=30, every=0.1)
     yield router
     router.stop()
     for n in nodes:

@@ -306,15 +306,13 @@ def test_header_bytes_mangled_on_the_wire(junk, at):
 
 # ----------------------------------------------------------------------------- one live decode node
 @pytest.fixture(scope="module")
-def decode_node(redis_url, tmp_path_factory):
+def decode_node(redis_url, tiny_model):
     import uuid
 
-    from engine.config import CacheConfig, EngineConfig
-    from engine.models.tiny import save_tiny_model
     from tests.clusters import start_node
+    from tests.helpers import engine_config
 
-    model = str(save_tiny_model(tmp_path_factory.mktemp("tiny-kv")))
-    eng = EngineConfig(model=model, device="cpu", num_threads=1, cache=CacheConfig(block_size=16, num_blocks=64))
+    eng = engine_config(tiny_model, num_blocks=64)
     node = start_node("decode", "fuzz-dec", eng, redis_url=redis_url, namespace=f"fz-{uuid.uuid4().hex[:6]}",
                       lease_s=5.0, heartbeat_s=0.5, grpc_workers=4)
     channel = grpc.insecure_channel(node.address)

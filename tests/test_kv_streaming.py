@@ -378,7 +378,7 @@ def test_streamed_and_whole_transfers_leave_the_same_kv_and_output(tiny4_dir, re
         assert torch.equal(kv[True], kv[False])  # bit-identical KV on the decode nodes
         assert tokens[True] == tokens[False] == ref
         assert Pair.free_blocks(pair.prefill) == pair.prefill.engine.num_blocks
-        assert not pair.prefill._streamers
+        assert pair.prefill.inflight.num_streamers == 0
     finally:
         pair.close()
 
@@ -463,7 +463,7 @@ def test_a_push_failure_mid_stream_frees_every_block_on_both_sides(tiny4_dir, re
         assert failing.pushes == 2  # the first push landed, the second failed, nothing after
         assert pair.prefill.num_transfer_failures == 1
         assert Pair.free_blocks(pair.prefill) == pair.prefill.engine.num_blocks
-        assert not pair.prefill._streamers
+        assert pair.prefill.inflight.num_streamers == 0
         # The decode node holds part of the KV: never admitted on it ...
         with pytest.raises(grpc.RpcError) as err:
             pair.decode_rpc(decode, "f", prompt, greedy(), first=[5])

@@ -10,9 +10,9 @@ import torch
 
 from kv_transfer import checksum
 from kv_transfer.buffers import BufferPool
-from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, PUSH_BLOCKS_PATH, KVReceiver, ReceivedBlocks, push_blocks
+from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, PUSH_BLOCKS_PATH, KVReceiver, push_blocks
 from kv_transfer.layout import PoolLayout
-from kv_transfer.validate import KVValidationError, Reservation, validate_header
+from kv_transfer.validate import KVValidationError, ReceivedBlocks, Reservation, validate_header
 from kv_transfer.wire import build_header, encode_chunk, iter_wire_messages, payload_units, unit_rows
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 

@@ -1,4 +1,4 @@
-"""The raw TCP data stream (kv_transfer/tcp_transport.py) on 127.0.0.1 and the fallback between
+"""The raw TCP data stream (kv_transfer/tcp_transport.py, receiver.py) on 127.0.0.1 and the fallback between
 transports (kv_transfer/transport.py): bit-exact round trips over kept connections, refusals
 that leave the pool and the connection intact, chunk checksums that fail a transfer having
 written only into its reserved blocks, and a failed fast transfer falling back to gRPC."""
@@ -15,23 +15,18 @@ import torch
 
 from kv_transfer.buffers import BufferPool
 from kv_transfer.checksum import new_checksum
+from kv_transfer.data_port import frame
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, GrpcKVSender, KVReceiver
 from kv_transfer.layout import PoolLayout
+from kv_transfer.receiver import TcpKVServer, row_views
 from kv_transfer.shm_transport import ShmKVSender, buffer_prefix, parse_shm_endpoint, shm_endpoint
-from kv_transfer.tcp_transport import TcpKVSender, TcpKVServer, _row_views, frame, parse_endpoint
+from kv_transfer.tcp_transport import TcpKVSender, parse_endpoint
 from kv_transfer.transport import FallbackKVSender, PushResult, TransferError
 from kv_transfer.validate import Reservation
 from kv_transfer.wire import build_header, payload_units
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
-
-# [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]
-SHAPE = (4, 12, 2, 4, 2, 8)
-BLOCK_SIZE = SHAPE[3]
-FP = "model-a"
-
-
-def make_pool(dtype: torch.dtype, seed: int) -> torch.Tensor:
-    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(dtype)
+from tests.helpers import wait_for
+from tests.test_kv_transfer import BLOCK_SIZE, FP, SHAPE, make_pool
 
 
 class Receiver:
@@ -249,7 +244,7 @@ def test_a_stalled_sender_ends_its_push() -> None:
         stream = _stream(make_pool(node.pool.dtype, seed=9), [6], [3])
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.sendall(stream[: len(stream) // 2])  # then nothing: the sender hangs
-            assert _wait(lambda: node.outcomes == [False])
+            assert wait_for(lambda: node.outcomes == [False], timeout=10)
             assert node.in_flight == []  # the reservation may be released again
     finally:
         node.close()
@@ -345,13 +340,6 @@ def test_shm_is_skipped_for_another_host_and_refused_paths(node: Receiver) -> No
 # ---- live nodes: a tiny model on in-process prefill and decode servers (tests/test_nodes.py's Cluster)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from engine.models.tiny import save_tiny_model
-
-    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=0)
-
-
 @pytest.fixture()
 def cluster(tiny_dir, redis_url):
     from tests.test_nodes import Cluster
@@ -362,7 +350,8 @@ def cluster(tiny_dir, redis_url):
 
 
 def test_nodes_move_kv_over_tcp_and_fall_back_to_grpc(tiny_dir, cluster) -> None:
-    from tests.test_nodes import GREEDY, make_engine, tokens_of
+    from tests.helpers import tokens_of
+    from tests.test_nodes import GREEDY, make_engine
 
     prompt = list(range(20, 58))
     ref = make_engine(tiny_dir).generate([prompt], GREEDY)[0].outputs[0].token_ids
@@ -392,7 +381,8 @@ def test_nodes_move_kv_over_tcp_and_fall_back_to_grpc(tiny_dir, cluster) -> None
 def test_partial_transfer_blocks_are_freed(tiny_dir, cluster) -> None:
     """A data stream that breaks after writing some blocks: the request is not admitted on
     them, and the blocks come back whether the router recomputes or releases."""
-    from tests.test_nodes import GREEDY, make_engine, tokens_of
+    from tests.helpers import tokens_of
+    from tests.test_nodes import GREEDY, make_engine
 
     node = cluster.decode
     total = node.engine.num_blocks
@@ -417,7 +407,7 @@ def test_partial_transfer_blocks_are_freed(tiny_dir, cluster) -> None:
                          + frame(kv_pb2.KVBlockMessage(chunk=kv_pb2.KVChunk(seq=0, raw_bytes=len(data),
                                                                              checksum=c.value()))) + data)
         # Counted after the receiver ended the push (its blocks may be released from then on).
-        assert _wait(lambda: node.num_transfer_failures == failures + 1)
+        assert wait_for(lambda: node.num_transfer_failures == failures + 1, timeout=10)
         failures += 1
         with pytest.raises(grpc.RpcError) as err:  # the KV is incomplete: never admitted on it
             cluster.decode_rpc(rid, prompt, GREEDY, first=[5])
@@ -428,15 +418,6 @@ def test_partial_transfer_blocks_are_freed(tiny_dir, cluster) -> None:
         else:
             assert cluster.kv_stub.ReleaseReservation(kv_pb2.ReleaseReservationRequest(request_id=rid)).found
         assert cluster.free_blocks(node) == total
-
-
-def _wait(cond, timeout: float = 10.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return cond()
 
 
 def test_transfer_bench_quick_reports_every_transport() -> None:
@@ -463,7 +444,7 @@ def test_transfer_bench_quick_reports_every_transport() -> None:
 
 def test_row_views_merge_consecutive_rows_in_payload_order() -> None:
     rows = np.arange(10 * 4, dtype=np.uint8).reshape(10, 4)  # [rows, row_bytes]
-    views = _row_views(rows, np.array([3, 4, 5, 9, 2, 3]))
+    views = row_views(rows, np.array([3, 4, 5, 9, 2, 3]))
     assert [bytes(v) for v in views] == [rows[3:6].tobytes(), rows[9:10].tobytes(), rows[2:4].tobytes()]
     views[1][:] = b"\xff" * 4  # writable, and into the pool itself
     assert rows[9].tolist() == [255] * 4

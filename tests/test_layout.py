@@ -2,21 +2,40 @@
 
 The graph is read statically from every module's source, imports inside functions included
 (a lazy import still runs when that path is taken); only imports under ``if TYPE_CHECKING:``
-are left out, since they never run. A rule names what a package must not *reach*: anything
-imported by it, or by what it imports, transitively. A failure prints the chain of imports.
+are left out, since they never run.
+
+The rules are the Packages table of docs/map.md, read here, so the table cannot drift from the
+code. Per package row:
+
+- "may import" is exact: what the row's modules import *directly* from other first-party
+  packages and from third-party packages is what the cell names, no more (an import the cell
+  does not allow fails) and no less (a name no module of the row imports is stale and fails).
+  The standard library is always allowed. "`node` and what it imports" allows what the `node/`
+  row allows, without requiring it; "everything" (`deploy/`) is not checked.
+- "must not reach" is transitive: nothing imported by the package, or by what that imports,
+  may be (or be inside) a name of the cell. A failure prints the chain of imports.
+
+A cell is a list split at commas and semicolons; text in parentheses is a comment (the why);
+a name in backticks is a first-party package or module (`kv_index.events`, `router/replay/`),
+a bare name a third-party one as Python imports it (`google.protobuf`, not protobuf). Phrases:
+"the standard library", "everything", "`X` and what it imports", "each other" (the other
+packages of a row naming several), "every other first-party package".
 """
 from __future__ import annotations
 
 import ast
+import re
+import sys
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+MAP = REPO / "docs" / "map.md"
 PACKAGES = ("tokens", "engine", "kv_index", "kv_transfer", "node", "prefill_node", "decode_node", "router",
             "pdserve", "deploy", "protos", "telemetry", "security")
-NODE_PACKAGES = ("node", "prefill_node", "decode_node")
 
 
 def _module_name(path: Path) -> str:
@@ -111,38 +130,171 @@ def violations(packages: tuple[str, ...], forbidden: tuple[str, ...], exempt=lam
 def test_the_graph_is_read():
     # A sanity check of the reader itself on edges known to exist.
     assert "torch" in edges("engine.model_runner")[1]
-    assert "tokens.block_hash" in edges("router.orchestrator")[0]
+    assert "tokens.block_hash" in edges("router.prepare")[0]
     lazy = reach("deploy.launcher")  # ray and the router are imported inside functions there
     assert "ray" in lazy and "router.server" in lazy
     assert "node.server" not in edges("node.actor")[0]  # only under TYPE_CHECKING
 
 
-RULES = [
-    # (packages, must not reach, why)
-    (("router", "kv_index", "pdserve"), ("torch", "ray"), "the router and the SDK run without torch or Ray"),
-    (("kv_index",), ("grpc",), "the index is Redis only"),
-    (("pdserve",), ("engine", "node", "prefill_node", "decode_node", "router", "kv_index", "kv_transfer",
-                    "deploy", "tokens", "redis", "security"), "the SDK is client code only"),
-    (("engine",), ("grpc", "redis", "ray"), "the engine knows no sockets and no cluster"),
-    (("tokens",), ("torch", "numpy", "grpc", "redis", "ray", "engine", "router", "node", "kv_index",
-                   "kv_transfer", "protos"), "what every process shares is stdlib only"),
-    (("kv_transfer",), ("router", *NODE_PACKAGES), "the transfer layer serves nodes, it does not know them"),
-    (("node",), ("router", "prefill_node", "decode_node"), "the shared node runtime knows no role"),
-    (("prefill_node",), ("decode_node",), "roles do not import each other"),
-    (("decode_node",), ("prefill_node",), "roles do not import each other"),
-    (("protos",), ("torch", "ray", "engine", "router", *NODE_PACKAGES), "the wire is importable anywhere"),
-    (("telemetry",), ("torch", "ray", "grpc", "redis", "engine", "router", "kv_index", "kv_transfer", *NODE_PACKAGES),
-     "metrics and tracing are shared by the torch-free router and the nodes, and know neither"),
-    (("security",), ("torch", "ray", "redis", "numpy", "engine", "tokens", "router", "kv_index", "kv_transfer",
-                     "protos", "telemetry", "deploy", "pdserve", *NODE_PACKAGES),
-     "the security plumbing is shared by the router, the nodes and the launcher, and knows none of them"),
-]
+# ----------------------------------------------------------------------------- docs/map.md's table
+class Row(NamedTuple):
+    """One row of the Packages table: the packages it is about and its two rule cells as written."""
+
+    packages: tuple[str, ...]
+    may_import: str
+    must_not_reach: str
+
+    @property
+    def name(self) -> str:
+        return ", ".join(f"`{p}/`" for p in self.packages)
 
 
-@pytest.mark.parametrize("packages, forbidden, why", RULES, ids=[" ".join(r[0]) for r in RULES])
-def test_package_rule(packages, forbidden, why):
-    bad = violations(packages, forbidden)
-    assert not bad, f"{why}:\n" + "\n".join(bad)
+class Names(NamedTuple):
+    """What a cell names: first-party packages or modules, third-party import names."""
+
+    first: frozenset[str] = frozenset()
+    third: frozenset[str] = frozenset()
+    anything: bool = False
+
+    def __or__(self, other: Names) -> Names:
+        return Names(self.first | other.first, self.third | other.third, self.anything or other.anything)
+
+    def covers(self, name: str) -> bool:
+        """Whether ``name`` (a module or a dotted third-party name) is, or is inside, a named one.
+        A first-party name may also be a package above a named module: importing
+        ``kv_index.events`` runs ``kv_index/__init__.py``."""
+        if self.anything:
+            return True
+        if name.split(".")[0] in PACKAGES:
+            return any(in_package(name, f) or f.startswith(name + ".") for f in self.first)
+        return any(name == t or name.startswith(t + ".") for t in self.third)
+
+
+@cache
+def package_table() -> dict[str, Row]:
+    """docs/map.md's Packages table by package (a row naming two packages is under both);
+    rows that are not Python (``helm/``) are left out."""
+    section = MAP.read_text().split("\n## Packages\n", 1)[1].split("\n#", 1)[0]
+    rows: dict[str, Row] = {}
+    for line in section.splitlines():
+        if not line.startswith("|") or set(line) <= set("|-: "):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0] == "package" or "(not Python)" in cells[0]:
+            continue
+        row = Row(tuple(_dotted(n) for n in re.findall(r"`([^`]+)`", cells[0])), cells[2], cells[3])
+        rows.update(dict.fromkeys(row.packages, row))
+    return rows
+
+
+def _dotted(name: str) -> str:
+    return name.strip("/").replace("/", ".")
+
+
+def _items(cell: str) -> list[str]:
+    """A cell's items: split at commas and semicolons, comments in parentheses dropped."""
+    return [i.strip() for i in re.split(r"[,;]", re.sub(r"\([^)]*\)", "", cell)) if i.strip()]
+
+
+def _name(item: str, row: Row, column: str) -> Names:
+    """One plain item: a first-party name in backticks or a bare third-party import name."""
+    if m := re.fullmatch(r"`([\w./]+)`", item):
+        name = _dotted(m.group(1))
+        if name.split(".")[0] not in PACKAGES:
+            raise ValueError(f"docs/map.md, {column!r} of {row.name}: `{name}` is no first-party package")
+        return Names(first=frozenset({name}))
+    if re.fullmatch(r"[A-Za-z_][\w.]*", item):
+        return Names(third=frozenset({item}))
+    raise ValueError(f"docs/map.md, {column!r} of {row.name}: cannot read {item!r}")
+
+
+def may_import(package: str) -> tuple[Names, Names]:
+    """(what the row's "may import" cell allows, the names it lists itself: each must be used)."""
+    row = package_table()[package]
+    allowed = listed = Names()
+    for item in _items(row.may_import):
+        if item == "the standard library":
+            pass
+        elif item == "everything":
+            allowed |= Names(anything=True)
+        elif m := re.fullmatch(r"(`\w+`) and what it imports", item):
+            named = _name(m.group(1), row, "may import")
+            listed |= named
+            allowed |= named | may_import(next(iter(named.first)))[0]
+        else:
+            named = _name(item, row, "may import")
+            listed |= named
+            allowed |= named
+    return allowed, listed
+
+
+def must_not_reach(package: str) -> Names:
+    """What the row's "must not reach" cell forbids ``package``."""
+    row = package_table()[package]
+    out = Names()
+    for item in _items(row.must_not_reach):
+        if item == "each other":
+            out |= Names(first=frozenset(set(row.packages) - {package}))
+        elif item == "every other first-party package":
+            out |= Names(first=frozenset(set(PACKAGES) - set(row.packages)))
+        else:
+            out |= _name(item, row, "must not reach")
+    return out
+
+
+@cache
+def direct_imports(package: str) -> frozenset[tuple[str, str]]:
+    """(module, name) for each import a module of ``package`` makes outside it: first-party ones
+    as the modules they run, third-party ones as written; the standard library left out."""
+    out: set[tuple[str, str]] = set()
+    for module, path in modules().items():
+        if not in_package(module, package):
+            continue
+        out.update((module, t) for t in edges(module)[0] if not in_package(t, package))
+        for name in _imported_names(ast.parse(path.read_text(), str(path))):
+            top = name.split(".")[0]
+            if top not in PACKAGES and top not in sys.stdlib_module_names:
+                out.add((module, name))
+    return frozenset(out)
+
+
+def test_the_table_has_a_row_per_package():
+    assert sorted(package_table()) == sorted(PACKAGES), "docs/map.md's Packages table against PACKAGES"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_imports_are_in_the_may_import_column(package):
+    allowed, _ = may_import(package)
+    refused = {(module, name) for module, name in direct_imports(package) if not allowed.covers(name)}
+    # Importing a.b also runs a/__init__: name the deepest module only.
+    bad = sorted(f"{m} imports {n}" for m, n in refused
+                 if not any(m == m2 and n2.startswith(n + ".") for m2, n2 in refused))
+    row = package_table()[package]
+    assert not bad, (f"not allowed by the 'may import' cell of {row.name} in docs/map.md "
+                     f"({row.may_import!r}):\n" + "\n".join(bad))
+
+
+def test_the_may_import_column_names_only_what_is_imported():
+    stale = []
+    for row in dict.fromkeys(package_table().values()):
+        imported = {name for p in row.packages for _, name in direct_imports(p)}
+        listed = Names()
+        for p in row.packages:
+            listed |= may_import(p)[1]
+        for name in sorted(listed.first | listed.third):
+            if not any(i == name or i.startswith(name + ".") for i in imported):
+                stale.append(f"{row.name}: {name!r} ({row.may_import!r})")
+    assert not stale, ("named in a 'may import' cell of docs/map.md, imported by no module of its row:\n"
+                       + "\n".join(stale))
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_package_rule(package):
+    forbidden = must_not_reach(package)
+    bad = violations((package,), tuple(sorted(forbidden.first | forbidden.third)))
+    row = package_table()[package]
+    assert not bad, (f"the 'must not reach' cell of {row.name} in docs/map.md ({row.must_not_reach!r}) forbids "
+                     "the end of each chain:\n" + "\n".join(bad))
 
 
 def test_placement_is_pure():

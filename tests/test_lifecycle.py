@@ -7,7 +7,6 @@ from __future__ import annotations
 import http.client
 import json
 import threading
-import time
 import uuid
 
 import pytest
@@ -16,47 +15,15 @@ import pdserve
 from router.config import RouterConfig
 from router.server import serve
 from tests.clusters import start_node
+from tests.helpers import engine_config, prompt, wait_for
 
 BLOCKS = 256
-
-
-def wait_for(cond, timeout: float = 15.0, every: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(every)
-    return True
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 7919 + i * 31) % 500 + 3 for i in range(n)]
-
-
-@pytest.fixture(scope="module")
-def tok_dir():
-    from engine.models.builtin import resolve_builtin
-
-    return str(resolve_builtin("smollm2-135m"))
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from engine.models.tiny import save_tiny_model
-
-    return str(save_tiny_model(tmp_path_factory.mktemp("tiny")))
-
-
-def engine_config(model: str):
-    from engine.config import CacheConfig, EngineConfig
-
-    return EngineConfig(model=model, device="cpu", num_threads=1, cache=CacheConfig(block_size=16, num_blocks=BLOCKS))
 
 
 @pytest.fixture(scope="module")
 def cluster(redis_url, tok_dir, tiny_model):
     ns = f"life-{uuid.uuid4().hex[:6]}"
-    eng = engine_config(tiny_model)
+    eng = engine_config(tiny_model, num_blocks=BLOCKS)
     nodes = {role: start_node(role, f"{role}-0", eng, redis_url=redis_url, namespace=ns, lease_s=1.5,
                               heartbeat_s=0.2, grpc_workers=16, reservation_lease_s=2.0)
              for role in ("prefill", "decode")}

@@ -2,7 +2,7 @@
 a few seconds; the full soak (256 streams, 60 s) is a benchmark, not a test."""
 from __future__ import annotations
 
-from tests.test_bench_cli import run_bench
+from tests.helpers import run_bench
 
 
 def test_load_bench_smoke_reports_every_figure_and_leaks_nothing():

@@ -80,12 +80,14 @@ def test_log_thins_warnings_keeps_every_one_at_debug():
 
 
 def test_orchestrator_node_call_failures_go_through_the_limiter():
-    # The per-request warnings of router/orchestrator.py that flood under overload.
+    # The per-request warnings of the router's node calls that flood under overload: the
+    # request's own (router/orchestrator.py) and the housekeeping ones (router/node_client.py).
     import inspect
 
+    import router.node_client as client
     import router.orchestrator as orch
 
-    src = inspect.getsource(orch)
+    src = inspect.getsource(orch) + inspect.getsource(client)
     for call in ("ReserveBlocks", "Prefill", "RenewReservation", "AbortDecode", "ReleaseReservation"):
         assert f'node_call_log.warning(f"{call} {{e.code().name}}"' in src, call
-    assert isinstance(orch.node_call_log, RateLimitedLog)
+    assert isinstance(orch.node_call_log, RateLimitedLog) and isinstance(client.node_call_log, RateLimitedLog)

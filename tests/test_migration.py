@@ -106,8 +106,8 @@ def test_exclusions_expire_and_spare_a_restarted_node():
 # ----------------------------------------------------------------------------- text across the break
 @pytest.fixture(scope="module")
 def text_engine(tmp_path_factory):
-    from engine.engine import load_hf_tokenizer
     from engine.models.builtin import resolve_builtin
+    from engine.tokenizer import load_hf_tokenizer
 
     path = save_tiny_model(tmp_path_factory.mktemp("tiny") / "wide", vocab_size=49152, seed=4)
     tok = load_hf_tokenizer(resolve_builtin("smollm2-135m"))
@@ -116,7 +116,7 @@ def text_engine(tmp_path_factory):
 
 
 def node_stream(tok, prompt, outs, stop) -> list[str]:
-    """The text deltas a node streams for ``outs``, one token per step (engine._append_text)."""
+    """The text deltas a node streams for ``outs``, one token per step (engine/sequence_text.py)."""
     from tokens.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
     detok, stops, parts = IncrementalDetokenizer(tok, prompt), StopStringMatcher(stop, False) if stop else None, []

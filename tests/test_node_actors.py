@@ -3,49 +3,27 @@ through them by hand, both registered in Redis, and a restarted actor re-registe
 from __future__ import annotations
 
 import json
-import time
 import uuid
 
 import grpc
 import pytest
 import redis
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
-from engine.models.tiny import save_tiny_model
 from kv_index.nodes import Role
 from kv_index.reader import IndexReader
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS
 from node.config import NodeConfig
 from protos.convert import sampling_to_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
+from tests.helpers import node_engine_config, wait_for
 from tokens.block_hash import hash_prompt_blocks
 from tokens.sampling_params import SamplingParams
 
 ray = pytest.importorskip("ray")
 
-BS = 4
+BS = 4  # node_engine_config's block size
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=0)
-
-
-def engine_config(path) -> EngineConfig:
-    return EngineConfig(model=str(path), dtype="float32", device="cpu", num_threads=1,
-                        cache=CacheConfig(block_size=BS, num_blocks=64),
-                        scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8))
-
-
-def wait_for(cond, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return cond()
 
 
 def run_request(prefill_addr: str, decode_addr: str, fp: str, rid: str, prompt: list[int]) -> list[int]:
@@ -69,7 +47,7 @@ def test_prefill_and_decode_actors_serve_a_request_and_register(tiny_dir, redis_
 
     ns = f"ray-{uuid.uuid4().hex[:6]}"
     common = dict(redis_url=redis_url, namespace=ns, lease_s=1.0, heartbeat_s=0.2, load_tokenizer=False,
-                  engine=engine_config(tiny_dir))
+                  engine=node_engine_config(tiny_dir))
     prefill = spawn_node(NodeConfig(node_id="prefill-0", role="prefill", **common), server_builder(Role.PREFILL),
                          num_cpus=1)
     decode = spawn_node(NodeConfig(node_id="decode-0", role="decode", **common), server_builder(Role.DECODE),
@@ -78,7 +56,7 @@ def test_prefill_and_decode_actors_serve_a_request_and_register(tiny_dir, redis_
     p_addr, d_addr = ray.get([prefill.address.remote(), decode.address.remote()], timeout=30)
     assert ray.get_actor("decode-0") is not None  # named: visible on the dashboard
 
-    ref_engine = LLMEngine(engine_config(tiny_dir), load_tokenizer=False)
+    ref_engine = LLMEngine(node_engine_config(tiny_dir), load_tokenizer=False)
     prompt = list(range(20, 47))
     ref = ref_engine.generate([prompt], GREEDY)[0].outputs[0].token_ids
     assert run_request(p_addr, d_addr, ref_engine.fingerprint, "r1", prompt) == ref
@@ -89,7 +67,7 @@ def test_prefill_and_decode_actors_serve_a_request_and_register(tiny_dir, redis_
     assert {n: (i.role, i.grpc_address) for n, i in live.items()} == {
         "prefill-0": ("prefill", p_addr), "decode-0": ("decode", d_addr)}
     hashes = hash_prompt_blocks(prompt, BS, ref_engine.fingerprint.encode())
-    assert wait_for(lambda: reader.match(hashes, ["decode-0"])["decode-0"] == len(hashes), 5)
+    assert wait_for(lambda: reader.match(hashes, ["decode-0"])["decode-0"] == len(hashes), 5, every=0.1)
     stats = ray.get(decode.stats.remote(), timeout=30)
     json.dumps(stats)  # plain data
     assert stats["free_blocks"] == stats["num_blocks"] == 64
@@ -105,11 +83,11 @@ def test_prefill_and_decode_actors_serve_a_request_and_register(tiny_dir, redis_
             return False
 
     ray.kill(decode, no_restart=False)
-    assert wait_for(restarted, 60)
+    assert wait_for(restarted, 60, every=0.1)
     assert ray.get(decode.ready.remote(), timeout=30)
     new_addr = ray.get(decode.address.remote(), timeout=30)
     assert wait_for(lambda: reader.live_nodes().get("decode-0") is not None
-                    and reader.live_nodes()["decode-0"].grpc_address == new_addr, 10)
+                    and reader.live_nodes()["decode-0"].grpc_address == new_addr, 10, every=0.1)
     assert reader.match(hashes, ["decode-0"])["decode-0"] == 0
     assert run_request(p_addr, new_addr, ref_engine.fingerprint, "r2", prompt) == ref
 

@@ -12,17 +12,18 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine.config import SpeculativeConfig
 from engine.models.tiny import save_tiny_model
 from kv_index.reader import IndexReader
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS
 from protos.convert import sampling_to_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 from tests.clusters import start_node
+from tests.helpers import node_engine_config, tokens_of
 from tokens.block_hash import hash_prompt_blocks
 from tokens.sampling_params import SamplingParams
 
-BS = 4
+BS = 4  # node_engine_config's block size
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # A small vocabulary and a prompt holding every token of it: whatever the model outputs is in
@@ -36,9 +37,7 @@ class Pair:
 
     def __init__(self, model, redis_url: str) -> None:
         self.ns = f"metrics-{uuid.uuid4().hex[:8]}"
-        eng = EngineConfig(model=str(model), dtype="float32", device="cpu", num_threads=1,
-                           cache=CacheConfig(block_size=BS, num_blocks=96),
-                           scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8))
+        eng = node_engine_config(model, num_blocks=96)
         spec = replace(eng, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False))
         kw = dict(redis_url=redis_url, namespace=self.ns, lease_s=2.0, heartbeat_s=0.1)
         self.model = str(model)
@@ -99,10 +98,6 @@ def samples(text: str) -> list:
 def value(text: str, name: str, **labels) -> float:
     """Sum of the samples called ``name`` whose labels include ``labels``."""
     return sum(s.value for s in samples(text) if s.name == name and labels.items() <= s.labels.items())
-
-
-def tokens_of(msgs) -> list[int]:
-    return [t for m in msgs if m.WhichOneof("kind") == "chunk" for t in m.chunk.token_ids]
 
 
 NODE_METRICS = (
@@ -168,7 +163,8 @@ def test_requests_drive_the_node_metrics(pair):
     for name in ("time_to_first_token_seconds_count", "request_queue_time_seconds_count",
                  "e2e_request_latency_seconds_count"):
         assert delta(name, after_d, before_d) == 3, name
-    assert delta("inter_token_latency_seconds_count", after_d, before_d) >= 1
+    # One observation per token after each request's first (which carried one token).
+    assert delta("inter_token_latency_seconds_count", after_d, before_d) == 3 * (MAX_TOKENS - 1)
     assert delta("prompt_tokens_total", after_d, before_d) == 2 * len(PROMPT) + 10
     assert delta("generation_tokens_total", after_d, before_d) == 3 * MAX_TOKENS
     assert delta("request_success_total", after_d, before_d, finished_reason="length") == 3
@@ -271,8 +267,8 @@ def test_request_recorder_observes_one_request():
     rec.sample(0, 0, now=10.8)  # no tokens: nothing
     rec.sample(0, 1, now=11.0)  # first token
     rec.sample(1, 1, now=11.0)  # second sample's first output: no ITL yet
-    rec.sample(0, 4, now=12.0)  # 4 tokens after 1 s: 0.25 s each
-    rec.sample(1, 2, "stop", now=12.0)
+    rec.sample(0, 4, now=12.0)  # 4 tokens after 1 s: 4 observations of 0.25 s (one per token)
+    rec.sample(1, 2, "stop", now=12.0)  # 2 of 0.5 s
     rec.sample(0, 0, "length", now=13.0)
     rec.finish(7, now=13.0)
     rec.finish(7, now=14.0)  # idempotent
@@ -281,8 +277,8 @@ def test_request_recorder_observes_one_request():
     assert get("pdserve:request_queue_time_seconds_sum") == 0.5
     assert get("pdserve:time_to_first_token_seconds_count") == 1
     assert get("pdserve:time_to_first_token_seconds_sum") == 1.0
-    assert get("pdserve:inter_token_latency_seconds_count") == 2
-    assert get("pdserve:inter_token_latency_seconds_sum") == 0.25 + 0.5
+    assert get("pdserve:inter_token_latency_seconds_count") == 6
+    assert get("pdserve:inter_token_latency_seconds_sum") == 4 * 0.25 + 2 * 0.5
     assert get("pdserve:e2e_request_latency_seconds_sum") == 3.0
     assert get("pdserve:prompt_tokens_total") == 7
     assert get("pdserve:generation_tokens_total") == 8

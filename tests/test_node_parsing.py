@@ -81,13 +81,11 @@ def test_bare_server_unary_and_client_streaming(bare_server):
 
 # ----------------------------------------------------------------------------- live nodes
 @pytest.fixture(scope="module")
-def nodes(redis_url, tmp_path_factory):
-    from engine.config import CacheConfig, EngineConfig
-    from engine.models.tiny import save_tiny_model
+def nodes(redis_url, tiny_model):
     from tests.clusters import start_node
+    from tests.helpers import engine_config
 
-    model = str(save_tiny_model(tmp_path_factory.mktemp("tiny-parse")))
-    eng = EngineConfig(model=model, device="cpu", num_threads=1, cache=CacheConfig(block_size=16, num_blocks=64))
+    eng = engine_config(tiny_model, num_blocks=64)
     ns = f"parse-{uuid.uuid4().hex[:6]}"
     started = [start_node(role, f"{role}-0", eng, redis_url=redis_url, namespace=ns, grpc_workers=4)
                for role in ("decode", "prefill")]
@@ -125,7 +123,7 @@ def test_live_nodes_refuse_malformed_bytes_by_field(nodes, node, method, stream,
 
 def test_live_push_with_a_broken_message_and_the_node_serves_on(nodes):
     from protos.convert import sampling_to_proto
-    from tests.test_lifecycle import prompt
+    from tests.helpers import prompt
     from tokens.sampling_params import SamplingParams
 
     servers, channels = nodes

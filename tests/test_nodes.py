@@ -14,9 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decode_node.reservations import NotReadyError, ReservationTable
 from decode_node.server import DecodeServer
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
-from engine.models.tiny import save_tiny_model
 from kv_index.events import AllBlocksCleared, BlockRemoved, BlockStored, fold_kv_events
 from kv_index.reader import IndexReader
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, push_blocks
@@ -25,26 +23,16 @@ from node.config import NodeConfig
 from protos.convert import sampling_to_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc, serving_pb2
 from tests.clusters import start_node
+from tests.helpers import node_engine_config, tokens_of, wait_for
 from tokens.block_hash import hash_prompt_blocks
 from tokens.sampling_params import SamplingParams
 
-BS = 4
+BS = 4  # node_engine_config's block size
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=0)
-
-
-def engine_config(path, num_blocks: int) -> EngineConfig:
-    return EngineConfig(model=str(path), dtype="float32", device="cpu", num_threads=1,
-                        cache=CacheConfig(block_size=BS, num_blocks=num_blocks),
-                        scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8))
-
-
 def make_engine(path, num_blocks: int = 64) -> LLMEngine:
-    return LLMEngine(engine_config(path, num_blocks), load_tokenizer=False)
+    return LLMEngine(node_engine_config(path, num_blocks), load_tokenizer=False)
 
 
 class Cluster:
@@ -108,21 +96,8 @@ def cluster(tiny_dir, redis_url):
     c.close()
 
 
-def tokens_of(msgs) -> list[int]:
-    return [t for m in msgs if m.WhichOneof("kind") == "chunk" for t in m.chunk.token_ids]
-
-
 def completes(msgs) -> list[serving_pb2.Complete]:
     return [m.complete for m in msgs if m.WhichOneof("kind") == "complete"]
-
-
-def wait_for(cond, timeout=3.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def test_fold_kv_events_keeps_the_last_word_per_block():

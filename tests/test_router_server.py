@@ -15,15 +15,9 @@ import pdserve
 from router.config import RouterConfig
 from router.server import serve
 from tests.clusters import start_node
+from tests.helpers import engine_config, prompt, wait_for
 
 MAX_LEN = 512
-
-
-@pytest.fixture(scope="module")
-def tok_dir():
-    from engine.models.builtin import resolve_builtin
-
-    return str(resolve_builtin("smollm2-135m"))
 
 
 def router_config(redis_url, tok_dir, ns, **kw):
@@ -114,13 +108,9 @@ def test_list_models_health_and_reflection(bare_router):
 
 # ------------------------------------------------------------------ with real nodes
 @pytest.fixture(scope="module")
-def cluster(redis_url, tok_dir, tmp_path_factory):
-    from engine.config import CacheConfig, EngineConfig
-    from engine.models.tiny import save_tiny_model
-
-    model = str(save_tiny_model(tmp_path_factory.mktemp("tiny")))
+def cluster(redis_url, tok_dir, tiny_model):
     ns = f"cl-{uuid.uuid4().hex[:6]}"
-    eng = EngineConfig(model=model, device="cpu", num_threads=1, cache=CacheConfig(block_size=16, num_blocks=256))
+    eng = engine_config(tiny_model, num_blocks=256)
 
     def node(node_id, role):
         return start_node(role, node_id, eng, redis_url=redis_url, namespace=ns, lease_s=1.5, heartbeat_s=0.2,
@@ -128,11 +118,9 @@ def cluster(redis_url, tok_dir, tmp_path_factory):
 
     nodes = {"dec": node("dec", "decode"), "pre-a": node("pre-a", "prefill"), "pre-b": node("pre-b", "prefill")}
     router = serve(router_config(redis_url, tok_dir, ns, short_prompt_tokens=32, vocab_size=512))
-    deadline = time.monotonic() + 10
     with pdserve.Client(router.address) as c:
-        while not c.health() and time.monotonic() < deadline:
-            time.sleep(0.1)
-    yield {"router": router, "nodes": nodes, "model": model, "ns": ns, "redis_url": redis_url}
+        wait_for(c.health, timeout=10, every=0.1)
+    yield {"router": router, "nodes": nodes, "model": tiny_model, "ns": ns, "redis_url": redis_url}
     router.stop()
     for s in nodes.values():
         s.stop()
@@ -151,10 +139,6 @@ def reference(cluster):
         return tuple(out[0].outputs[0].token_ids)
 
     return greedy
-
-
-def prompt(seed, n):
-    return [(seed * 7919 + i * 31) % 500 + 3 for i in range(n)]
 
 
 def test_greedy_through_router_equals_single_engine(cluster, reference):
@@ -289,25 +273,20 @@ def test_a_queued_prefill_keeps_renewing_its_reservation():
     import asyncio
 
     from protos.pdserve.v1 import kv_pb2
-    from router.orchestrator import Orchestrator
+    from router.node_client import await_renewing
 
     renewed: list[float] = []
 
-    class KV:
-        async def RenewReservation(self, req, timeout=None):
-            renewed.append(asyncio.get_running_loop().time())
-            return kv_pb2.RenewReservationResponse(found=True, lease_s=0.3)
+    async def renew():
+        renewed.append(asyncio.get_running_loop().time())
 
     async def slow_prefill():
         await asyncio.sleep(0.75)
         return kv_pb2.PrefillResponse(blocks_sent=3)
 
-    orch = Orchestrator.__new__(Orchestrator)  # only the config is read
-    orch.config = RouterConfig(redis_url="redis://x", model_name="m", tokenizer_dir="/x", max_model_len=64)
-
     async def run():
         t0 = asyncio.get_running_loop().time()
-        resp = await orch._await_renewing(slow_prefill(), KV(), "r-1", 0.3)
+        resp = await await_renewing(slow_prefill(), renew, 0.3)
         n = len(renewed)
         await asyncio.sleep(0.25)
         return resp, t0, n

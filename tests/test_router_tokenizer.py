@@ -36,7 +36,7 @@ def tokenizer_dir():
 
 @pytest.fixture(scope="module")
 def hf(tokenizer_dir):
-    from engine.engine import load_hf_tokenizer
+    from engine.tokenizer import load_hf_tokenizer
 
     return load_hf_tokenizer(tokenizer_dir)
 

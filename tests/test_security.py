@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import ssl
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -26,6 +25,7 @@ from security import tls as tls_
 from security.api_keys import ApiKeys, bearer_token, keys_from
 from security.ca import ThrowawayCA, private_dir
 from tests.clusters import start_node
+from tests.helpers import engine_config, wait_for
 
 API_KEY = "sk-right-" + uuid.uuid4().hex
 
@@ -119,34 +119,26 @@ class _Capture(logging.Handler):
 
 
 @pytest.fixture(scope="module")
-def secure(redis_server, certs, tmp_path_factory):
+def secure(redis_server, certs, tiny_model, tok_dir):
     """A router (TLS, API key) over one prefill and one decode node (mutual TLS), every log
     record of the module captured at DEBUG."""
-    from engine.config import CacheConfig, EngineConfig
-    from engine.models.builtin import resolve_builtin
-    from engine.models.tiny import save_tiny_model
-
     root = logging.getLogger()
     capture, level = _Capture(), root.level
     root.addHandler(capture)
     root.setLevel(logging.DEBUG)
-    model = str(save_tiny_model(tmp_path_factory.mktemp("tiny")))
     ns = f"sec-{uuid.uuid4().hex[:6]}"
-    eng = EngineConfig(model=model, device="cpu", num_threads=1, cache=CacheConfig(block_size=16, num_blocks=128))
+    eng = engine_config(tiny_model, num_blocks=128)
     m = certs["member"]
     member = dict(tls_cert_file=m.cert_file, tls_key_file=m.key_file, tls_ca_file=m.ca_file)
     nodes = {role: start_node(role, f"{role}-0", eng, redis_url=redis_server.url, namespace=ns, lease_s=1.5,
                               heartbeat_s=0.2, grpc_workers=4, **member) for role in ("prefill", "decode")}
     router = serve(RouterConfig(redis_url=redis_server.url, model_name="m",
-                                tokenizer_dir=str(resolve_builtin("smollm2-135m")), max_model_len=256, port=0,
+                                tokenizer_dir=tok_dir, max_model_len=256, port=0,
                                 http_port=0, namespace=ns, node_refresh_s=0.1, short_prompt_tokens=32,
                                 vocab_size=512, api_keys=(API_KEY,), **member))
     try:
         with client(router, api_key="") as c:  # health needs no key
-            deadline = time.monotonic() + 20
-            while not c.health():
-                assert time.monotonic() < deadline, "the router never saw its nodes"
-                time.sleep(0.1)
+            assert wait_for(c.health, timeout=20, every=0.1), "the router never saw its nodes"
         yield {"router": router, "nodes": nodes, "capture": capture}
     finally:
         router.stop()

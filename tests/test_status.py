@@ -144,19 +144,15 @@ def test_metrics_url():
 
 # ------------------------------------------------------------------ the command, for real
 @pytest.fixture(scope="module")
-def live(tmp_path_factory, redis_url):
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from engine.models.tiny import save_tiny_model
+def live(tiny_dir, redis_url):
     from tests.clusters import start_node
+    from tests.helpers import node_engine_config
 
-    model = save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama")
-    eng = EngineConfig(model=str(model), dtype="float32", device="cpu", num_threads=1,
-                       cache=CacheConfig(block_size=4, num_blocks=64),
-                       scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8))
+    eng = node_engine_config(tiny_dir)
     ns = f"status-{uuid.uuid4().hex[:8]}"
     kw = dict(redis_url=redis_url, namespace=ns, lease_s=2.0, heartbeat_s=0.1)
     nodes = [start_node("prefill", "p0", eng, **kw), start_node("decode", "d0", eng, **kw)]
-    router = RouterMetrics(str(model))
+    router = RouterMetrics(str(tiny_dir))
     router.watch_index(lambda: {"p0": 0.1}, lambda: 0.8)
     router_http = MetricsServer(router.registry, "127.0.0.1", 0)
     yield {"ns": ns, "prefill": nodes[0], "decode": nodes[1], "router": router_http.address, "url": redis_url}

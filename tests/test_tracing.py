@@ -26,6 +26,7 @@ from router.config import RouterConfig
 from router.server import serve
 from telemetry import tracing
 from tests.clusters import start_node
+from tests.helpers import engine_config, prompt, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 SHORT = 32  # the router's short_prompt_tokens: longer prompts are disaggregated
@@ -105,13 +106,13 @@ def test_decode_stream_trace_marks_preemptions_and_counts_tokens():
     purpose through a cluster)."""
     out = _run("""
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-        from engine.engine import CompletionOutput, RequestMetrics, RequestOutput
+        from engine.outputs import CompletionOutput, RequestOutput, RequestTimes
         from node.rpc_trace import DecodeStreamTrace
         from telemetry import tracing
 
         mem = InMemorySpanExporter()
         tracing.setup_tracing("t", exporter=mem)
-        metrics = RequestMetrics(arrival_time=0.0)
+        metrics = RequestTimes(arrival_time=0.0)
         def out(tokens, pre, finish=None):
             metrics.num_preemptions = pre
             c = CompletionOutput(0, list(range(tokens)), [tokens - 1], "", "", finish_reason=finish)
@@ -159,31 +160,24 @@ def test_engine_reports_preemptions_per_request(tmp_path):
 
 # ------------------------------------------------------------------ one traced cluster
 @pytest.fixture(scope="module")
-def traced(redis_url, tmp_path_factory):
-    from engine.config import CacheConfig, EngineConfig
-    from engine.models.builtin import resolve_builtin
-    from engine.models.tiny import save_tiny_model
-
+def traced(redis_url, tiny_model, tok_dir):
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("OTEL_")}
     mem = InMemorySpanExporter()
     assert tracing.setup_tracing("pdserve-test", exporter=mem)
-    model = str(save_tiny_model(tmp_path_factory.mktemp("tiny")))
     ns = f"tr-{uuid.uuid4().hex[:6]}"
-    eng = EngineConfig(model=model, device="cpu", num_threads=1, cache=CacheConfig(block_size=16, num_blocks=128))
+    eng = engine_config(tiny_model, num_blocks=128)
     nodes = {role: start_node(role, f"{role}-0", eng, redis_url=redis_url, namespace=ns, lease_s=1.5,
                               heartbeat_s=0.2, grpc_workers=4, metrics_port=None)
              for role in ("prefill", "decode")}
     router = serve(RouterConfig(
-        redis_url=redis_url, model_name="m", tokenizer_dir=str(resolve_builtin("smollm2-135m")), port=0,
+        redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0,
         http_port=None, namespace=ns, node_refresh_s=0.1, max_model_len=256, short_prompt_tokens=SHORT,
         vocab_size=512))
     try:
         with pdserve.Client(router.address) as c:
-            deadline = time.monotonic() + 15
             # Both nodes in the router's view (a decode node alone already makes it healthy).
-            while time.monotonic() < deadline and not (
-                    c.health() and {"prefill", "decode"} <= {n.role.value for n in router.orchestrator.refresher.view.nodes}):
-                time.sleep(0.1)
+            wait_for(lambda: c.health() and {"prefill", "decode"} <= {
+                n.role.value for n in router.orchestrator.refresher.view.nodes}, timeout=15, every=0.1)
         yield {"mem": mem, "router": router, "nodes": nodes}
     finally:
         router.stop()
@@ -191,10 +185,6 @@ def traced(redis_url, tmp_path_factory):
             s.stop()
         tracing.shutdown_tracing()
         os.environ.update(saved)
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 7919 + i * 31) % 500 + 3 for i in range(n)]
 
 
 def _request(traced, ids, **kw):

@@ -27,7 +27,7 @@ import torch
 from engine.attention import get_attention_backend
 from engine.attention.kv_cache import allocate_kv_cache, copy_blocks
 from engine.attention.metadata import AttentionMetadata
-from engine.engine import torch_dtype
+from engine.device import torch_dtype
 from engine.model_runner import seeded_generator
 from engine.models.loader import load_model
 from engine.sampler import SamplingRow, processed_probs

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from decode_node.proposers.draft_model import own_kv_drafter
-from engine.engine import torch_dtype
+from engine.device import torch_dtype
 from engine.models.builtin import cache_dir
 from engine.models.cpu_linear import load_or_tune
 from engine.models.loader import load_model

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from deploy.bench.plotting import figure
+
 KV_CACHE_BYTES = 1024 * 2**20
 # --quick: a tiny model's tokens are so small that 1 GiB holds millions of them, and
 # transformers sizes its per-step attention masks by cached tokens (about 6.7 GB for
@@ -102,7 +104,7 @@ def run(args: argparse.Namespace, report) -> dict:
 def _run(args, report, model_dir: Path, baselines: list[str]) -> dict:
     import torch
 
-    from engine.engine import torch_dtype
+    from engine.device import torch_dtype
 
     threads = torch.get_num_threads()
     prange = tuple(int(x) for x in args.prompt_len.split(","))
@@ -315,16 +317,9 @@ def _check_lengths(system: str, got: list[int], reqs) -> None:
 
 
 def _plot(path: str, rows, args) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
     labels = [r[0].replace(" (", "\n(") for r in rows]
-    ax.bar(labels, [r[2] for r in rows], color=["#2a7", "#57a", "#888"][: len(rows)])
-    ax.set_ylabel("useful output tokens / s")
-    ax.set_title(f"{args.model}, {args.dtype}, batch {args.batch}, {args.requests} requests")
-    ax.tick_params(axis="x", labelsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, dpi=120, figsize=(6, 3.5)) as (_, ax):
+        ax.bar(labels, [r[2] for r in rows], color=["#2a7", "#57a", "#888"][: len(rows)])
+        ax.set_ylabel("useful output tokens / s")
+        ax.set_title(f"{args.model}, {args.dtype}, batch {args.batch}, {args.requests} requests")
+        ax.tick_params(axis="x", labelsize=7)

@@ -139,7 +139,7 @@ def bf16_ulp(x: float) -> float:
 def _prompts(name: str, eng, tiny: bool) -> tuple[list[list[int]], list[list[int]]]:
     import random
 
-    from engine.engine import encode_chat
+    from engine.tokenizer import encode_chat
 
     if tiny:
         rng = random.Random(1)
@@ -170,7 +170,8 @@ def _run_model(name: str, tmp: Path, dtype_name: str, args, report) -> dict:
 
     from deploy.bench.bench_models import bench_model_dir
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from engine.engine import LLMEngine, torch_dtype
+    from engine.device import torch_dtype
+    from engine.engine import LLMEngine
     from tokens.sampling_params import SamplingParams
 
     dtype = torch_dtype(dtype_name)

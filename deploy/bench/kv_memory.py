@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
+from deploy.bench.plotting import figure
 from engine.kv_cache_manager import KVCacheManager
 
 _REPO = Path(__file__).resolve().parents[2]
@@ -318,20 +319,13 @@ def run(args: argparse.Namespace, report) -> dict:
 
 
 def _plot(path: Path, results: dict[str, tuple[ReplayResult, ReplayResult, ReplayResult]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on servers and CI
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.5), squeeze=False)
-    for ax, (name, (paged, contiguous, reserve)) in zip(axes[0], results.items()):
-        ax.plot(paged.concurrency_trace, label=f"paged (peak {paged.peak_concurrency})")
-        ax.plot(contiguous.concurrency_trace, label=f"contiguous max_model_len (peak {contiguous.peak_concurrency})")
-        ax.plot(reserve.concurrency_trace, label=f"contiguous prompt+max_tokens (peak {reserve.peak_concurrency})")
-        ax.set_title(name)
-        ax.set_xlabel("decode step")
-        ax.set_ylabel("running sequences")
-        ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, dpi=100, ncols=len(results), figsize=(5 * len(results), 3.5), squeeze=False) as (_, axes):
+        for ax, (name, (paged, contiguous, reserve)) in zip(axes[0], results.items()):
+            ax.plot(paged.concurrency_trace, label=f"paged (peak {paged.peak_concurrency})")
+            ax.plot(contiguous.concurrency_trace,
+                    label=f"contiguous max_model_len (peak {contiguous.peak_concurrency})")
+            ax.plot(reserve.concurrency_trace, label=f"contiguous prompt+max_tokens (peak {reserve.peak_concurrency})")
+            ax.set_title(name)
+            ax.set_xlabel("decode step")
+            ax.set_ylabel("running sequences")
+            ax.legend(fontsize="small")

@@ -30,6 +30,7 @@ import uuid
 
 import redis
 
+from deploy.bench.plotting import figure
 from deploy.redis_server import RedisServer
 from kv_index.nodes import NodeInfo
 from kv_index.publisher import NodePublisher
@@ -238,22 +239,14 @@ def _drop(client: redis.Redis, ns: str) -> None:
 
 
 def _plot(path: str, results: list[PolicyResult], common: list[bool]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in results:
-        t = sorted(x for x, c in zip(r.ttft_s, common) if c)
-        if t:
-            ax.plot(t, [(i + 1) / len(t) for i in range(len(t))], label=r.name,
-                    linewidth=2.2 if r.name.startswith("pdserve") else 1.2)
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT (s, simulated; requests every policy served)")
-    ax.set_ylabel("fraction of requests")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, dpi=120, figsize=(7, 4.5)) as (_, ax):
+        for r in results:
+            t = sorted(x for x, c in zip(r.ttft_s, common) if c)
+            if t:
+                ax.plot(t, [(i + 1) / len(t) for i in range(len(t))], label=r.name,
+                        linewidth=2.2 if r.name.startswith("pdserve") else 1.2)
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (s, simulated; requests every policy served)")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)

@@ -29,6 +29,8 @@ import argparse
 import dataclasses
 import time
 
+from deploy.bench.plotting import figure
+
 _CODE_A = '''def load_users(path):
     users = []
     with open(path) as f:
@@ -179,8 +181,10 @@ def _run(args: argparse.Namespace, report, tmp) -> dict:
     from decode_node.proposers import build_proposer
     from deploy.bench.bench_models import bench_model_dir
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-    from engine.engine import LLMEngine, encode_chat, load_hf_tokenizer, torch_dtype
+    from engine.device import torch_dtype
+    from engine.engine import LLMEngine
     from engine.models.loader import load_model
+    from engine.tokenizer import encode_chat, load_hf_tokenizer
     from tokens.sampling_params import SamplingParams
 
     args.repeats = max(1, args.repeats)
@@ -368,19 +372,12 @@ def _measure(engines: dict, sets: dict, params, batch: int, hf, eos, args, repor
 
 
 def _plot(path: str, per: dict, set_names: list[str]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     methods = list(per)
-    fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(set_names)
-    for j, s in enumerate(set_names):
-        ax.bar([i + j * width for i in range(len(methods))], [per[m][s]["tok_s"] for m in methods], width, label=s)
-    ax.set_xticks([i + width * (len(set_names) - 1) / 2 for i in range(len(methods))], methods)
-    ax.set_ylabel("output tokens/s")
-    ax.set_title("speculative decoding vs plain decoding (greedy)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+    with figure(path, figsize=(7, 4)) as (_, ax):
+        for j, s in enumerate(set_names):
+            ax.bar([i + j * width for i in range(len(methods))], [per[m][s]["tok_s"] for m in methods], width, label=s)
+        ax.set_xticks([i + width * (len(set_names) - 1) / 2 for i in range(len(methods))], methods)
+        ax.set_ylabel("output tokens/s")
+        ax.set_title("speculative decoding vs plain decoding (greedy)")
+        ax.legend()

@@ -58,6 +58,7 @@ import numpy as np
 import torch
 import xxhash
 
+from deploy.bench.plotting import figure
 from deploy.bench.transfer_receiver import RAW_LEN, RAW_MODES, SINK_METHOD, SINK_SERVICE, set_raw_options
 from kv_transfer import checksum as checksums
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, push_blocks
@@ -385,27 +386,19 @@ def _components(report, mib: int = 64, reps: int = 5) -> dict:
 
 
 def _plot(per_size: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     mib = [p["bytes"] / (1 << 20) for p in per_size]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for key, label, style in [
-        ("grpc", "gRPC PushBlocks (kv_transfer)", dict(marker="o")),
-        ("tcp", "raw TCP data stream (kv_transfer)", dict(marker="D")),
-        ("shm", "shared memory (kv_transfer)", dict(marker="v")),
-        ("socket", "raw TCP socket (bytes only, ceiling)", dict(marker="s", ls=":")),
-        ("grpc_bytes", "gRPC bytes only (no kv_transfer work)", dict(marker="^", ls="--")),
-    ]:
-        ax.plot(mib, [p[f"{key}_gbps"] for p in per_size], label=label, **style)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("request KV size (MiB)")
-    ax.set_ylabel("GB/s (1e9 bytes/s)")
-    ax.set_title("KV transfer on loopback, SmolLM2-135M KV shape")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, dpi=120, figsize=(6.5, 4)) as (_, ax):
+        for key, label, style in [
+            ("grpc", "gRPC PushBlocks (kv_transfer)", dict(marker="o")),
+            ("tcp", "raw TCP data stream (kv_transfer)", dict(marker="D")),
+            ("shm", "shared memory (kv_transfer)", dict(marker="v")),
+            ("socket", "raw TCP socket (bytes only, ceiling)", dict(marker="s", ls=":")),
+            ("grpc_bytes", "gRPC bytes only (no kv_transfer work)", dict(marker="^", ls="--")),
+        ]:
+            ax.plot(mib, [p[f"{key}_gbps"] for p in per_size], label=label, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("request KV size (MiB)")
+        ax.set_ylabel("GB/s (1e9 bytes/s)")
+        ax.set_title("KV transfer on loopback, SmolLM2-135M KV shape")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)

@@ -24,8 +24,9 @@ import grpc
 import torch
 import xxhash
 
+from kv_transfer.data_port import tune_socket
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, KVReceiver
-from kv_transfer.tcp_transport import TcpKVServer, tune_socket
+from kv_transfer.receiver import TcpKVServer
 from kv_transfer.validate import Reservation
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from deploy.bench.plotting import figure
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -111,19 +113,12 @@ def run(args: argparse.Namespace, report) -> dict:
 
 
 def _plot(path: str, cells: list[dict], batches: list[int], label: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for b in batches:
-        pts = [c for c in cells if c["batch"] == b]
-        ax.plot([c["k"] for c in pts], [c["ratio"] for c in pts], marker="o", label=f"batch {b}")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("draft tokens k (query rows k + 1 per sequence)")
-    ax.set_ylabel("verify time / decode time")
-    ax.set_title(f"cost of verification, SmolLM2-135M shapes ({label})")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+    with figure(path, figsize=(6, 4)) as (_, ax):
+        for b in batches:
+            pts = [c for c in cells if c["batch"] == b]
+            ax.plot([c["k"] for c in pts], [c["ratio"] for c in pts], marker="o", label=f"batch {b}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel("draft tokens k (query rows k + 1 per sequence)")
+        ax.set_ylabel("verify time / decode time")
+        ax.set_title(f"cost of verification, SmolLM2-135M shapes ({label})")
+        ax.legend()

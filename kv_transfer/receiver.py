@@ -1,0 +1,401 @@
+"""The decode node's data port: ``TcpKVServer`` receives the transfers of both tcp_transport.py
+and shm_transport.py senders into one KV pool, on a listening TCP socket (advertised as
+``shm://<host key>/host:port`` and ``tcp://host:port``). Framing: data_port.py.
+
+Copies: on a CPU pool a tcp chunk's destination blocks go to ``recvmsg_into`` (the kernel
+scatters into them: no staging buffer; consecutive blocks merge into one view) and are
+checksummed there. A device pool reads each chunk into a small reused buffer, checks it, then
+copies it to the device; an shm chunk is checked in the sender's buffer, then scattered.
+
+Integrity: the header (request, reservation, block ids, shape, dtype, fingerprint) is
+validated (validate.py) before any chunk is read, and each chunk's size against it before
+its bytes are read, so bytes only ever land in blocks reserved for this transfer; every
+chunk's checksum is checked before the next chunk is read and before the transfer is
+acknowledged. A transfer that fails part-way (or whose chunk fails its checksum) has written
+only into blocks reserved for it, which no request can read until Decode takes the complete
+reservation; they stay reserved (a retry over gRPC overwrites them all) and are freed with
+the reservation (ReleaseReservation, a recompute, or its lease).
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import stat
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+import torch
+from google.protobuf.message import DecodeError
+
+from kv_transfer.checksum import new_checksum
+from kv_transfer.data_port import (
+    MAX_IOV,
+    MAX_SHM_BYTES,
+    SHM_DIR,
+    SHM_PREFIX,
+    advance,
+    frame,
+    read_frame,
+    recv_exact,
+    send_all,
+    tune_socket,
+)
+from kv_transfer.layout import PoolLayout
+from kv_transfer.validate import (
+    HeaderGate,
+    KVDataLossError,
+    KVValidationError,
+    ReceivedBlocks,
+    Reservation,
+    check_payload_bytes,
+    status_code,
+)
+from kv_transfer.wire import CHUNK_BYTES, unit_rows
+from protos.pdserve.v1 import kv_pb2
+
+log = logging.getLogger(__name__)
+
+# A receiver refuses larger chunks (they would grow its buffer without bound).
+MAX_CHUNK_BYTES = 16 << 20
+# A transfer with no progress for this long fails (its reservation can be freed).
+STALL_TIMEOUT_S = 30.0
+# Connections served at once (a thread each); more are closed at once.
+MAX_CONNECTIONS = 256
+
+
+class TcpKVServer:
+    """Receives transfers into one KV pool on a listening TCP socket; one thread per
+    connection, connections serve transfer after transfer.
+
+    The hooks are the decode node's, as for KVReceiver: ``reservation_for(rid)`` what a
+    transfer is checked against; ``begin_push(rid)`` (False: refuse, no reservation) and
+    ``end_push(rid)`` bracket every transfer that got past its header, so the reservation's
+    blocks are not released while this server may write into them; ``on_received`` runs after
+    a complete transfer is in the pool, before the sender is answered; ``on_outcome(ok,
+    payload_bytes, seconds)`` once per transfer, refused ones included (metrics).
+    """
+
+    def __init__(
+        self, pool: torch.Tensor, fingerprint: str, *,
+        on_received: Callable[[ReceivedBlocks], None],
+        reservation_for: Callable[[str], Reservation | None],
+        begin_push: Callable[[str], bool] = lambda rid: True,
+        end_push: Callable[[str], None] = lambda rid: None,
+        on_outcome: Callable[[bool, int, float], None] = lambda ok, nbytes, seconds: None,
+        host: str = "127.0.0.1", port: int = 0, stall_timeout_s: float = STALL_TIMEOUT_S,
+    ) -> None:
+        self._stall_timeout_s = stall_timeout_s
+        self._layout = PoolLayout.of(pool)
+        self._gate = HeaderGate(self._layout, fingerprint, reservation_for)
+        # [num_layers * num_blocks, block_bytes]: one block-layer ("unit") per row, unit (l, b)
+        # at row l * num_blocks + b. numpy's indexed assignment for a CPU pool (torch's
+        # index_put_ on uint8 rows is ~200x slower there), index_copy_ on a device.
+        rows = pool.view(-1).view(torch.uint8).view(-1, self._layout.block_bytes)
+        self._rows = rows.numpy() if pool.device.type == "cpu" else rows
+        self._on_received = on_received
+        self._begin_push = begin_push
+        self._end_push = end_push
+        self._on_outcome = on_outcome
+        self._bind = (host, port)
+        self._listener: socket.socket | None = None
+        self.port: int | None = None  # the bound port, once started
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()  # guards _conns, _stopped
+        self._stopped = False
+        self._acceptor: threading.Thread | None = None
+        self.connections_accepted = 0  # senders keep connections open: this grows per sender thread
+
+    def start(self) -> int:
+        """Bind and accept; returns the bound port."""
+        self._listener = socket.create_server(self._bind, backlog=64)
+        self.port = self._listener.getsockname()[1]
+        self._acceptor = threading.Thread(target=self._accept, name=f"kv-tcp-{self.port}", daemon=True)
+        self._acceptor.start()
+        return self.port
+
+    def stop(self) -> None:
+        """Close the listener and every connection; a transfer in progress fails (its sender
+        sees UNAVAILABLE and falls back)."""
+        with self._lock:
+            self._stopped = True
+            conns, self._conns = list(self._conns), set()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._acceptor is not None and self._acceptor.is_alive():
+            self._acceptor.join(5)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed by stop()
+            with self._lock:
+                if self._stopped:
+                    conn.close()
+                    return
+                if len(self._conns) >= MAX_CONNECTIONS:  # the sender falls back to gRPC
+                    log.warning("KV data port %s: %d connections open, refusing another", self.port,
+                                len(self._conns))
+                    conn.close()
+                    continue
+                self._conns.add(conn)
+                self.connections_accepted += 1
+            tune_socket(conn)
+            threading.Thread(target=self._serve, args=(conn,), name=f"kv-tcp-conn-{self.port}", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        conn = _Connection(sock)
+        try:
+            while True:
+                sock.settimeout(None)  # a kept connection may idle between transfers
+                body = read_frame(sock)
+                if body is None:
+                    return
+                # A sender that stalls mid-transfer must not pin its reservation (no release
+                # while a push is in flight): no progress for stall_timeout_s fails the transfer.
+                sock.settimeout(self._stall_timeout_s)
+                try:
+                    msg = _parse(body)
+                except _Desync as err:
+                    reply, keep = _error(grpc.StatusCode.INVALID_ARGUMENT, str(err)), False
+                else:
+                    if msg.WhichOneof("kind") == "attach":
+                        reply, keep = conn.attach(msg.attach), True
+                    else:
+                        reply, keep = self._one(conn, msg)
+                send_all(sock, [frame(reply)])
+                if not keep:
+                    return
+        except (OSError, KVValidationError) as err:  # the sender went away or spoke garbage
+            log.debug("KV data connection closed: %r", err)
+        finally:
+            with self._lock:
+                self._conns.discard(sock)
+            conn.close()
+
+    def _one(self, conn: _Connection, msg: kv_pb2.KVBlockMessage) -> tuple[kv_pb2.KVStreamReply, bool]:
+        """One transfer whose first message is ``msg`` -> (reply, keep the connection). A
+        refused transfer's remaining frames are read and dropped, so the sender gets its reply
+        and the connection stays in step."""
+        began, ok, t0 = None, False, time.monotonic()
+        nbytes = 0
+        try:
+            header = self._gate.header(msg)
+            if not self._begin_push(header.request_id):  # before the lookup: see HeaderGate
+                raise HeaderGate.not_reserved(header.request_id)
+            began = header.request_id
+            self._gate.admit(header)
+            self._receive(conn, header)
+            received = ReceivedBlocks.of(header)
+            try:
+                self._on_received(received)
+            except Exception as err:  # the sender must learn the blocks were not taken
+                return _error(grpc.StatusCode.INTERNAL, f"on_received failed: {err!r}"), True
+            ok, nbytes = True, header.payload_bytes
+            written = kv_pb2.PushBlocksResponse(blocks_written=len(received.block_ids), bytes_written=nbytes)
+            return kv_pb2.KVStreamReply(ok=written), True
+        except KVValidationError as err:
+            keep = conn.drain() if not isinstance(err, _Desync) else False
+            return _error(status_code(err), str(err)), keep
+        finally:
+            if began is not None:
+                self._end_push(began)
+            self._on_outcome(ok, nbytes, time.monotonic() - t0)
+
+    def _receive(self, conn: _Connection, header: kv_pb2.KVHeader) -> None:
+        """Chunks and trailer of a validated header; each chunk checked, then scattered."""
+        unit = self._layout.block_bytes
+        # The pool row of every unit, once per transfer (bounded: the header was validated
+        # against the reservation); a chunk's rows are a slice of it.
+        all_rows = unit_rows(header.layer_start, header.layer_count, header.dest_block_ids, self._layout.num_blocks)
+        received, seq = 0, 0
+        while True:
+            body = read_frame(conn.sock)
+            if body is None:
+                raise _Desync(f"stream ended without trailer after {received} of {header.payload_bytes} payload bytes")
+            msg = _parse(body)
+            kind = msg.WhichOneof("kind")
+            if kind == "trailer":
+                check_payload_bytes(header, received)
+                return
+            if kind != "chunk":
+                raise _Desync(f"message after header: got {kind}, expected chunk or trailer")
+            chunk, n = msg.chunk, msg.chunk.raw_bytes
+            if chunk.seq != seq:
+                raise _Desync(f"chunk seq: got {chunk.seq}, expected {seq}")
+            if n == 0 or n % unit or n > MAX_CHUNK_BYTES or received + n > header.payload_bytes:
+                raise _Desync(f"chunk {seq} raw_bytes: got {n}, expected a multiple of {unit} bytes, "
+                              f"<= {MAX_CHUNK_BYTES}, within payload_bytes={header.payload_bytes} "
+                              f"({received} received)")
+            # Units [first, first + k) of the payload (wire.py's order).
+            first, k = received // unit, n // unit
+            rows = all_rows[first : first + k]
+            checksum = new_checksum(header.checksum_algorithm)
+            if isinstance(self._rows, np.ndarray) and not chunk.HasField("shm_offset"):
+                # Straight from the socket into the reserved blocks (one readv per call) and
+                # checked there: the staging buffer's extra pass was about a quarter of a
+                # chunk's time. A chunk that fails its checksum has written only into blocks
+                # reserved for this transfer, as a transfer that fails part-way always has.
+                views = row_views(self._rows, rows)
+                _recv_into_views(conn.sock, views)
+                for v in views:
+                    checksum.update(v)
+                _check_chunk(seq, checksum.value(), chunk.checksum)
+            else:
+                data = conn.chunk_data(chunk)  # [n] uint8, from the shared buffer or staged
+                checksum.update(data)
+                _check_chunk(seq, checksum.value(), chunk.checksum)
+                src = data.reshape(k, unit)
+                if isinstance(self._rows, np.ndarray):
+                    self._rows[rows] = src
+                else:  # [k, block_bytes] to the pool's device, then one scatter there
+                    self._rows.index_copy_(0, torch.from_numpy(rows).to(self._rows.device),
+                                           torch.from_numpy(src).to(self._rows.device))
+            received += n
+            seq += 1
+
+
+def _check_chunk(seq: int, computed: int, declared: int) -> None:
+    if computed != declared:
+        raise KVDataLossError(f"chunk {seq} checksum: computed {computed:#x}, frame says {declared:#x}")
+
+
+def row_views(rows: np.ndarray, idx: np.ndarray) -> list[memoryview]:
+    """Writable byte views of ``rows[idx]`` in order, consecutive rows merged into one view
+    (``rows``: [num_rows, row_bytes] uint8; ``idx``: [k] row numbers)."""
+    # Runs of consecutive rows: a new run wherever the next row is not this row + 1.
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    starts = np.concatenate(([0], breaks)).tolist()
+    ends = np.concatenate((breaks, [len(idx)])).tolist()
+    return [memoryview(rows[idx[a] : idx[a] + (b - a)]).cast("B") for a, b in zip(starts, ends)]
+
+
+def _recv_into_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill every view in order from ``sock`` (readv: the kernel scatters into them)."""
+    pending = deque(views)
+    while pending:
+        n = sock.recvmsg_into([pending[i] for i in range(min(len(pending), MAX_IOV))])[0]
+        if n == 0:
+            raise _Desync("stream ended inside a chunk")
+        advance(pending, n)
+
+
+class _Connection:
+    """One data connection on the receiving side: its socket, the reused buffer chunks are
+    read into, and the sender's shared-memory buffer once attached (read-only)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._staging = bytearray(CHUNK_BYTES)
+        self._shm: mmap.mmap | None = None
+        self._shm_array: np.ndarray | None = None  # [size] uint8 over _shm
+
+    def attach(self, attach: kv_pb2.KVAttach) -> kv_pb2.KVStreamReply:
+        """Map the sender's buffer named in ``attach`` (replacing any earlier one)."""
+        path = attach.path
+        name = os.path.basename(path)
+        if os.path.dirname(path) != SHM_DIR or not name.startswith(SHM_PREFIX) or not name[len(SHM_PREFIX):].isalnum():
+            return _error(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"attach path: got {path!r}, expected {SHM_DIR}/{SHM_PREFIX}<alphanumeric>")
+        if not 0 < attach.size <= MAX_SHM_BYTES:
+            return _error(grpc.StatusCode.INVALID_ARGUMENT, f"attach size: got {attach.size}, expected (0, {MAX_SHM_BYTES}]")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as err:  # another host, or another /dev/shm (container): use TCP
+            return _error(grpc.StatusCode.UNAVAILABLE, f"attach: cannot open {path!r}: {err.strerror}")
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != attach.size:
+                return _error(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"attach: {path!r} is not a regular file of {attach.size} bytes")
+            shm = mmap.mmap(fd, attach.size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.close_shm()
+        self._shm, self._shm_array = shm, np.frombuffer(shm, dtype=np.uint8)
+        return kv_pb2.KVStreamReply(ok=kv_pb2.PushBlocksResponse())
+
+    def chunk_data(self, chunk: kv_pb2.KVChunk) -> np.ndarray:
+        n = chunk.raw_bytes
+        if chunk.HasField("shm_offset"):
+            off = chunk.shm_offset
+            if self._shm_array is None or off + n > len(self._shm_array):
+                size = 0 if self._shm_array is None else len(self._shm_array)
+                raise _Desync(f"chunk {chunk.seq} shm_offset: [{off}, {off + n}) outside the attached "
+                              f"buffer of {size} bytes")
+            return self._shm_array[off : off + n]
+        if len(self._staging) < n:
+            self._staging = bytearray(n)
+        if not recv_exact(self.sock, memoryview(self._staging)[:n]):
+            raise _Desync("stream ended inside a chunk")
+        return np.frombuffer(self._staging, dtype=np.uint8, count=n)
+
+    def drain(self) -> bool:
+        """Read and drop the rest of a refused transfer up to its trailer; False when the
+        stream does not parse (then the connection is closed)."""
+        try:
+            while True:
+                body = read_frame(self.sock)
+                if body is None:
+                    return False
+                msg = _parse(body)
+                kind = msg.WhichOneof("kind")
+                if kind == "trailer":
+                    return True
+                if kind != "chunk" or msg.chunk.raw_bytes > MAX_CHUNK_BYTES:
+                    return False
+                if msg.chunk.HasField("shm_offset"):
+                    continue  # nothing on the socket
+                left = msg.chunk.raw_bytes
+                view = memoryview(self._staging)
+                while left:
+                    part = view[: min(left, len(view))]
+                    if not recv_exact(self.sock, part):
+                        return False
+                    left -= len(part)
+        except (OSError, KVValidationError):
+            return False
+
+    def close_shm(self) -> None:
+        if self._shm is not None:
+            self._shm_array = None  # the array's buffer export must go before the map closes
+            try:
+                self._shm.close()
+            except BufferError:  # a view still alive (a failed chunk's frame); the GC frees it
+                pass
+            self._shm = None
+
+    def close(self) -> None:
+        self.close_shm()
+        self.sock.close()
+
+
+class _Desync(KVValidationError):
+    """The stream broke its framing: its remaining bytes cannot be found, so the connection ends."""
+
+
+def _parse(body: bytes) -> kv_pb2.KVBlockMessage:
+    try:
+        return kv_pb2.KVBlockMessage.FromString(body)
+    except DecodeError as err:
+        raise _Desync(f"frame: not a KVBlockMessage ({err})") from None
+
+
+def _error(code: grpc.StatusCode, message: str) -> kv_pb2.KVStreamReply:
+    return kv_pb2.KVStreamReply(error=kv_pb2.KVStreamError(code=code.value[0], message=message))

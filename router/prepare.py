@@ -1,0 +1,101 @@
+"""A request made ready for the nodes: validated (router/validation.py), its prompt's blocks
+hashed, one index lookup, placed by the policy, admitted against its SLO class; and a
+migration's continuation placed again. The result is a ``Prepared`` (router/request_state.py).
+
+Everything here blocks (tokenizing, the Redis lookup), so the orchestrator runs it on a worker
+thread and keeps its event loop for the streams. The node view is read, never waited for
+(router/node_view.py refreshes it in the background).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import grpc
+
+from kv_index.reader import IndexReader
+from protos.convert import sampling_to_proto
+from protos.pdserve.v1 import serving_pb2 as pb
+from router.admission import SLO_CLASSES, decide
+from router.config import RouterConfig
+from router.migration import Continuation, Exclusions
+from router.node_view import NodeRefresher, NodeView, PrefillLedger
+from router.placement import NoCapacityError, Placement, PlacementPolicy, PlacementRequest
+from router.request_state import Prepared, fresh_node_id
+from router.tokenizer import PromptTokenizer
+from router.validation import RequestValidator, RouterError
+from telemetry import tracing
+from tokens.block_hash import hash_prompt_blocks
+
+log = logging.getLogger(__name__)
+
+
+class Preparer:
+    """``prepare`` a new request, ``place_continuation`` a migrated one. Holds no request state:
+    safe on several worker threads at once."""
+
+    def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer, refresher: NodeRefresher,
+                 reader: IndexReader, policy: PlacementPolicy, ledger: PrefillLedger) -> None:
+        self.config = config
+        self.validator = RequestValidator(config, tokenizer)
+        self.refresher = refresher
+        self.reader = reader
+        self.policy = policy
+        self.ledger = ledger  # the prefill nodes' queues as this router sees them
+
+    def prepare(self, req: pb.GenerateRequest, client_id: str, max_tokens_to_context: bool = False,
+                excluded: frozenset = frozenset()) -> Prepared:
+        """Validate, place, admit; raises RouterError. ``excluded``: (node id, address) of nodes
+        that failed lately (Exclusions.active)."""
+        cfg = self.config
+        valid = self.validator.validate(req, max_tokens_to_context)
+        prompt, params, slo_class = valid.prompt, valid.params, valid.slo_class
+        view = self.refresher.view
+        if not view.has_decode:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                              view.error or f"no live decode node for model {cfg.model_name!r}; retry later")
+        try:
+            try:
+                hashes, placement = self._place(view, prompt, params.n, params.max_tokens, slo_class, excluded)
+            except NoCapacityError:
+                if not excluded:
+                    raise
+                # Avoiding failed nodes is a preference for a new request: better a node that
+                # failed a moment ago (it may be back) than no answer.
+                hashes, placement = self._place(view, prompt, params.n, params.max_tokens, slo_class, frozenset())
+        except NoCapacityError as e:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        if placement.estimate is not None:
+            verdict = decide(placement.estimate, SLO_CLASSES[slo_class], len(prompt))
+            if not verdict.admit:
+                raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, verdict.reason, verdict.retry_after_ms, "slo")
+        return Prepared(client_id, fresh_node_id(client_id), prompt, params, sampling_to_proto(params), hashes,
+                        view.fingerprint, view.block_size, placement, slo_class)
+
+    def place_continuation(self, prep: Prepared, cont: Continuation, excluded: frozenset) -> Prepared:
+        """The next attempt of ``prep``, continuing as ``cont`` says, placed away from
+        ``excluded``; raises NoCapacityError. No admission check: the request was admitted and
+        has a client waiting."""
+        view = self.refresher.view
+        hashes, placement = self._place(view, cont.prompt, prep.params.n, cont.remaining_tokens, prep.slo_class,
+                                        excluded)
+        return replace(prep, node_id=fresh_node_id(prep.client_id), prompt=cont.prompt, block_hashes=hashes,
+                       fingerprint=view.fingerprint, block_size=view.block_size, placement=placement,
+                       resumed=cont.resumed_output_tokens)
+
+    def _place(self, view: NodeView, prompt: list[int], n: int, max_tokens: int, slo_class: str,
+               excluded: frozenset) -> tuple[list[int], Placement]:
+        """Block hashes, one index lookup, the policy's choice among the nodes not excluded.
+        Raises NoCapacityError."""
+        nodes = Exclusions.usable(view.nodes, excluded)
+        hashes = hash_prompt_blocks(prompt, view.block_size, view.fingerprint.encode())
+        try:
+            matched = self.reader.match(hashes, [x.node_id for x in nodes]) if self.policy.uses_index else {}
+        except Exception as e:  # the index is a hint: route without it rather than fail
+            log.warning("index lookup failed, placing without prefix information: %s", e)
+            matched = {}
+        tracing.event("index_matched", {"pdserve.index.longest_match_blocks": max(matched.values(), default=0)})
+        placement = self.policy.choose(PlacementRequest(len(prompt), view.block_size, n, max_tokens, slo_class),
+                                       nodes, matched, self.ledger.backlog_s())
+        tracing.event("placed")
+        return hashes, placement

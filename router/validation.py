@@ -1,0 +1,139 @@
+"""What the router refuses before it places a request: the served model, the prompt (its kind,
+its size before and after tokenizing, its token ids), the sampling parameters and the context
+limits of ``RouterConfig``. Every refusal is a ``RouterError`` naming the field at fault.
+
+Runs on the orchestrator's worker thread (tokenizing blocks), before the node view is read:
+a request that could never run is refused without looking at the cluster.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import grpc
+
+from protos.convert import sampling_from_proto, slo_class_from_proto
+from protos.pdserve.v1 import serving_pb2 as pb
+from router.config import RouterConfig
+from router.tokenizer import ChatTemplateError, PromptTokenizer
+from telemetry import tracing
+from tokens.sampling_params import SamplingParams
+
+
+class RouterError(Exception):
+    """A failure before any output: becomes the RPC's status (with retry-after-ms if set)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None,
+                 reason: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+        self.param = param  # the request field at fault, when one is (HTTP's error "param")
+        # One word for the requests_rejected_total metric.
+        self.reason = reason or _REJECT_REASONS.get(code, code.name.lower())
+
+
+_REJECT_REASONS = {
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid",
+    grpc.StatusCode.NOT_FOUND: "not_found",
+    grpc.StatusCode.ALREADY_EXISTS: "duplicate_id",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+}
+
+
+def invalid(message: str, param: str | None = None) -> RouterError:
+    return RouterError(grpc.StatusCode.INVALID_ARGUMENT, message, param=param)
+
+
+@dataclass(frozen=True, slots=True)
+class ValidRequest:
+    """A request the router can run, before placement."""
+
+    prompt: list[int]
+    params: SamplingParams  # max_tokens final: capped by the context when the front-end asked
+    slo_class: str
+
+
+class RequestValidator:
+    """``validate`` turns a ``GenerateRequest`` into a ``ValidRequest`` or raises RouterError."""
+
+    def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = config.vocab_size or tokenizer.vocab_size
+
+    def validate(self, req: pb.GenerateRequest, max_tokens_to_context: bool = False) -> ValidRequest:
+        """``max_tokens_to_context``: ignore the request's max_tokens and let it use the rest
+        of the context (the HTTP API's chat default)."""
+        cfg = self.config
+        slo_class = slo_class_from_proto(req.slo_class) or cfg.default_slo_class
+        if req.model and req.model != cfg.model_name:
+            raise RouterError(grpc.StatusCode.NOT_FOUND,
+                              f"model {req.model!r} is not served here; served models: [{cfg.model_name!r}]")
+        prompt = self._prompt_ids(req)
+        tracing.event("tokenized", {tracing.GEN_AI_USAGE_INPUT_TOKENS: len(prompt)})
+        try:
+            params = sampling_from_proto(req.sampling)
+            if max_tokens_to_context:  # capped below, once the prompt's length is known
+                params = replace(params, max_tokens=cfg.max_model_len)
+            params.validate(self.vocab_size)
+        except ValueError as e:  # SamplingParamError names the field
+            raise invalid(str(e), getattr(e, "field", None)) from None
+        n = len(prompt)
+        if n == 0:
+            raise invalid("the prompt is empty (0 tokens)", req.WhichOneof("prompt"))
+        if n > cfg.effective_max_prompt_tokens:
+            raise invalid(f"this model's maximum context length is {cfg.max_model_len} tokens and a prompt "
+                          f"may use {cfg.effective_max_prompt_tokens} of them (max_prompt_tokens); "
+                          f"the prompt has {n} tokens")
+        if max_tokens_to_context:
+            # OpenAI's chat default: no max_tokens = as many as the context leaves.
+            budget = max(params.min_tokens, cfg.max_model_len - n)
+            if cfg.max_tokens_limit is not None:
+                budget = min(budget, cfg.max_tokens_limit)
+            params = replace(params, max_tokens=budget)
+        if cfg.max_tokens_limit is not None and params.max_tokens > cfg.max_tokens_limit:
+            raise invalid(f"max_tokens is {params.max_tokens}; max_tokens_limit is {cfg.max_tokens_limit}")
+        if n + params.max_tokens > cfg.max_model_len:
+            raise invalid(f"the prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
+                          f"{n + params.max_tokens} exceeds this model's maximum context length of "
+                          f"{cfg.max_model_len} tokens (max_model_len)")
+        return ValidRequest(prompt, params, slo_class)
+
+    def _prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
+        kind = req.WhichOneof("prompt")
+        if kind == "text":
+            self._check_text_length(len(req.text), "text")
+            return self.tokenizer.encode(req.text)
+        if kind == "chat":
+            if not req.chat.messages:
+                raise invalid("chat prompt has no messages", "chat.messages")
+            limit = self.config.effective_max_prompt_tokens
+            if len(req.chat.messages) > limit:  # chat templates write at least a role marker per message
+                raise invalid(f"chat prompt has {len(req.chat.messages)} messages; a prompt may use {limit} "
+                              f"tokens (max_prompt_tokens)", "chat.messages")
+            self._check_text_length(sum(len(m.content) + len(m.role) for m in req.chat.messages), "chat.messages")
+            try:
+                return self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in req.chat.messages])
+            except ChatTemplateError as e:
+                raise invalid(str(e)) from None
+        if kind == "tokens":
+            ids = list(req.tokens.ids)
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise invalid(f"token ids must be in [0, {self.vocab_size}) (the vocab size); got {bad[:5]}",
+                              "tokens.ids")
+            return ids
+        raise invalid("no prompt: set one of text, chat or tokens", "prompt")
+
+    def _check_text_length(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, text that cannot fit: every token covers at most
+        ``max_token_chars`` characters, so longer text is surely over max_prompt_tokens (and
+        tokenizing tens of MB would hold a router thread for seconds)."""
+        cfg = self.config
+        limit = cfg.effective_max_prompt_tokens * self.tokenizer.max_token_chars
+        if chars > limit:
+            raise invalid(f"the prompt has {chars} characters: more than the {cfg.effective_max_prompt_tokens} "
+                          f"tokens a prompt may use (max_prompt_tokens) can hold, at most "
+                          f"{self.tokenizer.max_token_chars} characters per token", param)
