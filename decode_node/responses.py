@@ -3,7 +3,8 @@
 One RequestOutput carries the new tokens of the samples that moved in one step; each becomes a
 Chunk, and a sample that finished also gets its Complete. When the request ends, every sample
 that has not completed yet (an abort before an n > 1 request forked) completes with the
-request's finish reason, so a reader always gets exactly n Completes.
+request's finish reason, so a reader always gets exactly n Completes. A stream with nothing
+to say for a while gets a Heartbeat instead (decode_node/server.py decides when).
 """
 from __future__ import annotations
 
@@ -46,6 +47,13 @@ class ResponseBuilder:
             if index not in self.completed:
                 self.completed.add(index)
                 yield self._msg(complete=pb.Complete(index=index, finish_reason=pb.FINISH_REASON_ERROR))
+
+    def heartbeat(self, engine_progress: int) -> pb.GenerateResponse:
+        """A sign of life on a silent stream (the caller checks that the engine moved). Not
+        counted in ``num_messages``: a failure after heartbeats only is still one before any
+        output, answered as the call's status."""
+        return pb.GenerateResponse(request_id=self.request_id,
+                                   heartbeat=pb.Heartbeat(engine_progress=engine_progress))
 
     def _complete(self, out: RequestOutput, index: int, reason: str, completion_tokens: int) -> pb.GenerateResponse:
         self.completed.add(index)

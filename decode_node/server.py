@@ -8,7 +8,9 @@ A disaggregated request, as seen from here::
     PushBlocks      the prefill node writes the KV into exactly those blocks (validated first)
     Decode          with first_token_ids: the request joins the running batch over that KV;
                     without: this node prefills the prompt itself (short prompt, or recompute
-                    after a failed transfer; any leftover reservation is dropped first)
+                    after a failed transfer; any leftover reservation is dropped first);
+                    a silent stream gets a Heartbeat every heartbeat_s the router asked for,
+                    while the engine loop moves (AsyncEngine.progress)
 
 Writing into reserved blocks from a gRPC thread while the engine loop steps is safe: the
 engine never reads or reuses a block that is reserved but not yet added as a request, and a
@@ -21,6 +23,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -34,7 +37,7 @@ from kv_transfer.grpc_transport import KVReceiver
 from kv_transfer.receiver import TcpKVServer
 from kv_transfer.shm_transport import shm_endpoint
 from kv_transfer.tcp_transport import SCHEME as TCP_SCHEME
-from kv_transfer.validate import ReceivedBlocks, Reservation
+from kv_transfer.validate import ReceivedBlocks, Reservation, new_token
 from node.config import NodeConfig, host_port
 from node.engine_thread import EngineStoppedError, OutputStream, RequestFailedError
 from node.rpc_trace import DecodeStreamTrace, traced_rpc
@@ -50,6 +53,8 @@ log = logging.getLogger(__name__)
 
 # Told to a router whose ReserveBlocks found the pool full: blocks free up as requests finish.
 RETRY_AFTER_MS = 200
+# The shortest heartbeat period a router may ask for (DecodeRequest.heartbeat_s).
+MIN_HEARTBEAT_S = 0.05
 
 
 class DecodeServer(NodeServer):
@@ -197,11 +202,14 @@ class _KVTransferService(kv_pb2_grpc.KVTransferServicer):
         table, cached_tokens = got
         first = cached_tokens // bs
         dest = table[first : math.ceil(len(prompt) / bs)]
-        node.reservations.add(rid, Reservation(first, tuple(dest), tuple(hashes[first:])), tuple(prompt))
+        # The token is what lets only the prefill node this reservation is for push into it
+        # (kv_transfer/validate.py, check_token); it travels to it inside PrefillRequest.
+        token = new_token()
+        node.reservations.add(rid, Reservation(first, tuple(dest), tuple(hashes[first:]), token), tuple(prompt))
         tracing.annotate({tracing.KV_CACHED_BLOCKS: first, tracing.KV_BLOCKS: len(dest)})
         return kv_pb2.ReserveBlocksResponse(num_cached_blocks=first, block_ids=dest,
                                             lease_s=node.config.reservation_lease_s,
-                                            kv_endpoints=node.kv_endpoints())
+                                            kv_endpoints=node.kv_endpoints(), token=token)
 
     def PushBlocks(self, request_iterator, context: grpc.ServicerContext):
         # Peek at the header to count this push as in flight on its reservation: its blocks
@@ -281,7 +289,9 @@ class _DecodeService(kv_pb2_grpc.DecodeNodeServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         self.node.num_decodes += 1
         context.add_callback(stream.cancel)  # client went away -> abort, blocks freed
-        yield from _stream(stream, ResponseBuilder(rid, params.n), context, rec)
+        beats = (lambda: self.node.aengine.progress) if request.heartbeat_s > 0 else None
+        yield from _stream(stream, ResponseBuilder(rid, params.n), context, rec,
+                           heartbeats=beats, heartbeat_s=max(request.heartbeat_s, MIN_HEARTBEAT_S))
 
     def _add_prefilled(self, request, prompt: tuple[int, ...], params, context) -> OutputStream:
         rid = request.request_id
@@ -317,18 +327,48 @@ class _DecodeService(kv_pb2_grpc.DecodeNodeServicer):
         return serving_pb2.AbortResponse(found=running or reserved)
 
 
+def _with_heartbeats(stream: OutputStream, progress: Callable[[], int] | None, every_s: float):
+    """The stream's outputs; while it stays silent for ``every_s``, the engine's progress
+    counter instead (an int: a heartbeat to send), but only when it moved since the last one:
+    a wedged engine sends nothing and the router's progress deadline gives up on this node.
+    ``progress`` None: no heartbeats (an older router did not ask for them)."""
+    if progress is None:
+        yield from stream
+        return
+    seen = progress()
+    while True:
+        try:
+            out = stream.get(every_s)
+        except TimeoutError:
+            now = progress()
+            if now != seen:
+                seen = now
+                yield now
+            continue
+        if out is None:
+            return
+        yield out
+
+
 def _stream(stream: OutputStream, builder: ResponseBuilder, context: grpc.ServicerContext,
-            rec: RequestRecorder | None = None):
+            rec: RequestRecorder | None = None, heartbeats: Callable[[], int] | None = None,
+            heartbeat_s: float = 0.5):
     dtrace = DecodeStreamTrace()  # built here, where the Decode span is current
     try:
-        for out in stream:
+        for out in _with_heartbeats(stream, heartbeats, heartbeat_s):
+            if isinstance(out, int):
+                yield builder.heartbeat(out)
+                continue
             dtrace.output(out)
             if rec is not None:
                 _record(rec, out)
             yield from builder.responses(out)
     except (RequestFailedError, EngineStoppedError) as err:
+        # A failed step (INTERNAL, "engine step failed: ...") ends in the stream even before any
+        # output: the router moves the request once on it. A stopped engine (shut down, or
+        # unhealthy) is the node gone: UNAVAILABLE, as the call's status if nothing was sent.
         code = grpc.StatusCode.UNAVAILABLE if isinstance(err, EngineStoppedError) else grpc.StatusCode.INTERNAL
-        if builder.num_messages == 0:
+        if builder.num_messages == 0 and code is grpc.StatusCode.UNAVAILABLE:
             context.abort(code, str(err))
         dtrace.failed(str(err), code.name)
         yield from builder.error(code.value[0], str(err))

@@ -163,6 +163,22 @@ def cmd_generate_remote(a: argparse.Namespace) -> int:
     return 0
 
 
+def add_deadline_arguments(p: argparse.ArgumentParser) -> None:
+    """How the router gives up on a quiet node (router/liveness.py); `python -m router.server`
+    has the same flags."""
+    p.add_argument("--decode-progress-factor", type=float, default=10.0,
+                   help="a Decode stream with no token and no heartbeat for this many times its node's step time "
+                   "(within the floor and ceiling) moves to another node")
+    p.add_argument("--decode-progress-floor", type=float, default=3.0, dest="decode_progress_floor_s",
+                   help="seconds: the shortest progress deadline (bounds the detection of a frozen decode node)")
+    p.add_argument("--decode-progress-ceiling", type=float, default=30.0, dest="decode_progress_ceiling_s",
+                   help="seconds: the longest progress deadline (also while a node's step time is unknown)")
+    p.add_argument("--prefill-deadline-factor", type=float, default=4.0,
+                   help="a Prefill call's deadline is this many times its predicted queue + prefill + transfer")
+    p.add_argument("--prefill-deadline-floor", type=float, default=10.0, dest="prefill_deadline_floor_s",
+                   help="seconds: the shortest Prefill deadline (past it the decode node recomputes the prompt)")
+
+
 def cluster_config_from_args(a: argparse.Namespace):
     from deploy.launcher import ClusterConfig
     from security.api_keys import keys_from
@@ -174,6 +190,10 @@ def cluster_config_from_args(a: argparse.Namespace):
         http_port=None if a.http_port < 0 else a.http_port, otlp_endpoint=a.otlp_endpoint,
         tls=a.tls, api_keys=keys_from(a.api_keys, os.environ), drain_timeout_s=a.drain_timeout_s,
         max_migrations=a.max_migrations, straggler_factor=a.straggler_factor,
+        decode_progress_factor=a.decode_progress_factor, decode_progress_floor_s=a.decode_progress_floor_s,
+        decode_progress_ceiling_s=a.decode_progress_ceiling_s, prefill_deadline_factor=a.prefill_deadline_factor,
+        prefill_deadline_floor_s=a.prefill_deadline_floor_s,
+        max_step_failures=a.max_step_failures, max_start_failures=a.max_start_failures,
     )
 
 
@@ -197,6 +217,7 @@ def cmd_status(a: argparse.Namespace) -> int:
 
     from deploy.launcher import state_file
     from deploy.status import gather, metrics_url, prometheus_targets, render
+    from kv_index.client import redis_client
     from kv_index.redis_url import redact
 
     def write_targets(path: str, targets: list) -> None:
@@ -224,7 +245,7 @@ def cmd_status(a: argparse.Namespace) -> int:
     # The URL may carry the Redis password: what is shown never does.
     cluster = {"grpc": state.get("grpc"), "http": state.get("http"), "dashboard": state.get("dashboard"),
                "redis_url": redact(url), "namespace": ns}
-    r = redis.Redis.from_url(url)
+    r = redis_client(url)
     prev = None
     tty = sys.stdout.isatty()
     try:
@@ -295,9 +316,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace, rest: list[str]) -> int:
-    from deploy.bench import Reporter, load
+    from deploy.bench import Reporter, benchmark_module
 
-    mod = load(a.name)
+    mod = benchmark_module(a.name)
     p = argparse.ArgumentParser(prog=f"pdserve bench {a.name}")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line at the end")
     mod.add_arguments(p)
@@ -334,9 +355,15 @@ def add_up_arguments(u: argparse.ArgumentParser) -> None:
                    help="once ready, stream an answer to PROMPT through the cluster, then keep serving")
     u.add_argument("--max-migrations", type=int, default=2,
                    help="times a request whose node failed is placed again (0: the stream ends with the error)")
+    u.add_argument("--max-step-failures", type=int, default=3,
+                   help="engine steps failing in a row before a node turns unhealthy, leaves the index and "
+                   "restarts (0: never)")
+    u.add_argument("--max-start-failures", type=int, default=3,
+                   help="failed starts in a row (with a growing wait between them) before a node stays down")
     u.add_argument("--straggler-factor", type=float, default=3.0,
                    help="leave out a decode node whose step time is this many times the fastest one's or its "
                    "own recent best (0: never)")
+    add_deadline_arguments(u)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from deploy import chaos
 
-    ch = sub.add_parser("chaos", help="inject a fault into a local cluster under load and compare (deploy/chaos.py)")
+    ch = sub.add_parser("chaos", help="faults injected into a local cluster under load, judged against a fault-free "
+                                      "run; exit 1 if any check failed (deploy/chaos/)")
     _add_engine_args(ch)
     chaos.add_arguments(ch)
 

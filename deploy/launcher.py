@@ -9,9 +9,11 @@
 
 When every node has registered, one line goes to stdout so scripts can wait for it:
 
-    pdserve ready grpc=127.0.0.1:50051 http=127.0.0.1:8000 dashboard=http://127.0.0.1:8265
+    pdserve ready grpc=127.0.0.1:50051 http=127.0.0.1:8000 dashboard=http://127.0.0.1:8265 dashboard_token=~/.ray/auth_token
 
-(with ``--tls``, `` tls_ca=PATH`` follows: the throwaway CA clients must trust).
+(with ``--tls``, `` tls_ca=PATH`` comes before the token: the throwaway CA clients must trust).
+``dashboard_token`` says where the token Ray's dashboard asks for is (``dashboard_login``; left
+out when Ray's token authentication is off); a line on stderr says how to get in.
 
 Ctrl-C or SIGTERM drains the router (in-flight requests finish for up to --drain-timeout, new
 ones are refused), then stops the actors, Ray and Redis, in that order.
@@ -32,9 +34,9 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
-from deploy.nodes import NodeTemplate, server_builder
+from deploy.nodes import NodeTemplate, node_id, server_builder
 from deploy.redis_server import RedisServer, free_port
 from engine.config import EngineConfig
 from kv_index.nodes import Role
@@ -68,6 +70,18 @@ class ClusterConfig:
     # again, and the step-time factor past which a decode node is left out (0: never).
     max_migrations: int = 2
     straggler_factor: float = 3.0
+    # How the router finds a node that failed quietly (router/liveness.py): a Decode stream's
+    # progress deadline (factor x the node's step time within [floor, ceiling] seconds), and
+    # the Prefill call's deadline (factor x the predicted time, at least the floor).
+    decode_progress_factor: float = 10.0
+    decode_progress_floor_s: float = 3.0
+    decode_progress_ceiling_s: float = 30.0
+    prefill_deadline_factor: float = 4.0
+    prefill_deadline_floor_s: float = 10.0
+    # The nodes' failure handling (node/config.py): failed engine steps in a row before a node
+    # turns unhealthy and restarts, failed lives in a row before it stays down.
+    max_step_failures: int = 3
+    max_start_failures: int = 3
 
     def __post_init__(self) -> None:
         if self.prefill_nodes < 0 or self.decode_nodes < 1:
@@ -77,6 +91,14 @@ class ClusterConfig:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if not self.straggler_factor >= 0 or self.straggler_factor == float("inf"):  # NaN fails >= 0
             raise ValueError(f"straggler_factor must be a finite number >= 0 (0: off), got {self.straggler_factor}")
+        from router.liveness import check_deadlines
+
+        check_deadlines(self.decode_progress_factor, self.decode_progress_floor_s, self.decode_progress_ceiling_s,
+                        # the Prefill ceiling is the router's prefill_timeout_s, checked when it starts
+                        self.prefill_deadline_factor, self.prefill_deadline_floor_s, self.prefill_deadline_floor_s)
+        if self.max_step_failures < 0 or self.max_start_failures < 1:
+            raise ValueError(f"need max_step_failures >= 0 and max_start_failures >= 1, got "
+                             f"{self.max_step_failures} and {self.max_start_failures}")
 
 
 def router_config(cfg: ClusterConfig, **fields):
@@ -87,7 +109,10 @@ def router_config(cfg: ClusterConfig, **fields):
     return RouterConfig(
         host=cfg.host, port=cfg.grpc_port, namespace=cfg.namespace, short_prompt_tokens=cfg.short_prompt_tokens,
         http_port=cfg.http_port, ready_min_prefill=min(1, cfg.prefill_nodes), otlp_endpoint=cfg.otlp_endpoint,
-        api_keys=cfg.api_keys, max_migrations=cfg.max_migrations, straggler_factor=cfg.straggler_factor, **fields)
+        api_keys=cfg.api_keys, max_migrations=cfg.max_migrations, straggler_factor=cfg.straggler_factor,
+        decode_progress_factor=cfg.decode_progress_factor, decode_progress_floor_s=cfg.decode_progress_floor_s,
+        decode_progress_ceiling_s=cfg.decode_progress_ceiling_s, prefill_deadline_factor=cfg.prefill_deadline_factor,
+        prefill_deadline_floor_s=cfg.prefill_deadline_floor_s, **fields)
 
 
 def state_file() -> Path:
@@ -99,9 +124,13 @@ def state_file() -> Path:
 class LocalCluster:
     """Brings up and tears down the embedded cluster; usable as a context manager in tests."""
 
-    def __init__(self, config: ClusterConfig, progress: Callable[[str], None] = lambda m: None) -> None:
+    def __init__(self, config: ClusterConfig, progress: Callable[[str], None] = lambda m: None,
+                 node_fields: Mapping[str, Mapping] | None = None) -> None:
         self.config = config
         self.progress = progress
+        # NodeConfig fields of particular nodes, by node id (`pdserve chaos` puts one decode
+        # node behind its loopback proxy: a fixed gRPC port, the proxy's port advertised).
+        self.node_fields = dict(node_fields or {})
         self.redis: RedisServer | None = None
         self.redis_url: str | None = config.redis_url
         self.router = None
@@ -176,12 +205,15 @@ class LocalCluster:
         template = NodeTemplate(engine=engine_cfg, redis_url=self.redis_url, namespace=cfg.namespace, host=cfg.host,
                                 lease_s=cfg.lease_s, otlp_endpoint=cfg.otlp_endpoint,
                                 served_model_name=cfg.engine.model, drain_timeout_s=cfg.drain_timeout_s,
+                                max_step_failures=cfg.max_step_failures, max_start_failures=cfg.max_start_failures,
                                 **self._member_tls())
+        self._forget_node_health()
         cores = sorted(os.sched_getaffinity(0))
         for role, count in ((Role.PREFILL, cfg.prefill_nodes), (Role.DECODE, cfg.decode_nodes)):
             for i in range(count):
-                node = template.config(
-                    role, i, cpu_affinity=(cores[len(self.actors) % len(cores)],) if cfg.pin_cores else None)
+                node = replace(template.config(
+                    role, i, cpu_affinity=(cores[len(self.actors) % len(cores)],) if cfg.pin_cores else None),
+                    **self.node_fields.get(node_id(role, i), {}))
                 # Nodes ask for no CPU slot: on a small machine the pools, not cores, place them.
                 self.actors[node.node_id] = spawn_node(node, server_builder(role), num_cpus=0)
         self.progress(f"loading the model on {len(self.actors)} nodes")
@@ -200,16 +232,29 @@ class LocalCluster:
         self._wait_registered(deadline)
         self._write_state()
 
+    def _forget_node_health(self) -> None:
+        """A new cluster: failures that nodes of an earlier one recorded under this namespace
+        (a shared --redis-url) must not count against these (node/start_guard.py)."""
+        from kv_index.client import redis_client
+        from kv_index.health import HealthStore
+
+        r = redis_client(self.redis_url)
+        try:
+            store = HealthStore(r, self.config.namespace)
+            for nid in store.read_all():
+                store.clear(nid)
+        finally:
+            r.close()
+
     def _member_tls(self) -> dict:
         t = self.tls
         return {} if t is None else dict(tls_cert_file=t.cert_file, tls_key_file=t.key_file, tls_ca_file=t.ca_file)
 
     def _wait_registered(self, deadline: float) -> None:
-        import redis
-
+        from kv_index.client import redis_client
         from kv_index.reader import IndexReader
 
-        reader = IndexReader(redis.Redis.from_url(self.redis_url), self.config.namespace)
+        reader = IndexReader(redis_client(self.redis_url), self.config.namespace)
         while time.monotonic() < deadline:
             if set(self.actors) <= set(reader.live_nodes()):
                 return
@@ -300,6 +345,26 @@ def run_demo(address: str, prompt: str, tls=None, api_key: str | None = None) ->
               f"{done.usage.cached_prompt_tokens} cached]", file=sys.stderr, flush=True)
 
 
+def dashboard_login(environ: Mapping[str, str], home: Path) -> str | None:
+    """Where the token Ray's dashboard asks for comes from, in Ray's own order ($RAY_AUTH_TOKEN,
+    then the file $RAY_AUTH_TOKEN_PATH, then ~/.ray/auth_token, which ray.init writes when none
+    exists); None when Ray's token authentication is off. Never the token itself."""
+    if environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return None
+    if environ.get("RAY_AUTH_TOKEN"):
+        return "$RAY_AUTH_TOKEN"
+    return environ.get("RAY_AUTH_TOKEN_PATH") or str(home / ".ray" / "auth_token")
+
+
+def ready_line(cluster: LocalCluster, environ: Mapping[str, str], home: Path) -> str:
+    """The one line scripts wait for: ``key=value`` fields, new ones only ever appended."""
+    http = f" http={cluster.http_address}" if cluster.http_address else ""
+    ca = f" tls_ca={cluster.tls.ca_file}" if cluster.tls else ""
+    login = dashboard_login(environ, home) if cluster.dashboard_url else None
+    token = f" dashboard_token={login}" if login else ""
+    return f"pdserve ready grpc={cluster.address}{http} dashboard={cluster.dashboard_url}{ca}{token}"
+
+
 def run_up(config: ClusterConfig, progress: Callable[[str], None], demo_prompt: str | None = None) -> int:
     """Foreground `pdserve up`: ready line, then wait for Ctrl-C / SIGTERM."""
     stop = threading.Event()
@@ -314,9 +379,11 @@ def run_up(config: ClusterConfig, progress: Callable[[str], None], demo_prompt: 
         # process without tearing anything down.
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
-        http = f" http={cluster.http_address}" if cluster.http_address else ""
-        ca = f" tls_ca={cluster.tls.ca_file}" if cluster.tls else ""
-        print(f"pdserve ready grpc={cluster.address}{http} dashboard={cluster.dashboard_url}{ca}", flush=True)
+        print(ready_line(cluster, os.environ, Path.home()), flush=True)
+        login = dashboard_login(os.environ, Path.home()) if cluster.dashboard_url else None
+        if login:  # a newcomer who opens the URL meets "Authentication Token Required"
+            progress(f"the dashboard {cluster.dashboard_url} asks for Ray's token: paste what `ray get-auth-token` "
+                     f"prints (it reads {login})")
         if demo_prompt:
             run_demo(cluster.address, demo_prompt, cluster.tls, config.api_keys[0] if config.api_keys else None)
             progress(f"serving on {cluster.address}; try `pdserve generate --url {cluster.address} \"...\"`, "

@@ -15,6 +15,11 @@ wanted count per role and spawns or stops the difference:
     spawn   = the lowest free indexes: prefill-0, prefill-1, ...
     stop    = the surplus, those that do not answer first (a node whose pod went away is
               pending a restart), then the highest index; each leaves the index before it dies
+    down    = a node that failed ``--max-start-failures`` lives in a row stays down (its health
+              record in Redis says why, kv_index/health.py): it keeps its name and its place in
+              the count and is not spawned again, so a bad model path does not turn into a
+              spawn every pass. A supervisor that starts (a new deployment) gives every down
+              node one more round of tries.
 
 Actors are detached: they outlive this process, so a restarted supervisor adopts them by name
 instead of starting a second set. The node binds ``--host`` and registers the address of the
@@ -71,9 +76,13 @@ class NodeTemplate:
     kv_data_port: int | None = 0  # decode nodes' raw KV data port (0: a free one, None: gRPC only)
     kv_streaming: bool = True  # prefill nodes send KV layer by layer while they compute
     lease_s: float = 3.0
+    redis_connect_timeout_s: float = 1.0  # NodeConfig's Redis bounds (kv_index/client.py)
+    redis_timeout_s: float = 5.0
     otlp_endpoint: str | None = None
     served_model_name: str | None = None  # the router's --model-name (metrics label)
     drain_timeout_s: float = 30.0  # SIGTERM / stop: how long a node finishes its requests
+    max_step_failures: int = 3  # failed engine steps in a row before a node is unhealthy
+    max_start_failures: int = 3  # failed lives in a row before a node stays down
     # Mutual TLS between members (NodeConfig's fields of the same names).
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
@@ -88,10 +97,13 @@ class NodeTemplate:
                           grpc_port=self.grpc_port, metrics_port=self.metrics_port, namespace=self.namespace,
                           kv_data_port=self.kv_data_port, kv_streaming=self.kv_streaming,
                           lease_s=self.lease_s, heartbeat_s=min(0.5, self.lease_s / 4), engine=engine,
+                          redis_connect_timeout_s=self.redis_connect_timeout_s, redis_timeout_s=self.redis_timeout_s,
                           load_tokenizer=role is Role.DECODE, otlp_endpoint=self.otlp_endpoint,
                           served_model_name=self.served_model_name, tls_cert_file=self.tls_cert_file,
                           tls_key_file=self.tls_key_file, tls_ca_file=self.tls_ca_file,
-                          tls_server_name=self.tls_server_name, drain_timeout_s=self.drain_timeout_s, **fields)
+                          tls_server_name=self.tls_server_name, drain_timeout_s=self.drain_timeout_s,
+                          max_step_failures=self.max_step_failures, max_start_failures=self.max_start_failures,
+                          **fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +123,9 @@ class Plan(NamedTuple):
 def plan(role: Role, want: int, existing: Mapping[str, bool]) -> Plan:
     """Names to spawn and to stop so that ``want`` actors of ``role`` exist.
 
-    ``existing``: actor name -> whether it answered; names of other roles are ignored. The
-    surplus goes unanswering first, then highest index; new actors take the lowest free indexes.
+    ``existing``: actor name -> whether it answered (a node that stays down is there, False);
+    names of other roles are ignored. The surplus goes unanswering first, then highest index;
+    new actors take the lowest free indexes.
     """
     mine = {name: alive for name, alive in existing.items() if node_index(name, role) is not None}
     surplus = max(0, len(mine) - want)
@@ -144,6 +157,8 @@ class NodeSupervisor:
         self.resources = dict(resources or {})
         self.build_server = build_server
         self.probe_s = probe_s
+        self._store = None  # kv_index.health.HealthStore, made on first use
+        self._reported: set[str] = set()  # down nodes already logged
 
     def wanted(self, role: Role) -> int:
         import ray
@@ -162,6 +177,42 @@ class NodeSupervisor:
                 except ValueError:  # died between the listing and the lookup
                     continue
         return handles
+
+    def _health(self):
+        from kv_index.client import RedisTimeouts, redis_client
+        from kv_index.health import HealthStore
+
+        if self._store is None:
+            t = self.template
+            self._store = HealthStore(redis_client(t.redis_url, RedisTimeouts(t.redis_connect_timeout_s,
+                                                                              t.redis_timeout_s)), t.namespace)
+        return self._store
+
+    def down_nodes(self) -> dict[str, str]:
+        """Nodes of this namespace that stay down -> why (none when Redis does not answer)."""
+        import redis
+
+        from kv_index.health import DOWN
+
+        try:
+            records = self._health().read_all()
+        except redis.RedisError as e:
+            log.warning("health records unreadable (%s): no node counted as down this pass", e)
+            return {}
+        down = {nid: rec.reason for nid, rec in records.items()
+                if rec.state == DOWN and any(node_index(nid, r) is not None for r in Role)}
+        for nid in down.keys() - self._reported:
+            log.error("%s stays down (not spawned again until the supervisor restarts): %s", nid, down[nid])
+        self._reported = set(down)
+        return down
+
+    def reset_down(self) -> list[str]:
+        """Give every down node another round of tries (a new supervisor: new flags, maybe a
+        fixed model path). Returns their ids."""
+        down = list(self.down_nodes())
+        for nid in down:
+            self._health().clear(nid)
+        return down
 
     def _answering(self, handles: Mapping[str, object]) -> dict[str, bool]:
         import ray
@@ -184,11 +235,14 @@ class NodeSupervisor:
         from node.actor import spawn_node
 
         handles = self._existing()
-        alive = self._answering(handles)
+        alive = {**{nid: False for nid in self.down_nodes()}, **self._answering(handles)}
         done = {}
         for role in Role:
             p = done[role] = plan(role, self.wanted(role), alive)
             for name in p.stop:
+                if name not in handles:  # down: no actor left, only its record
+                    self._health().clear(name)
+                    continue
                 log.info("stopping %s", name)
                 try:  # leave the index and stop serving, then end the actor for good
                     ray.get(handles[name].stop.remote(), timeout=self.template.drain_timeout_s + 10)
@@ -241,6 +295,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill nodes push a request's KV once its prefill finished instead of layer by layer "
                         "while it computes")
     p.add_argument("--lease-s", type=float, default=3.0)
+    p.add_argument("--redis-connect-timeout", type=float, default=1.0, dest="redis_connect_timeout_s",
+                   help="seconds a node waits to open a Redis connection")
+    p.add_argument("--redis-timeout", type=float, default=5.0, dest="redis_timeout_s",
+                   help="seconds a node's index thread waits for a Redis reply (heartbeats, block events); "
+                        "it must cover a full resync of the node's blocks")
     p.add_argument("--otlp-endpoint", default=None)
     p.add_argument("--served-model-name", default=None,
                    help="the model's name as the router serves it (the metrics' model_name; default: --model)")
@@ -251,6 +310,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="verify peers' certificates against this name instead of their address")
     p.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
                    help="seconds a node stopped (SIGTERM, scale-down) finishes its requests before it exits")
+    p.add_argument("--max-step-failures", type=int, default=3,
+                   help="engine steps failing in a row before a node turns unhealthy and restarts (0: never)")
+    p.add_argument("--max-start-failures", type=int, default=3,
+                   help="failed starts in a row (with a growing wait between them) before a node stays down")
     p.add_argument("--interval-s", type=float, default=10.0, help="seconds between two passes")
     p.add_argument("--once", action="store_true", help="one pass, then exit (the actors stay)")
     p.add_argument("--connect-timeout-s", type=float, default=300.0, help="how long to wait for Ray to answer")
@@ -264,9 +327,11 @@ def template_from_args(a: argparse.Namespace, engine: EngineConfig, env: Mapping
     return NodeTemplate(engine=engine, redis_url=resolve_redis_url(a.redis_url, env), namespace=a.namespace,
                         host=a.host, grpc_port=a.grpc_port, metrics_port=None if a.metrics_port < 0 else a.metrics_port,
                         kv_data_port=None if a.kv_data_port < 0 else a.kv_data_port, kv_streaming=a.kv_streaming,
-                        lease_s=a.lease_s, otlp_endpoint=a.otlp_endpoint, served_model_name=a.served_model_name,
+                        lease_s=a.lease_s, redis_connect_timeout_s=a.redis_connect_timeout_s,
+                        redis_timeout_s=a.redis_timeout_s, otlp_endpoint=a.otlp_endpoint, served_model_name=a.served_model_name,
                         tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file, tls_ca_file=a.tls_ca_file,
-                        tls_server_name=a.tls_server_name, drain_timeout_s=a.drain_timeout_s)
+                        tls_server_name=a.tls_server_name, drain_timeout_s=a.drain_timeout_s,
+                        max_step_failures=a.max_step_failures, max_start_failures=a.max_start_failures)
 
 
 def _connect(address: str, namespace: str, timeout_s: float) -> None:
@@ -294,6 +359,8 @@ def run(a: argparse.Namespace, engine: EngineConfig) -> int:
                                      accelerator_type=getattr(a, f"{role.value}_accelerator_type")) for role in Role}
     _connect(a.ray_address, a.namespace, a.connect_timeout_s)
     supervisor = NodeSupervisor(template, counts, resources)
+    for nid in supervisor.reset_down():
+        log.info("%s was down; trying it again", nid)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
         signal.signal(sig, lambda *_: stop.set())

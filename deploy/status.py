@@ -8,6 +8,8 @@ Each figure has one source, so the terminal view, ``--json`` and a Prometheus da
     the router's /metrics      index accuracy (``pdserve:index_accuracy``), when reachable
     the index keys (Redis)     index size: block keys (SCAN, capped) and entries per node
                                (SCARD of each node's block set); freshness per node
+    health records (Redis)     why a node is unhealthy, restarting or down, and its restarts
+                               (kv_index/health.py): such a node has left the registry
 
 The module has two halves. The pure half turns metrics text and registry entries into one
 report dict (``parse_metrics``, ``node_row``, ``build_report``) and the report into a table
@@ -18,12 +20,13 @@ from __future__ import annotations
 
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kv_index.health import DOWN, SERVING, STARTING, UNHEALTHY, HealthRecord
 from kv_index.nodes import NodeInfo, index_freshness
 
 P = "pdserve:"
@@ -185,12 +188,41 @@ def recent_errors(rows: list[dict]) -> list[str]:
     return out
 
 
+def health_rows(records: Mapping[str, HealthRecord], live: Iterable[str], now: float) -> list[dict]:
+    """The health records worth a line: a node down, unhealthy (restarting), starting again
+    after a failure, or serving after restarts; a first start and a clean record say nothing."""
+    live = set(live)
+    rows = []
+    for nid, rec in sorted(records.items()):
+        if (rec.state == SERVING and not rec.restarts) or (rec.state == STARTING and rec.failures <= 1):
+            continue
+        rows.append({"node_id": nid, "state": rec.state, "reason": rec.reason, "failures": rec.failures,
+                     "restarts": rec.restarts, "age_s": round(max(0.0, now - rec.at), 3) if rec.at else None,
+                     "live": nid in live})
+    return rows
+
+
+def health_errors(rows: list[dict]) -> list[str]:
+    out = []
+    for h in rows:
+        nid, why = h["node_id"], h["reason"] or "no reason recorded"
+        if h["state"] == DOWN:
+            out.append(f"{nid}: down after {h['failures']} failed start(s) in a row, not restarted: {why}")
+        elif h["state"] == UNHEALTHY:
+            out.append(f"{nid}: unhealthy, left the index, restarting: {why}")
+        elif h["state"] == STARTING:
+            out.append(f"{nid}: starting again (try {h['failures']}) after: {why}")
+    return out
+
+
 def build_report(nodes: Mapping[str, NodeInfo], scrapes: Mapping[str, Sample | str], *, now: float,
                  prev: Mapping[str, Sample] | None = None, index: Mapping | None = None,
-                 router: Sample | str | None = None, cluster: Mapping | None = None) -> dict:
+                 router: Sample | str | None = None, cluster: Mapping | None = None,
+                 health: Mapping[str, HealthRecord] | None = None) -> dict:
     """The whole view as one JSON-able dict. ``scrapes``: node id -> its Sample, or why there
     is none; ``index``: from ``index_size``; ``router``: the router's Sample, why it failed, or
-    None when no router address is known; ``now``: wall clock (the registry's times are)."""
+    None when no router address is known; ``health``: the nodes' health records; ``now``: wall
+    clock (the registry's times are)."""
     prev = prev or {}
     rows = []
     for nid, info in sorted(nodes.items(), key=lambda kv: (str(kv[1].role), kv[0])):
@@ -213,11 +245,12 @@ def build_report(nodes: Mapping[str, NodeInfo], scrapes: Mapping[str, Sample | s
                                                                           rf.get("requests", {}).items()},
                         "rejected": {k: int(v) for k, v in rf.get("rejected", {}).items()},
                         "mean_ttft_s": _mean(rf, "ttft"), "mean_e2e_s": _mean(rf, "e2e")})
-    errors = recent_errors(rows)
+    hrows = health_rows(health or {}, nodes, now)
+    errors = health_errors(hrows) + recent_errors(rows)
     if isinstance(router, str):
         errors.append(f"router: /metrics unreachable ({router}); no index accuracy")
-    return {"time": now, "cluster": dict(cluster or {}), "pools": pools, "index": idx, "router": router_part,
-            "errors": errors}
+    return {"time": now, "cluster": dict(cluster or {}), "pools": pools, "health": hrows, "index": idx,
+            "router": router_part, "errors": errors}
 
 
 def _pct(x) -> str:
@@ -270,6 +303,11 @@ def render(report: Mapping) -> str:
                 cells = (r["node_id"], r["running"], r["waiting"], _pct(r["kv_usage"]), "-", "-", "-", "-", "-",
                          "-", _age(r["last_seen_s"]), "registry")
             lines.append(_line(cells))
+    if report.get("health"):
+        lines += ["", "node health:"]
+        for h in report["health"]:
+            lines.append(f"  {h['node_id']:<12} {h['state']:<9} failures {h['failures']}, restarts {h['restarts']}, "
+                         f"{_age(h['age_s'])} ago: {h['reason'] or '-'}")
     idx = report["index"]
     lines.append("")
     if "blocks" in idx:
@@ -326,9 +364,11 @@ def gather(r, ns: str, *, router_metrics: str | None = None, prev: Mapping[str, 
            cluster: Mapping | None = None) -> tuple[dict, dict[str, Sample]]:
     """One refresh: registry, every node's /metrics (in parallel), the index, the router.
     Returns the report and this round's samples (the next round's ``prev``)."""
+    from kv_index.health import HealthStore
     from kv_index.reader import IndexReader
 
     nodes = IndexReader(r, ns).live_nodes()
+    health = HealthStore(r, ns).read_all()
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(nodes) + 1))) as pool:
         futures = {nid: pool.submit(scrape, n.metrics_address) for nid, n in nodes.items() if n.metrics_address}
         router_f = pool.submit(scrape, router_metrics) if router_metrics else None
@@ -336,5 +376,5 @@ def gather(r, ns: str, *, router_metrics: str | None = None, prev: Mapping[str, 
         scrapes.update({nid: f.result() for nid, f in futures.items()})
         router = router_f.result() if router_f is not None else None
     report = build_report(nodes, scrapes, now=time.time(), prev=prev, index=index_size(r, ns, nodes),
-                          router=router, cluster=cluster)
+                          router=router, cluster=cluster, health=health)
     return report, {nid: s for nid, s in scrapes.items() if isinstance(s, Sample)}

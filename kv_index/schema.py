@@ -14,6 +14,8 @@ Key schema (``ns`` defaults to ``pdserve``; several clusters can share one Redis
     {ns}:nodeblk:{node_id}      SET    hashes a node has published (cleanup and resync)
     {ns}:steps:{node_id}        STREAM the node's step reports (new_tokens, context_tokens,
                                        seconds), capped: the router fits its cost model on them
+    {ns}:health, {ns}:health:{node_id}   a node's health record (kv_index/health.py): why it
+                                       is unhealthy or down, outliving its registry entry
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from kv_transfer.wire import (
     payload_units,
     write_payload,
 )
-from protos.conventions import grpc_options
+from protos.conventions import grpc_options, keepalive_channel_options, keepalive_server_options
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 from security.tls import TlsFiles, channel
 
@@ -41,7 +41,12 @@ from security.tls import TlsFiles, channel
 MAX_KV_MESSAGE_BYTES = 16 << 20
 # Both ends of a KV stream (the prefill node's channel, every node's server). The window lets a
 # sender of MiB-sized chunks run ahead instead of waiting on the 64 KiB default.
-KV_GRPC_OPTIONS = grpc_options(MAX_KV_MESSAGE_BYTES, stream_window_bytes=16 << 20)
+# A server made with them accepts the keepalive pings of KV_CHANNEL_OPTIONS (without that,
+# gRPC closes a pinging client's connection within seconds: "too_many_pings").
+KV_GRPC_OPTIONS = grpc_options(MAX_KV_MESSAGE_BYTES, stream_window_bytes=16 << 20) + keepalive_server_options()
+# The prefill node's channels to decode nodes ping (keepalive): a push to a frozen decode node
+# fails within seconds (UNAVAILABLE) instead of waiting on flow control.
+KV_CHANNEL_OPTIONS = grpc_options(MAX_KV_MESSAGE_BYTES, stream_window_bytes=16 << 20) + keepalive_channel_options()
 
 
 _PUSH_BLOCKS = kv_pb2.DESCRIPTOR.services_by_name["KVTransfer"].methods_by_name["PushBlocks"]
@@ -58,6 +63,7 @@ def push_blocks(
     block_hashes: Sequence[int],
     num_tokens: int,
     dest_block_ids: Sequence[int],
+    token: bytes,
     skip_leading_blocks: int = 0,
     layers: range | None = None,
     chunk_bytes: int = CHUNK_BYTES,
@@ -69,7 +75,8 @@ def push_blocks(
     ``src_block_ids`` / ``block_hashes`` are the request's whole block sequence on this node
     (hashes: full blocks only). The first ``skip_leading_blocks`` of them are already held by
     the receiver (ReserveBlocksResponse.num_cached_blocks) and are not sent;
-    ``dest_block_ids`` (ReserveBlocksResponse.block_ids) receive the rest, in order.
+    ``dest_block_ids`` (ReserveBlocksResponse.block_ids) receive the rest, in order;
+    ``token`` (ReserveBlocksResponse.token) opens that reservation.
 
         request blocks:  [ b0 b1 | b2 b3 b4 ]      skip_leading_blocks = 2
                            held    sent -> dest_block_ids[0..3)
@@ -98,6 +105,7 @@ def push_blocks(
         layers=layers,
         first_block_index=skip_leading_blocks,
         checksum_algorithm=checksum_algorithm,
+        token=token,
     )
     units = payload_units(pool, send_ids, layers)
     call = channel.stream_unary(
@@ -206,5 +214,5 @@ class GrpcKVSender:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = channel(address, self._tls, KV_GRPC_OPTIONS)
+                ch = self._channels[address] = channel(address, self._tls, KV_CHANNEL_OPTIONS)
             return ch

@@ -7,7 +7,11 @@ scatters into them: no staging buffer; consecutive blocks merge into one view) a
 checksummed there. A device pool reads each chunk into a small reused buffer, checks it, then
 copies it to the device; an shm chunk is checked in the sender's buffer, then scattered.
 
-Integrity: the header (request, reservation, block ids, shape, dtype, fingerprint) is
+Who may write: a transfer's header must carry its reservation's token, and a shared-memory
+attach must name a live reservation and its token before the receiver opens any file
+(validate.py's ``check_token``); a peer refused for its token loses the connection.
+
+Integrity: the header (request, token, reservation, block ids, shape, dtype, fingerprint) is
 validated (validate.py) before any chunk is read, and each chunk's size against it before
 its bytes are read, so bytes only ever land in blocks reserved for this transfer; every
 chunk's checksum is checked before the next chunk is read and before the transfer is
@@ -50,6 +54,8 @@ from kv_transfer.layout import PoolLayout
 from kv_transfer.validate import (
     HeaderGate,
     KVDataLossError,
+    KVPermissionError,
+    KVUnauthenticatedError,
     KVValidationError,
     ReceivedBlocks,
     Reservation,
@@ -176,7 +182,7 @@ class TcpKVServer:
                     reply, keep = _error(grpc.StatusCode.INVALID_ARGUMENT, str(err)), False
                 else:
                     if msg.WhichOneof("kind") == "attach":
-                        reply, keep = conn.attach(msg.attach), True
+                        reply, keep = self._attach(conn, msg.attach)
                     else:
                         reply, keep = self._one(conn, msg)
                 send_all(sock, [frame(reply)])
@@ -188,6 +194,15 @@ class TcpKVServer:
             with self._lock:
                 self._conns.discard(sock)
             conn.close()
+
+    def _attach(self, conn: _Connection, attach: kv_pb2.KVAttach) -> tuple[kv_pb2.KVStreamReply, bool]:
+        """Map the sender's buffer, only for a peer that names a live reservation and its
+        token: no file is opened for anyone else. -> (reply, keep the connection)."""
+        try:
+            self._gate.authenticate(attach.request_id, attach.token)
+        except KVValidationError as err:
+            return _error(status_code(err), f"attach: {err}"), False
+        return conn.attach(attach), True
 
     def _one(self, conn: _Connection, msg: kv_pb2.KVBlockMessage) -> tuple[kv_pb2.KVStreamReply, bool]:
         """One transfer whose first message is ``msg`` -> (reply, keep the connection). A
@@ -211,7 +226,11 @@ class TcpKVServer:
             written = kv_pb2.PushBlocksResponse(blocks_written=len(received.block_ids), bytes_written=nbytes)
             return kv_pb2.KVStreamReply(ok=written), True
         except KVValidationError as err:
+            # Drained either way, so the sender reads its refusal rather than a reset; a peer
+            # without the reservation's token is not served again on this connection.
             keep = conn.drain() if not isinstance(err, _Desync) else False
+            if isinstance(err, (KVUnauthenticatedError, KVPermissionError)):
+                keep = False
             return _error(status_code(err), str(err)), keep
         finally:
             if began is not None:

@@ -5,8 +5,10 @@ advertises ``shm://<host key>/<host>:<port>`` before ``tcp://<host>:<port>``. Th
 the kernel's boot id, so a sender on another machine skips the endpoint without trying it.
 
 Per connection, the sender creates a buffer file under /dev/shm, the receiver maps it
-read-only (KVAttach) and the name is unlinked at once (nothing is left behind if either
-process dies). A transfer is then the TCP stream's frames without the bytes::
+read-only (KVAttach, which names the reservation of the transfer that opened the connection
+and its token: the receiver opens no file for a peer without them) and the name is unlinked
+at once (nothing is left behind if either process dies). A transfer is then the TCP stream's
+frames without the bytes::
 
     sender:   gather chunk k's block-layers from the pool straight into the buffer (np.take,
               one copy), checksum it, send frame(chunk: seq, raw_bytes, checksum, shm_offset)
@@ -37,6 +39,7 @@ from kv_transfer.data_port import MAX_SHM_BYTES, SHM_DIR, SHM_PREFIX, frame, sen
 from kv_transfer.layout import PoolLayout
 from kv_transfer.tcp_transport import (
     PROGRESS_TIMEOUT_S,
+    STATUS_CODES,
     Clock,
     Link,
     TcpKVSender,
@@ -169,8 +172,8 @@ class ShmKVSender(TcpKVSender):
             sock.close()
             raise
         try:
-            send_all(sock, [frame(kv_pb2.KVBlockMessage(attach=kv_pb2.KVAttach(path=link.path, size=link.size)))],
-                     clock.arm)
+            attach = kv_pb2.KVAttach(path=link.path, size=link.size, request_id=header.request_id, token=header.token)
+            send_all(sock, [frame(kv_pb2.KVBlockMessage(attach=attach))], clock.arm)
             clock.arm(sock)  # the receiver only maps the file before it answers
             reply = read_reply(sock)
         except BaseException:
@@ -179,6 +182,9 @@ class ShmKVSender(TcpKVSender):
         link.unlink()  # both ends hold the mapping; no name is left to clean up
         if reply.WhichOneof("kind") == "error":
             link.close()
+            code = STATUS_CODES.get(reply.error.code, grpc.StatusCode.UNKNOWN)
+            if code in _REFUSALS:  # this transfer's reservation or token, not the mapping
+                raise TransferError(code, reply.error.message)
             raise _AttachRefused(grpc.StatusCode.UNAVAILABLE, f"receiver could not attach shared memory: "
                                                               f"{reply.error.message}")
         return link
@@ -219,3 +225,9 @@ class ShmKVSender(TcpKVSender):
 
 class _AttachRefused(TransferError):
     """The receiver could not map the sender's buffer."""
+
+
+# Attach refusals that say nothing about whether the receiver can map this process's buffers:
+# the endpoint stays in use for later transfers.
+_REFUSALS = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED,
+                       grpc.StatusCode.PERMISSION_DENIED})

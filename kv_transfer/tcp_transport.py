@@ -118,7 +118,7 @@ class TcpKVSender:
     def push(
         self, endpoint: str, pool: torch.Tensor, *, request_id: str, fingerprint: str,
         src_block_ids: Sequence[int], block_hashes: Sequence[int], num_tokens: int,
-        dest_block_ids: Sequence[int], skip_leading_blocks: int = 0, layers: range | None = None,
+        dest_block_ids: Sequence[int], token: bytes, skip_leading_blocks: int = 0, layers: range | None = None,
         timeout: float | None = None, checksum_algorithm: int = kv_pb2.CHECKSUM_ALGORITHM_XXH3_64,
     ) -> PushResult:
         """Send ``src_block_ids[skip_leading_blocks:]`` of ``pool`` into ``dest_block_ids`` at
@@ -135,7 +135,7 @@ class TcpKVSender:
         header = build_header(
             request_id=request_id, fingerprint=fingerprint, layout=layout, dest_block_ids=dest_block_ids,
             block_hashes=list(block_hashes)[skip_leading_blocks:], num_tokens=num_tokens, layers=layers,
-            first_block_index=skip_leading_blocks, checksum_algorithm=checksum_algorithm,
+            first_block_index=skip_leading_blocks, checksum_algorithm=checksum_algorithm, token=token,
         )
         self._check(endpoint, header)
         clock = Clock(timeout, self._progress_timeout_s)
@@ -159,7 +159,7 @@ class TcpKVSender:
             raise
         self._give_back(endpoint, link)
         if reply.WhichOneof("kind") == "error":
-            code = _CODES.get(reply.error.code, grpc.StatusCode.UNKNOWN)
+            code = STATUS_CODES.get(reply.error.code, grpc.StatusCode.UNKNOWN)
             raise TransferError(code, reply.error.message)
         return PushResult(reply.ok.blocks_written, reply.ok.bytes_written)
 
@@ -262,4 +262,5 @@ def read_reply(sock: socket.socket) -> kv_pb2.KVStreamReply:
         raise ConnectionError(f"garbled reply from the receiver: {err}") from None
 
 
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
+# KVStreamError.code (a google.rpc.Code value) -> its status.
+STATUS_CODES = {c.value[0]: c for c in grpc.StatusCode}

@@ -54,8 +54,9 @@ class PushResult(NamedTuple):
 
 class TransferError(Exception):
     """A push that did not land; nothing was written into the receiver's pool. ``code`` is the
-    status the receiver answered (INVALID_ARGUMENT, DATA_LOSS, NOT_FOUND), or UNAVAILABLE /
-    DEADLINE_EXCEEDED when it could not be reached in time."""
+    status the receiver answered (INVALID_ARGUMENT, DATA_LOSS, NOT_FOUND, UNAUTHENTICATED,
+    PERMISSION_DENIED), or UNAVAILABLE / DEADLINE_EXCEEDED when it could not be reached in
+    time."""
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(f"{code.name}: {details}")
@@ -74,12 +75,12 @@ class TransportSkipped(TransferError):
 
 class KVSender(Protocol):
     def push(self, address: str, pool, *, request_id: str, fingerprint: str, src_block_ids, block_hashes,
-             num_tokens: int, dest_block_ids, skip_leading_blocks: int = 0, layers: range | None = None,
-             timeout: float | None = None, endpoints: Sequence[str] = ()) -> PushResult:
+             num_tokens: int, dest_block_ids, token: bytes, skip_leading_blocks: int = 0,
+             layers: range | None = None, timeout: float | None = None, endpoints: Sequence[str] = ()) -> PushResult:
         """Send blocks ``src_block_ids[skip_leading_blocks:]`` of ``pool`` (all layers, or
         ``layers``) into ``dest_block_ids`` of the node at ``address`` (its gRPC address;
-        ``endpoints``: its other transports, ReserveBlocksResponse.kv_endpoints). Raises
-        TransferError."""
+        ``endpoints``: its other transports, ReserveBlocksResponse.kv_endpoints), in the
+        reservation ``token`` opens (ReserveBlocksResponse.token). Raises TransferError."""
         ...
 
     def close(self) -> None:

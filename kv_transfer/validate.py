@@ -4,12 +4,20 @@ checked against (``Reservation``), how its first message is taken (``HeaderGate`
 status a refusal is answered with, and what a landed transfer is handed on as
 (``ReceivedBlocks``).
 
-Every check names the field and both values. Header checks run when the header arrives (so a
-bad stream is refused before its chunks are buffered); byte count and checksum run once the
-trailer arrives, still before the pool is touched.
+Every check names the field and both values (the token aside: it is never shown). Header
+checks run when the header arrives (so a bad stream is refused before its chunks are
+buffered); byte count and checksum run once the trailer arrives, still before the pool is
+touched.
+
+Who may write: a reservation holds a random token (``new_token``, issued by ReserveBlocks and
+carried to the prefill node in its PrefillRequest); a transfer's header must carry it, and it
+is compared in constant time before any other check, so a peer that only knows a request id
+learns nothing about the reservation and writes nothing (``check_token``).
 """
 from __future__ import annotations
 
+import hmac
+import secrets
 from collections import Counter
 from collections.abc import Callable
 from typing import NamedTuple
@@ -33,12 +41,30 @@ class KVNotReservedError(KVValidationError):
     """No reservation exists for the request (never made, released or expired)."""
 
 
+class KVUnauthenticatedError(KVValidationError):
+    """The transfer carried no reservation token."""
+
+
+class KVPermissionError(KVValidationError):
+    """The transfer's token is not its reservation's."""
+
+
+# Bytes of a reservation token: 128 bits, beyond guessing within any reservation's lease.
+TOKEN_BYTES = 16
+
+
+def new_token() -> bytes:
+    """A fresh reservation token (``Reservation.token``, ReserveBlocksResponse.token)."""
+    return secrets.token_bytes(TOKEN_BYTES)
+
+
 class Reservation(NamedTuple):
     """What the decode node promised to receive for one request (from ReserveBlocks)."""
 
     first_block_index: int  # leading blocks it already held; not sent
     block_ids: tuple[int, ...]  # destination ids of the sent blocks, in order
     block_hashes: tuple[int, ...]  # chained hashes of the sent full blocks, in order
+    token: bytes  # what every transfer into it must carry (KVHeader.token); never logged
 
 
 class ReceivedBlocks(NamedTuple):
@@ -70,7 +96,20 @@ def status_code(err: KVValidationError) -> grpc.StatusCode:
         return grpc.StatusCode.DATA_LOSS
     if isinstance(err, KVNotReservedError):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(err, KVUnauthenticatedError):
+        return grpc.StatusCode.UNAUTHENTICATED
+    if isinstance(err, KVPermissionError):
+        return grpc.StatusCode.PERMISSION_DENIED
     return grpc.StatusCode.INVALID_ARGUMENT
+
+
+def check_token(given: bytes, reservation: Reservation) -> None:
+    """Refuse a transfer (or a shared-memory attach) whose token is not ``reservation``'s.
+    Constant time in the token's bytes; a reservation without a token admits nobody."""
+    if not given:
+        raise KVUnauthenticatedError("token: missing (a transfer must carry its reservation's token)")
+    if not reservation.token or not hmac.compare_digest(given, reservation.token):
+        raise KVPermissionError("token: not this reservation's")
 
 
 class HeaderGate:
@@ -78,10 +117,12 @@ class HeaderGate:
 
         1. it must be a header                                  else KVValidationError
         2. its request must hold a reservation                  else KVNotReservedError
-        3. the header must fit the pool, the model and that
+        3. it must carry that reservation's token (check_token) else KVUnauthenticatedError,
+                                                                     KVPermissionError
+        4. the header must fit the pool, the model and that
            reservation (validate_header)                        else KVValidationError
 
-    ``accept`` runs all three. The data port (receiver.py) brackets each transfer with the
+    ``accept`` runs all four. The data port (receiver.py) brackets each transfer with the
     decode node's begin_push / end_push, so that a reservation is not released while blocks
     are written into it; the bracket needs the request id (after 1) and must hold before the
     reservation is looked up (2), or it could be released in between. That receiver calls
@@ -96,7 +137,7 @@ class HeaderGate:
         self._reservation_for = reservation_for
 
     def accept(self, first: kv_pb2.KVBlockMessage | None) -> kv_pb2.KVHeader:
-        """Steps 1-3 on the first message (None: the stream ended before it)."""
+        """Steps 1-4 on the first message (None: the stream ended before it)."""
         header = self.header(first)
         self.admit(header)
         return header
@@ -110,11 +151,18 @@ class HeaderGate:
         return first.header
 
     def admit(self, header: kv_pb2.KVHeader) -> None:
-        """Steps 2 and 3."""
-        reservation = self._reservation_for(header.request_id)
-        if reservation is None:
-            raise self.not_reserved(header.request_id)
+        """Steps 2 to 4."""
+        reservation = self.authenticate(header.request_id, header.token)
         validate_header(header, self._layout, self._fingerprint, reservation)
+
+    def authenticate(self, request_id: str, token: bytes) -> Reservation:
+        """Steps 2 and 3: the reservation ``token`` opens (also what a shared-memory attach
+        must pass before the receiver opens a file)."""
+        reservation = self._reservation_for(request_id)
+        if reservation is None:
+            raise self.not_reserved(request_id)
+        check_token(token, reservation)
+        return reservation
 
     @staticmethod
     def not_reserved(request_id: str) -> KVNotReservedError:

@@ -43,10 +43,12 @@ def build_header(
     block_hashes: Sequence[int],
     num_tokens: int,
     layers: range,
+    token: bytes,
     first_block_index: int = 0,
     checksum_algorithm: int = kv_pb2.CHECKSUM_ALGORITHM_CRC32,
 ) -> kv_pb2.KVHeader:
-    """Header for sending ``len(dest_block_ids)`` blocks of layers ``layers`` (step 1)."""
+    """Header for sending ``len(dest_block_ids)`` blocks of layers ``layers`` (step 1) into
+    the reservation ``token`` opens (ReserveBlocksResponse.token)."""
     if layers.step != 1 or not layers or layers.start < 0 or layers.stop > layout.num_layers:
         raise ValueError(f"layers must be a non-empty step-1 range within [0, {layout.num_layers}), got {layers}")
     return kv_pb2.KVHeader(
@@ -64,6 +66,7 @@ def build_header(
         num_tokens=num_tokens,
         payload_bytes=len(layers) * len(dest_block_ids) * layout.block_bytes,
         checksum_algorithm=checksum_algorithm,
+        token=token,
     )
 
 

@@ -5,6 +5,14 @@ Ray). A restarted actor builds a fresh engine and registers again, which drops w
 previous life published to the index (NodePublisher.register). SIGTERM drains the node (it
 finishes its requests, leaves the index) and the actor then exits for good (NodeServer.drain).
 
+Failures. A node whose engine turned unhealthy (node/server.py) has left the index; its actor
+then ends its process so that Ray restarts it: a fresh process is what clears a wedged
+accelerator or a corrupt engine state, and the restart is cheap next to a node that is
+silently gone. Ray restarts without pause and without limit (``max_restarts=-1``), so the actor
+bounds the loop itself (node/start_guard.py): it waits longer before each start after a failed
+one, and after ``max_start_failures`` failed lives in a row its constructor raises, which Ray
+never restarts; the node stays down with its reason in its health record (`pdserve status`).
+
 The role's server comes from ``build_server``, a module-level function of the role's package
 (``prefill_node.build_server``, ``decode_node.build_server``). Ray ships it by reference and the
 actor calls it in its own process, so torch and the model load there, never in the driver.
@@ -21,7 +29,11 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from kv_index.client import RedisTimeouts, redis_client
+from kv_index.health import HealthStore
 from node.config import NodeConfig, ray_actor_options
+from node.health import StartPolicy
+from node.start_guard import NodeDownError, StartGuard
 
 if TYPE_CHECKING:  # the server module loads torch: only the actor's process imports it
     from node.server import NodeServer
@@ -79,9 +91,24 @@ class NodeActor:
         if config.cpu_affinity:  # before the model loads: torch sizes its pools from what it may use
             os.sched_setaffinity(0, set(config.cpu_affinity))
         config = with_advertised_host(config, os.environ, ray.util.get_node_ip_address)
-        self._server = build_server(config)
-        self._address = self._server.start()
+        self._redis = redis_client(config.redis_url, RedisTimeouts(config.redis_connect_timeout_s,
+                                                                   config.redis_timeout_s))
+        self._guard = StartGuard(HealthStore(self._redis, config.namespace), config.node_id,
+                                 StartPolicy(config.max_start_failures),
+                                 reconstructed=ray.get_runtime_context().was_current_actor_reconstructed)
+        self._guard.before_start()  # raises NodeDownError: the node stays down
+        try:
+            self._server = build_server(config)
+            self._address = self._server.start()
+        except Exception as err:
+            if self._guard.start_failed(err):
+                raise NodeDownError(f"node {config.node_id} stays down after {self._guard.failures} failed "
+                                    f"starts in a row; last: {err!r}") from err
+            log.exception("%s failed to start; exiting so that Ray starts it again", config.node_id)
+            _exit_for_restart()
+        self._guard.started()
         self._stop = threading.Event()
+        self._server.on_unhealthy = self._restart_unhealthy
         tags = {"node_id": config.node_id, "role": config.role.value, "model_name": config.engine.model}
         threading.Thread(target=self._export_to_dashboard, args=(tags,), name="ray-dashboard-metrics",
                          daemon=True).start()
@@ -96,11 +123,24 @@ class NodeActor:
             self._stop.set()
             threading.Thread(target=self._drain_and_exit, name="drain", daemon=True).start()
 
+    def _restart_unhealthy(self, reason: str) -> None:
+        """The server turned unhealthy and left the index: record it and end this process, so
+        that Ray starts a fresh one (or, after too many failed lives, the next one stays down)."""
+        self._stop.set()
+        self._guard.unhealthy(reason)
+        try:
+            self._server.stop(deregister=True, grace_s=2.0)  # its streams have ended: let them flush
+        except Exception:
+            log.exception("stop of an unhealthy node failed")
+        log.error("%s unhealthy (%s); exiting so that Ray restarts it", self._server.config.node_id, reason)
+        _exit_for_restart()
+
     def _drain_and_exit(self) -> None:
         try:
             self._server.drain()
         except Exception:  # exit anyway: the lease expires what a failed drain left
             log.exception("drain failed")
+        self._guard.clear()  # an intended stop: nothing to report
         # An exit through the actor's own method is intentional: Ray does not restart it. No
         # retries: a retry pending on the exiting actor would keep its process alive.
         ray.get_runtime_context().current_actor.exit_drained.options(max_task_retries=0).remote()
@@ -123,6 +163,12 @@ class NodeActor:
         step. Reached through Ray's control plane only, never from a pdserve socket."""
         self._server.aengine.step_delay_s = float(seconds)
 
+    def set_step_fault(self, steps: int, fatal: bool = False) -> int:
+        """Fault injection for `pdserve chaos --scenario step-error` (node/faults.py): the next
+        ``steps`` engine steps raise (-1: every step until ``set_step_fault(0)``; ``fatal``: the
+        engine thread dies of it). Ray's control plane only. Returns the steps failed so far."""
+        return self._server.set_step_fault(int(steps), bool(fatal))
+
     def set_kv_fault(self, mode: str | None) -> None:
         """Fault injection for `pdserve chaos --scenario corrupt-kv` (prefill nodes): damage
         every KV push ("flip", "cut"), or None to stop. Ray's control plane only."""
@@ -133,6 +179,7 @@ class NodeActor:
         serving (then end the actor with ray.kill)."""
         self._stop.set()
         self._server.drain(drain_timeout_s)
+        self._guard.clear()
 
     def _export_to_dashboard(self, tags: dict[str, str]) -> None:
         """Every DASHBOARD_PERIOD_S, the node's main figures into ``ray.util.metrics`` gauges,
@@ -143,12 +190,23 @@ class NodeActor:
                   for name, doc in DASHBOARD_GAUGES.items()}
         while True:
             try:
+                aengine = self._server.aengine
+                if self._guard.pending and aengine is not None and aengine.health.good_steps:
+                    self._guard.proven()  # this life works: earlier failures are forgiven
                 for name, value in dashboard_values(self._server.stats()).items():
                     gauges[name].set(value, tags=tags)
             except Exception:  # the dashboard is a view: never let it take the actor down
                 log.exception("exporting dashboard metrics failed")
             if self._stop.wait(DASHBOARD_PERIOD_S):
                 return
+
+
+def _exit_for_restart() -> None:
+    """End this process as a crash would: Ray restarts an actor whose process died (an exit
+    through ``ray.actor.exit_actor`` would be final)."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(1)
 
 
 def spawn_node(config: NodeConfig, build_server: ServerFactory, *, gpu: bool = False,

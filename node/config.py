@@ -24,11 +24,20 @@ class NodeConfig:
     # None = ``host``; a node bound to every interface must be given one (a node actor fills it
     # in from its pod's or Ray node's address: node/actor.py).
     advertise_host: str | None = None
+    # The gRPC port registered instead of the bound one, for a node reached through a forwarder
+    # (a NAT, or the loopback proxy of `pdserve chaos --scenario partition`); None = the bound port.
+    advertise_grpc_port: int | None = None
     namespace: str = "pdserve"  # Redis key prefix; clusters sharing one Redis use different ones
     # The node's registry entry expires lease_s after its last heartbeat: a dead node stops
     # receiving work within lease_s. heartbeat_s must be well below it.
     lease_s: float = 3.0
     heartbeat_s: float = 0.5
+    # Redis clients (kv_index/client.py): seconds to connect and to wait for each reply. Only the
+    # node's publisher thread waits on them, never the engine or a gRPC call; the reply bound
+    # must cover the node's full resync of its block snapshot (one script call: 100k blocks
+    # took 1.4-2.2 s on a loaded 2-core machine).
+    redis_connect_timeout_s: float = 1.0
+    redis_timeout_s: float = 5.0
     # Decode role: seconds a KV reservation waits for its PushBlocks, and again after each
     # completed push for the Decode call, before its blocks are released.
     reservation_lease_s: float = 10.0
@@ -50,6 +59,14 @@ class NodeConfig:
     # SIGTERM / stop: seconds a draining node waits for its in-flight requests before it stops
     # (it takes no new ones, reports NOT_SERVING and is skipped by routers meanwhile).
     drain_timeout_s: float = 30.0
+    # Engine steps that fail in a row before the node is unhealthy: it reports NOT_SERVING,
+    # leaves the index, stops its engine and (as a Ray actor) exits to be restarted (0: never).
+    # Each failed step fails only its own requests, which the router moves to another node.
+    max_step_failures: int = 3
+    # Failed lives in a row (a start that raised or died, or unhealthy before one good step)
+    # after which the node actor is not restarted and stays down, its reason recorded for
+    # `pdserve status`; each retry waits longer (node/health.py, StartPolicy).
+    max_start_failures: int = 3
     # Prometheus /metrics of this node on host:metrics_port (0 = a free port, registered in the
     # index as the node's metrics address; None = no metrics endpoint).
     metrics_port: int | None = 0
@@ -91,8 +108,14 @@ class NodeConfig:
             raise ValueError(
                 f"need 0 < heartbeat_s < lease_s, got heartbeat_s={self.heartbeat_s} lease_s={self.lease_s}"
             )
+        for name in ("redis_connect_timeout_s", "redis_timeout_s"):
+            v = getattr(self, name)
+            if not (0 < v < float("inf")):  # NaN fails too
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {v}")
         if self.advertise_host is not None and is_wildcard_host(self.advertise_host):
             raise ValueError(f"advertise_host must be an address others can reach, got {self.advertise_host!r}")
+        if self.advertise_grpc_port is not None and not 0 < self.advertise_grpc_port < 65536:
+            raise ValueError(f"advertise_grpc_port must be in [1, 65535] or None, got {self.advertise_grpc_port}")
         if not 0 <= self.grpc_port < 65536:
             raise ValueError(f"grpc_port must be in [0, 65535], got {self.grpc_port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
@@ -113,6 +136,10 @@ class NodeConfig:
                              f"got {self.max_concurrent_rpcs}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.max_step_failures < 0:
+            raise ValueError(f"max_step_failures must be >= 0 (0: never unhealthy), got {self.max_step_failures}")
+        if self.max_start_failures < 1:
+            raise ValueError(f"max_start_failures must be >= 1, got {self.max_start_failures}")
         tls = self.tls
         if tls is not None and not tls.mutual:
             raise ValueError("node TLS is mutual: give tls_cert_file, tls_key_file and tls_ca_file together")
@@ -165,8 +192,12 @@ def ray_actor_options(
     """``.options(...)`` for a node actor (plain dict, so this module stays Ray-free).
 
     Named after the node (it shows up by name on the dashboard and ``ray.get_actor`` finds it),
-    pinned to its role's pool, restarted forever by Ray; method calls (address, ready, stats)
-    are idempotent reads, so a few are retried across a restart. ``detached``: the actor
+    pinned to its role's pool, restarted by Ray whenever its process dies; method calls
+    (address, ready, stats) are idempotent reads, so a few are retried across a restart.
+    ``max_restarts`` stays -1: a finite one would count every restart of the node's whole life
+    (three OOM kills in a month would end it), and Ray neither waits between restarts nor
+    restarts an actor whose constructor raised. The crash-loop bound is the actor's own
+    (node/start_guard.py): ``max_start_failures`` failed lives in a row, with a back-off. ``detached``: the actor
     outlives the driver that made it (``pdserve nodes`` on a long-lived Ray cluster).
     """
     options: dict = {

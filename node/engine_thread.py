@@ -3,7 +3,7 @@
 LLMEngine is single-threaded by design. A node's gRPC handlers run on a thread pool, so they
 never touch the engine: they submit commands (add a request, reserve or release KV, abort) that
 the loop thread runs between steps, and they read their request's outputs from its own
-``OutputStream``::
+``OutputStream`` (node/output_stream.py)::
 
     gRPC threads --commands (Future)--> [ loop thread: commands, step, dispatch ] --> streams
                                                    |                                    |
@@ -13,22 +13,30 @@ The loop steps while the engine has work and sleeps on a condition otherwise (no
 including when waiting requests cannot be admitted: only a command (abort, release) can free
 the blocks they need, and every command wakes the loop.
 
+A step that raises fails every open request (``RequestFailedError``, "engine step failed: ...";
+the servers answer INTERNAL and the router moves them once). ``max_step_failures`` failed steps
+in a row, or the loop thread dying of anything else, make the engine unhealthy
+(node/health.py): the loop stops, whatever is still open fails with ``EngineStoppedError``
+naming the reason, and ``on_unhealthy(reason)`` tells the node (which leaves the index).
+
 No ray, grpc or redis here: the servers wrap this.
 """
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
 from engine.engine import LLMEngine
 from engine.outputs import RequestOutput
+from node.faults import StepFault
+from node.health import StepHealth
+from node.output_stream import EngineStoppedError, OutputStream, RequestFailedError
 from tokens.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -46,14 +54,8 @@ STATS_PERIOD_S = 0.05
 # the last step.
 STEP_S_ALPHA = 0.3
 STEP_S_STALE_S = 30.0
-
-
-class EngineStoppedError(RuntimeError):
-    """The engine loop is not running (shut down or never started)."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed while running this request (the step raised); the request is gone."""
+# An idle loop wakes this often to show it is alive (AsyncEngine.progress).
+IDLE_TICK_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,92 +77,6 @@ class LoadSnapshot:
         return asdict(self)
 
 
-_DONE = object()  # end-of-stream marker in an OutputStream's queue
-
-
-class OutputStream:
-    """The outputs of one request, in order, for one reader thread.
-
-    Iterate it (blocks until the request finishes), or call ``get(timeout)``. ``cancel()``
-    aborts the request in the engine (a gRPC server calls it when the client goes away); the
-    stream then ends with the engine's abort output.
-    """
-
-    def __init__(self, request_id: str, cancel: Callable[[str], Any]) -> None:
-        self.request_id = request_id
-        self._cancel = cancel
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._ended = threading.Event()  # set by the loop when it delivered the last item
-        self._drained = False  # the reader has seen the end
-
-    # ---- loop side
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """Loop thread only (one writer): queue an output, or the error that failed the request.
-        A finished output or an error ends the stream: ``finished`` turns True at once, and
-        the reader gets what was queued before it, then the end."""
-        self._queue.put(item)
-        if isinstance(item, BaseException) or item.finished:
-            self._ended.set()
-            self._queue.put(_DONE)
-
-    # ---- reader side
-    @property
-    def finished(self) -> bool:
-        return self._ended.is_set()
-
-    def get(self, timeout: float | None = None) -> RequestOutput | None:
-        """Next output; None once the stream has ended. Raises TimeoutError, or the error that
-        failed the request (RequestFailedError, EngineStoppedError)."""
-        if self._drained:
-            return None
-        try:
-            item = self._queue.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no output for request {self.request_id!r} within {timeout}s") from None
-        if item is _DONE:
-            self._drained = True
-            return None
-        if isinstance(item, BaseException):
-            self._drained = True
-            raise item
-        return item
-
-    def __iter__(self) -> Iterator[RequestOutput]:
-        return self.iter()
-
-    def iter(self, timeout: float | None = None) -> Iterator[RequestOutput]:
-        """Outputs until the request finishes; ``timeout`` bounds the wait for each one."""
-        while (out := self.get(timeout)) is not None:
-            yield out
-
-    def result(self, timeout: float | None = None) -> RequestOutput:
-        """The final output, with every sample's full token ids (waits for the finish)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        last: RequestOutput | None = None
-        latest = {}
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            out = self.get(left)
-            if out is None:
-                break
-            for c in out.outputs:
-                latest[c.index] = c
-            last = out
-        if last is None:
-            raise RequestFailedError(f"request {self.request_id!r} ended without output")
-        last.outputs = [latest[i] for i in sorted(latest)]
-        return last
-
-    def cancel(self) -> None:
-        """Abort the request unless it already finished; idempotent, never raises."""
-        if self._ended.is_set():
-            return
-        try:
-            self._cancel(self.request_id)
-        except EngineStoppedError:
-            pass  # shutdown fails every stream on its own
-
-
 class _Command:
     __slots__ = ("fn", "future")
 
@@ -173,7 +89,8 @@ class AsyncEngine:
     """Runs ``engine`` on a loop thread (started here); see the module docstring.
 
     ``on_kv_events`` receives each batch of block events (BlockStored / BlockRemoved /
-    AllBlocksCleared) on the loop thread: it must be quick (hand them to another thread).
+    AllBlocksCleared) on the loop thread: it must be quick (hand them to another thread), as
+    must ``on_unhealthy`` (called once, on the loop thread, as it stops).
     """
 
     def __init__(
@@ -181,6 +98,8 @@ class AsyncEngine:
         engine: LLMEngine,
         on_kv_events: Callable[[list], None] | None = None,
         name: str = "engine-loop",
+        max_step_failures: int = 3,
+        on_unhealthy: Callable[[str], None] | None = None,
     ) -> None:
         self.engine = engine
         self._on_kv_events = on_kv_events
@@ -194,10 +113,19 @@ class AsyncEngine:
         self._load = self._snapshot()
         self._stats: dict = engine.stats()
         self._stats_at = time.monotonic()
-        self.num_step_errors = 0
+        self.health = StepHealth(max_step_failures)
+        self.unhealthy_reason: str | None = None  # set once, when the loop stops unhealthy
+        self._on_unhealthy = on_unhealthy
+        # Fault injection (node/faults.py): hooked into the model on first use only.
+        self.step_fault = StepFault()
         # Fault injection (tests and `pdserve chaos`: a slow node): seconds to sleep after each
         # step. Set in the node's own process only; nothing on the wire reaches it.
         self.step_delay_s = 0.0
+        # Liveness: bumped by the loop on every iteration (after each step, and every
+        # IDLE_TICK_S while it sleeps), never inside a step. A decode node heartbeats a silent
+        # stream only while this moves (decode_node/server.py), so an engine wedged in a step
+        # goes quiet and the router's progress deadline moves its requests.
+        self.progress = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -208,7 +136,7 @@ class AsyncEngine:
         cmd = _Command(fn)
         with self._cond:
             if self._stopping or not self._thread.is_alive():
-                raise EngineStoppedError("the engine loop is not running")
+                raise EngineStoppedError(self._stopped_why())
             self._commands.append(cmd)
             self._cond.notify()
         return cmd.future
@@ -289,6 +217,24 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
+    @property
+    def num_step_errors(self) -> int:
+        return self.health.failed_steps
+
+    def set_step_fault(self, steps: int, fatal: bool = False) -> int:
+        """Fault injection (node/faults.py): the next ``steps`` steps raise inside the model's
+        forward (-1: every step until ``set_step_fault(0)``; ``fatal``: the loop thread dies of
+        it). Returns the steps it failed so far."""
+        if not self.step_fault.installed:  # hooks change on the loop thread, between steps
+            self.run(lambda eng: self.step_fault.install(eng.runner.model))
+        self.step_fault.arm(steps, fatal)
+        return self.step_fault.raised
+
+    def _stopped_why(self) -> str:
+        if self.unhealthy_reason is not None:
+            return f"the engine stopped, unhealthy: {self.unhealthy_reason}"
+        return "the engine loop is not running"
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop after the step in progress; open streams and queued commands fail
         with EngineStoppedError."""
@@ -316,18 +262,28 @@ class AsyncEngine:
             while True:
                 with self._cond:
                     while not (self._commands or self._stopping or busy):
-                        self._cond.wait()
+                        # A sleeping loop is idle, not wedged: a request waiting for blocks
+                        # that only a command can free keeps its heartbeats.
+                        self._cond.wait(IDLE_TICK_S)
+                        self.progress += 1
                     if self._stopping:
                         break
                     commands, self._commands = self._commands, deque()
                 for cmd in commands:
                     self._run_command(cmd)
                 busy = self._step()
-        except Exception:
+                self.progress += 1
+        except BaseException as err:  # the loop is gone (logged here, not re-raised): a dead engine is a dead node
             log.exception("engine loop crashed")
-            raise
+            self.unhealthy_reason = self.unhealthy_reason or f"engine loop died: {err!r}"
         finally:
-            self._fail_everything(EngineStoppedError("the engine was shut down"))
+            unhealthy = self.unhealthy_reason
+            self._fail_everything(EngineStoppedError(self._stopped_why() if unhealthy else "the engine was shut down"))
+            if unhealthy is not None and self._on_unhealthy is not None:
+                try:
+                    self._on_unhealthy(unhealthy)
+                except Exception:
+                    log.exception("on_unhealthy callback failed")
 
     def _run_command(self, cmd: _Command) -> None:
         if not cmd.future.set_running_or_notify_cancel():
@@ -352,10 +308,16 @@ class AsyncEngine:
                     time.sleep(self.step_delay_s)
                 if outputs:
                     self._measured(time.monotonic() - t0)
+                if eng.num_steps != steps_before:  # it ran the model (not only handed out aborts)
+                    self.health.succeeded()
         except Exception as err:
-            self.num_step_errors += 1
             log.exception("engine step failed; failing its %d open requests", len(self._streams))
             self._fail_requests(RequestFailedError(f"engine step failed: {err!r}"))
+            reason = self.health.failed(err)
+            if reason is not None:  # the node is broken, not the requests: stop here
+                log.error("engine unhealthy: %s", reason)
+                with self._cond:
+                    self.unhealthy_reason, self._stopping = reason, True
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:

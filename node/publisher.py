@@ -11,8 +11,13 @@ restart, a lease that lapsed and was pruned) or a heartbeat finds the node's ent
 thread replaces the node's entries with that snapshot in one script call, so the index
 recovers without the node dropping its cache.
 
-Redis trouble never stops serving: the index is a hint. A failed round trip is logged and the
-next success starts with a resync.
+Redis trouble never stops serving: the index is a hint. Only this thread waits on Redis (each
+round trip bounded by the client's timeouts, kv_index/client.py); the engine loop and the gRPC
+handlers only queue. A failed round trip is counted and logged (rate-limited), the next heartbeat
+is tried ``heartbeat_s`` later, and the next success starts with a resync: a hung Redis that
+wakes (and may still run a command we gave up on) and a restarted one, from its append-only
+file or empty, are repaired the same way. A Redis that does not answer at start does not stop
+the node either: it registers as soon as Redis answers.
 
 Bounded: when the engine hands over batches faster than this thread takes them (Redis slow
 or down), the queued batches are folded into one net batch (the last word per block hash), so
@@ -32,6 +37,7 @@ import redis
 from kv_index.events import AllBlocksCleared, BlockRemoved, BlockStored, fold_kv_events
 from kv_index.nodes import StepReport
 from kv_index.publisher import NodePublisher
+from telemetry.log_limit import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +65,33 @@ class IndexPublisherThread:
         self._needs_resync = False
         self._held: set[int] = set()  # the snapshot; only the publisher thread touches it
         self._steps: deque[StepReport] = deque(maxlen=max_steps)
-        self.num_coalesced = 0
         self._thread = threading.Thread(target=self._run, name=f"index-{publisher.info.node_id}", daemon=True)
+        self.num_coalesced = 0  # times the queued batches were folded into one (Redis slow or down)
         self.num_resyncs = 0
+        self.num_failures = 0  # Redis round trips that failed (timed out, refused)
+        self.num_steps_dropped = 0  # step reports lost to a failure or to the max_steps bound
+        self._failure_log = RateLimitedLog(log)  # a hung Redis fails every heartbeat
 
     def start(self) -> None:
-        self.publisher.register()
+        """Register (an empty snapshot), then publish on the thread. Redis down or hung: the
+        thread registers the node once Redis answers. Redis refusing the node (a wrong password,
+        a missing permission) is a configuration error: it raises."""
+        try:
+            self.publisher.register()
+        except (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError,
+                redis.exceptions.NoPermissionError):
+            raise
+        except redis.RedisError as err:
+            self.num_failures += 1
+            self._needs_resync = True
+            log.warning("%s could not register in the index yet (%s); it will once Redis answers",
+                        self.publisher.info.node_id, err)
         self._thread.start()
+
+    def counts(self) -> dict[str, int]:
+        """What Redis trouble cost so far (node stats)."""
+        return {"index_failures": self.num_failures, "index_resyncs": self.num_resyncs,
+                "index_coalesced": self.num_coalesced, "index_steps_dropped": self.num_steps_dropped}
 
     def submit_events(self, events: list) -> None:
         """Thread-safe; called by the engine loop with each batch of block events."""
@@ -78,6 +104,8 @@ class IndexPublisherThread:
     def submit_step(self, report: StepReport) -> None:
         """Thread-safe; a measured unit of prefill work for the router's cost model."""
         with self._lock:
+            if len(self._steps) == self._steps.maxlen:
+                self.num_steps_dropped += 1  # the oldest goes
             self._steps.append(report)
             self._lock.notify()
 
@@ -144,8 +172,9 @@ class IndexPublisherThread:
                 self._flush_steps()
             except redis.RedisError as err:
                 self._needs_resync = True
-                log.warning("index publish for %s failed (will resync): %s",
-                            self.publisher.info.node_id, err)
+                self.num_failures += 1
+                self._failure_log.warning("redis", "index publish for %s failed (will resync): %s",
+                                          self.publisher.info.node_id, err)
                 next_beat = time.monotonic() + self._heartbeat_s
 
     def _apply_to_snapshot(self, stored: list[int], removed: list[int], cleared: bool) -> None:
@@ -159,7 +188,11 @@ class IndexPublisherThread:
             steps = list(self._steps)
             self._steps.clear()
         if steps:
-            self.publisher.report_steps(steps)  # lost on a Redis error: they are samples
+            try:
+                self.publisher.report_steps(steps)
+            except redis.RedisError:
+                self.num_steps_dropped += len(steps)  # samples: the fit does without them
+                raise
 
     def _take_events(self, timeout: float) -> list[list]:
         """Every queued batch, waiting up to ``timeout`` for one (or a step report, or a

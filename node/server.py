@@ -9,6 +9,12 @@ Health: the port is bound only once the model is loaded (the engine is built bef
 so while a node loads a probe gets no answer at all; from ``start`` it is SERVING, and ``drain``
 or ``stop`` turns it NOT_SERVING before anything else.
 
+Unhealthy (``max_step_failures`` engine steps failed in a row, or the engine thread died):
+health turns NOT_SERVING, the node leaves the index, its engine stops (open streams end with
+UNAVAILABLE), new requests get UNAVAILABLE naming ``health_reason``, and the reason goes to
+the node's health record (kv_index/health.py) for `pdserve status`. Then ``on_unhealthy`` runs:
+the Ray actor exits so that Ray restarts it (node/actor.py); a server in a test stays as it is.
+
 Drain (SIGTERM on a node actor, ``stop`` from a supervisor): refuse new requests, heartbeat
 ``draining`` so routers skip the node, let the requests in flight finish (up to
 ``drain_timeout_s``), then stop. Backpressure: long calls are bounded (``node/admission.py``)
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from typing import ClassVar
 
@@ -34,6 +41,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.engine import LLMEngine
+from kv_index.client import RedisTimeouts, redis_client
+from kv_index.health import SERVING, UNHEALTHY, HealthStore
 from kv_index.nodes import NodeInfo, Role
 from kv_index.publisher import NodePublisher
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS
@@ -42,6 +51,7 @@ from node.config import NodeConfig, host_port
 from node.engine_thread import AsyncEngine
 from node.publisher import IndexPublisherThread
 from node.request_parsing import ParseRequestsInterceptor
+from protos.conventions import keepalive_ping_options
 from security.tls import add_port
 from telemetry import tracing
 from telemetry.metrics import MetricsServer, NodeMetrics
@@ -79,7 +89,10 @@ class NodeServer:
         # The KV stream's options on every node: a decode node receives PushBlocks on this server.
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix=f"grpc-{config.node_id}"),
-            options=KV_GRPC_OPTIONS,
+            # Keepalive: KV_GRPC_OPTIONS accept the router's and peers' pings; the node pings
+            # them too (a frozen router's streams are cancelled here and their KV freed;
+            # protos/conventions.py keepalive_server_options).
+            options=KV_GRPC_OPTIONS + keepalive_ping_options(),
             # Outermost: a request it cannot parse is INVALID_ARGUMENT before it takes a slot.
             interceptors=(ParseRequestsInterceptor(),
                           LongRpcInterceptor(self.gate, self.long_methods, config.node_id)),
@@ -100,6 +113,8 @@ class NodeServer:
                                    engine_stats=self._engine_stats)
         self.metrics_server: MetricsServer | None = None
         self.metrics_address: str | None = None
+        # Called once, on a thread of its own, after the node turned unhealthy and left the index.
+        self.on_unhealthy: Callable[[str], None] | None = None
 
     def start(self) -> str:
         """Bind, serve, register; returns "host:port"."""
@@ -113,11 +128,11 @@ class NodeServer:
         if port == 0:
             raise OSError(f"could not bind {cfg.host}:{cfg.grpc_port}")
         # Bound on cfg.host, registered as the advertised host: peers dial what is registered.
-        self.address = host_port(advertised, port)
+        self.address = host_port(advertised, cfg.advertise_grpc_port or port)
         if cfg.metrics_port is not None:  # answers before the node registers its address
             self.metrics_server = MetricsServer(self.metrics.registry, cfg.host, cfg.metrics_port)
             self.metrics_address = host_port(advertised, self.metrics_server.port)
-        self._redis = redis.Redis.from_url(cfg.redis_url)
+        self._redis = redis_client(cfg.redis_url, RedisTimeouts(cfg.redis_connect_timeout_s, cfg.redis_timeout_s))
         info = NodeInfo(
             node_id=cfg.node_id, role=cfg.role, grpc_address=self.address,
             fingerprint=self.engine.fingerprint, block_size=self.engine.block_size,
@@ -127,14 +142,18 @@ class NodeServer:
         index = NodePublisher(self._redis, info, ns=cfg.namespace, lease_s=cfg.lease_s)
         self.publisher = IndexPublisherThread(index, self._load, cfg.heartbeat_s)
         self.aengine = AsyncEngine(self.engine, on_kv_events=self.publisher.submit_events,
-                                   name=f"engine-{cfg.node_id}")
+                                   name=f"engine-{cfg.node_id}", max_step_failures=cfg.max_step_failures,
+                                   on_unhealthy=self._engine_unhealthy)
         try:
             self.grpc_server.start()
             for name in ("", *self.services):
                 self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
             self.publisher.start()
+            self.metrics.healthy.set(1)
+            self._record_health(SERVING)
         except BaseException:
-            # e.g. Redis unreachable: do not leave a serving but unregistered node behind.
+            # e.g. Redis refused the node's password: do not leave a serving but unregistered
+            # node behind (a Redis that does not answer is waited for by the publisher thread).
             self.stop(deregister=False)
             raise
         log.info("%s node %s serving on %s", cfg.role.value, cfg.node_id, self.address)
@@ -161,11 +180,53 @@ class NodeServer:
             self._redis.close()
         tracing.flush()  # a stopping node's last spans are still in the batch exporter
 
+    # ---- health
+    @property
+    def health_reason(self) -> str | None:
+        """Why this node is unhealthy (None: it is not): its engine's reason."""
+        return self.aengine.unhealthy_reason if self.aengine is not None else None
+
+    def set_step_fault(self, steps: int, fatal: bool = False) -> int:
+        """Fault injection (node/faults.py): the next ``steps`` engine steps raise (-1: every
+        step until ``set_step_fault(0)``; ``fatal``: the engine thread dies of it). Called in
+        this process only (the node actor's ``set_step_fault``, tests); nothing on the wire
+        reaches it. Returns the steps failed so far."""
+        return self.aengine.set_step_fault(steps, fatal)
+
+    def _engine_unhealthy(self, reason: str) -> None:
+        # The engine loop's last act: leave the index and tell the actor from a thread of our own.
+        threading.Thread(target=self._become_unhealthy, args=(reason,), name=f"unhealthy-{self.config.node_id}",
+                         daemon=True).start()
+
+    def _become_unhealthy(self, reason: str) -> None:
+        log.error("%s is unhealthy: %s; leaving the index", self.config.node_id, reason)
+        for name in ("", *self.services):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.metrics.healthy.set(0)
+        if self.publisher is not None:
+            self.publisher.stop(deregister=True)
+        self._record_health(UNHEALTHY, reason)
+        if self.on_unhealthy is not None:
+            self.on_unhealthy(reason)
+
+    def _record_health(self, state: str, reason: str | None = None) -> None:
+        """The node's health record (kv_index/health.py): a hint for operators, never a reason
+        to fail."""
+        if self._redis is None:
+            return
+        try:
+            HealthStore(self._redis, self.config.namespace).write(self.config.node_id, state, reason)
+        except redis.RedisError as err:
+            log.warning("could not record %s's health (%s): %s", self.config.node_id, state, err)
+
     # ---- admission and drain
     def admit(self, context: grpc.ServicerContext, accepted: bool = False) -> None:
-        """Refuse a new request (aborting its RPC) while draining or when the engine's waiting
-        queue is full. ``accepted``: the call finishes a request this node already took (a
-        Decode over KV it reserved): only the waiting bound applies, never the drain."""
+        """Refuse a new request (aborting its RPC) while unhealthy or draining, or when the
+        engine's waiting queue is full. ``accepted``: the call finishes a request this node
+        already took (a Decode over KV it reserved): only health and the waiting bound apply."""
+        reason = self.health_reason
+        if reason is not None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"node {self.config.node_id} is unhealthy: {reason}")
         if self.draining and not accepted:
             refuse_draining(context, self.config.node_id)
         load = self.aengine.load if self.aengine is not None else None
@@ -212,11 +273,17 @@ class NodeServer:
         counters = {k: s[k] for k in ("preemptions", "prefix_cache_query_tokens", "prefix_cache_hit_tokens") if k in s}
         return {"node_id": self.config.node_id, "role": self.role.value, "address": self.address,
                 "metrics_address": self.metrics_address, **self._load(), **counters,
-                "inflight_calls": self.gate.inflight, "refused_calls": self.gate.num_refused, **self.role_stats()}
+                "healthy": self.health_reason is None, "health_reason": self.health_reason,
+                "step_failures": self.aengine.num_step_errors if self.aengine is not None else 0,
+                "inflight_calls": self.gate.inflight, "refused_calls": self.gate.num_refused,
+                **(self.publisher.counts() if self.publisher is not None else {}), **self.role_stats()}
 
     def _engine_stats(self) -> dict | None:
-        """The engine loop's cached ``LLMEngine.stats()`` (None before ``start``)."""
-        return self.aengine.stats if self.aengine is not None else None
+        """The engine loop's cached ``LLMEngine.stats()`` and its failed steps (None before
+        ``start``)."""
+        if self.aengine is None:
+            return None
+        return {**self.aengine.stats, "step_failures": self.aengine.num_step_errors}
 
     def role_stats(self) -> dict:
         """The role's own figures (prefills done, reservations held, ...)."""

@@ -197,6 +197,8 @@ class ResponseAccumulator:
         if kind == "error":
             where = f" (sample {resp.error.index})" if resp.error.HasField("index") else ""
             raise errors.from_code_number(resp.error.code, resp.error.message + where)
+        # A heartbeat (a node's sign of life, which the router never forwards) or a kind this
+        # SDK does not know yet: nothing for the caller.
         return None
 
 

@@ -77,6 +77,7 @@ class PrefillServer(NodeServer):
         fast = [ShmKVSender(), TcpKVSender()] if config.tls is None else []
         self.kv_sender = kv_sender or FallbackKVSender(fast, GrpcKVSender(config.tls))
         self._healthy_sender: KVSender | None = None  # kept while a KV fault is injected
+        self._kv_fault_senders: list = []  # every damaging sender so far, for its counts
         # Layer-wise KV streaming (docs/cluster.md, "KV data plane"): on unless configured off;
         # an attribute so a benchmark can compare both ways on one node.
         # Only on CPU: there torch has written layer i's K/V when the layer returns. On CUDA the
@@ -117,17 +118,22 @@ class PrefillServer(NodeServer):
         """Fault injection (prefill_node/faults.py): damage every KV push from now on ("flip",
         "cut"), or send normally again (None). Called in this process only (the node actor's
         ``set_kv_fault``, tests); nothing on the wire reaches it."""
-        from prefill_node.faults import CorruptingKVSender
+        from prefill_node.faults import CorruptingFallbackSender
 
         if self._healthy_sender is not None:
             self.kv_sender.close()
             self.kv_sender, self._healthy_sender = self._healthy_sender, None
-        if mode is not None:
-            self._healthy_sender, self.kv_sender = self.kv_sender, CorruptingKVSender(mode, self.config.tls)
+        if mode is not None:  # every transport this node sends over is damaged
+            self._healthy_sender, self.kv_sender = self.kv_sender, CorruptingFallbackSender(mode, self.config.tls)
+            self._kv_fault_senders.append(self.kv_sender)
 
     def role_stats(self) -> dict:
+        damaged: dict[str, int] = {}  # KV pushes a fault damaged, per transport (chaos reads it)
+        for sender in self._kv_fault_senders:
+            for name, n in sender.pushes_by_transport.items():
+                damaged[name] = damaged.get(name, 0) + n
         return {"prefills": self.num_prefills, "transfer_failures": self.num_transfer_failures,
-                "prefills_in_progress": self.inflight.count}
+                "prefills_in_progress": self.inflight.count, "kv_fault_pushes": damaged}
 
 
 def first_token_params(params: SamplingParams, resumed: int = 0) -> SamplingParams:
@@ -325,8 +331,8 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
             return node.kv_sender.push(
                 request.decode_address, eng.kv_cache, request_id=rid, fingerprint=eng.fingerprint,
                 src_block_ids=table[:b], block_hashes=hashes[:b], num_tokens=min(b * bs, len(prompt)),
-                dest_block_ids=dest[a - cached : b - cached], skip_leading_blocks=a, layers=layers,
-                timeout=PUSH_TIMEOUT_S, endpoints=tuple(res.kv_endpoints))
+                dest_block_ids=dest[a - cached : b - cached], token=res.token, skip_leading_blocks=a,
+                layers=layers, timeout=PUSH_TIMEOUT_S, endpoints=tuple(res.kv_endpoints))
 
         unit = PoolLayout.of(eng.kv_cache).block_bytes
         streamer = KVStreamer(push, num_layers=eng.model_config.num_layers, num_blocks=num_blocks, skip=cached,
@@ -375,7 +381,7 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
                 request.decode_address, eng.kv_cache,
                 request_id=rid, fingerprint=eng.fingerprint, src_block_ids=src,
                 block_hashes=hash_prompt_blocks(prompt, bs, eng.fingerprint.encode()),
-                num_tokens=len(prompt), dest_block_ids=list(res.block_ids),
+                num_tokens=len(prompt), dest_block_ids=list(res.block_ids), token=res.token,
                 skip_leading_blocks=res.num_cached_blocks, timeout=PUSH_TIMEOUT_S,
                 endpoints=tuple(res.kv_endpoints),
             )

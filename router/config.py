@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from protos.conventions import MAX_MESSAGE_BYTES
 from router.admission import SLO_CLASSES
+from router.liveness import check_deadlines
 from security.tls import TlsFiles, tls_files
 
 
@@ -42,12 +43,37 @@ class RouterConfig:
     # UNAVAILABLE, health says NOT_SERVING) before it stops.
     drain_timeout_s: float = 30.0
     retry_after_ms: int = 200
-    # Per-hop deadlines (seconds) for the node RPCs; the decode stream has none of its own
-    # (it lasts as long as the client's deadline allows).
+    # Per-hop deadlines (seconds) for the node RPCs. prefill_timeout_s is the Prefill call's
+    # ceiling: its deadline is prefill_deadline_factor x the placement's predicted queue +
+    # prefill + transfer, at least prefill_deadline_floor_s (router/liveness.py); past it the
+    # decode node recomputes the prompt.
     reserve_timeout_s: float = 5.0
     prefill_timeout_s: float = 120.0
     control_timeout_s: float = 5.0
+    prefill_deadline_factor: float = 4.0
+    prefill_deadline_floor_s: float = 10.0
+    # A Decode stream has no deadline of its own (it lasts as long as the client's deadline
+    # allows) but a progress deadline: no token and no heartbeat for decode_progress_factor x
+    # the node's step time, clamped to [floor, ceiling] seconds (the ceiling while the node's
+    # step time is unknown), and the node counts as failed for it: the request moves
+    # (router/liveness.py). The floor bounds the detection of a frozen node (about 3 s on the
+    # builtin model) and must exceed the longest single engine step (a chunk of a prompt
+    # prefilled on the decode node) on a loaded host.
+    decode_progress_factor: float = 10.0
+    decode_progress_floor_s: float = 3.0
+    decode_progress_ceiling_s: float = 30.0
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    # The HTTP front's bounds (router/http_front.py). An HTTP body over max_body_bytes is 413;
+    # None = what max_model_len tokens of the tokenizer's longest token can use, plus JSON
+    # (router/http_budget.py body_limit_bytes; 1.2 MiB for SmolLM2's 8192 tokens).
+    max_body_bytes: int | None = None
+    # Body bytes held at once across HTTP requests (each until its response ends); a body
+    # that would pass it is refused 429 + Retry-After before it is read.
+    max_buffered_bytes: int = 128 << 20
+    # A connection's request headers must be complete within this (slowloris), its body
+    # within http_body_timeout_s of them; else 408.
+    http_header_timeout_s: float = 20.0
+    http_body_timeout_s: float = 30.0
     # Token ids accepted in token prompts and stop_token_ids; None = the tokenizer's vocab.
     vocab_size: int | None = None
     # EOS ids that end a request on its first token; None = from the tokenizer dir
@@ -81,8 +107,21 @@ class RouterConfig:
     exclude_failed_node_s: float = 10.0
     migration_wait_s: float = 30.0
     # While Redis is unreadable, keep placing on the nodes last read (by load, without the
-    # index) for this long; then no node is known and requests get UNAVAILABLE.
-    registry_outage_s: float = 30.0
+    # index) for this long; then no node is known and requests get UNAVAILABLE. None: for as
+    # long as the outage lasts (a node that died meanwhile is found out by its failed call).
+    registry_outage_s: float | None = None
+    # When Redis answers again, a node of the last view missing from the registry (its lease
+    # ran out while Redis was frozen, or Redis restarted empty) is kept this long, time for
+    # its next heartbeat to register it again.
+    registry_settle_s: float = 5.0
+    # Redis clients (kv_index/client.py): seconds to connect, and to wait for each reply on
+    # the background thread (registry, step reports, pruning). See docs/cluster.md.
+    redis_connect_timeout_s: float = 1.0
+    redis_timeout_s: float = 2.0
+    # The prefix lookup on the request path: the most a request waits for it, connect and
+    # reply alike. After one failure lookups are skipped until Redis answers a probe
+    # (router/index_guard.py), so a hung Redis costs at most this to the requests in flight.
+    index_lookup_timeout_s: float = 0.5
     # TLS (docs/security.md). cert/key: what the client-facing gRPC and HTTP ports serve, and
     # what the router presents to nodes (mutual TLS); ca: the CA that signs the cluster's
     # members, trusted for nodes' certificates. All None: plaintext.
@@ -115,8 +154,22 @@ class RouterConfig:
             raise ValueError("max_migrations, exclude_failed_node_s and migration_wait_s must be >= 0")
         if not self.straggler_factor >= 0 or self.straggler_factor == float("inf"):  # NaN fails >= 0
             raise ValueError(f"straggler_factor must be a finite number >= 0 (0: off), got {self.straggler_factor}")
+        if self.max_body_bytes is not None and self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1 (or None: from the context), got {self.max_body_bytes}")
+        if self.max_body_bytes is not None and self.max_buffered_bytes < self.max_body_bytes:
+            raise ValueError(f"max_buffered_bytes ({self.max_buffered_bytes}) must hold one body of max_body_bytes "
+                             f"({self.max_body_bytes})")
+        if not (self.http_header_timeout_s > 0 and self.http_body_timeout_s > 0):
+            raise ValueError("http_header_timeout_s and http_body_timeout_s must be > 0")
         if self.node_refresh_s <= 0:
             raise ValueError(f"node_refresh_s must be > 0, got {self.node_refresh_s}")
+        self._check_deadlines()
+        for name in ("redis_connect_timeout_s", "redis_timeout_s", "index_lookup_timeout_s"):
+            v = getattr(self, name)
+            if not (0 < v < float("inf")):  # NaN fails too
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {v}")
+        if self.registry_settle_s < 0:
+            raise ValueError(f"registry_settle_s must be >= 0, got {self.registry_settle_s}")
         tls = self.tls  # validates the combination
         if tls is not None and tls.cert_file is None:
             raise ValueError("router TLS needs tls_cert_file and tls_key_file (it serves clients over TLS)")
@@ -125,14 +178,18 @@ class RouterConfig:
         if any(not k or k != k.strip() for k in self.api_keys):
             raise ValueError("api_keys must be non-empty strings without surrounding whitespace")
 
+    def _check_deadlines(self) -> None:
+        check_deadlines(self.decode_progress_factor, self.decode_progress_floor_s, self.decode_progress_ceiling_s,
+                        self.prefill_deadline_factor, self.prefill_deadline_floor_s, self.prefill_timeout_s)
+
     @property
     def tls(self) -> TlsFiles | None:
         return tls_files(self.tls_cert_file, self.tls_key_file, self.tls_ca_file, self.tls_server_name)
 
     @property
     def rpc_limit(self) -> int:
-        """gRPC calls (and HTTP connections) the router holds at once: room for every admitted
-        request, as many refusals in flight, and control calls."""
+        """gRPC calls (and HTTP requests, router/http_front.py) the router holds at once: room
+        for every admitted request, as many refusals in flight, and control calls."""
         return 2 * self.max_inflight + 64
 
     @property

@@ -6,7 +6,8 @@ client honours both).
 ``ErrorResponse`` is the one exception the routes raise; it is built from a gRPC status (the
 orchestrator's ``RouterError``, an error message in a response stream) or directly. FastAPI's own
 refusals, a body that fails validation and an unknown route or method, are mapped to the same
-shape by the handlers ``add_error_handlers`` installs.
+shape by the handlers ``add_error_handlers`` installs, and so is any unexpected exception (500,
+``internal_error``; the traceback goes to the log, not to the client).
 """
 from __future__ import annotations
 
@@ -66,17 +67,26 @@ class ErrorResponse(Exception):
         return ErrorResponse.from_grpc(_CODE_BY_VALUE.get(err.code, grpc.StatusCode.INTERNAL), err.message)
 
     @staticmethod
+    def internal(e: BaseException) -> ErrorResponse:
+        """A fault of the router itself (a bug): the client learns that much, the log the rest."""
+        return ErrorResponse(500, f"the router failed on this request ({type(e).__name__}); its log has the "
+                             "details", "internal_error", "internal_error")
+
+    @staticmethod
     def unsupported(e: oai.UnsupportedError) -> ErrorResponse:
         return ErrorResponse(400, str(e), "invalid_request_error", "unsupported", e.param)
 
     def body(self) -> dict:
         return oai.error_json(self.message, self.type, self.code, self.param)
 
-    def response(self) -> JSONResponse:
+    def response(self, close: bool = False) -> JSONResponse:
+        """``close``: the request's body was not read, so the connection cannot carry another."""
         headers = {}
         if self.retry_after_ms is not None:
             headers = {"Retry-After": str(max(1, math.ceil(self.retry_after_ms / 1000))),
                        "retry-after-ms": str(self.retry_after_ms)}
+        if close:
+            headers["Connection"] = "close"
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
@@ -124,7 +134,20 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
                         headers=getattr(exc, "headers", None))
 
 
+async def _router_error(request: Request, exc: RouterError):
+    # The orchestrator's refusal that reached a route unconverted (a batch's later prompt).
+    return ErrorResponse.from_router_error(exc).response()
+
+
+async def _unexpected(request: Request, exc: Exception):
+    # Starlette's outermost middleware calls this for any other exception, then re-raises it
+    # for the server to log; without it the client would get a plain-text 500.
+    return ErrorResponse.internal(exc).response()
+
+
 def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ErrorResponse, _error)
+    app.add_exception_handler(RouterError, _router_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

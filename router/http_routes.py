@@ -5,7 +5,8 @@
     POST /v1/completions            text or token prompts, batched prompts too
     GET  /health                    200 while the process runs
     GET  /ready                     200 once a decode node (and ready_min_prefill prefill nodes)
-                                    are live in the index, else 503 saying what is missing
+                                    are live in the index, else 503 saying what is missing;
+                                    ``degraded`` (and why) while Redis fails (still 200)
     GET  /metrics                   the router's Prometheus metrics
 
 The routes are module functions; what they answer from (the orchestrator, the metrics registry,
@@ -14,7 +15,8 @@ the readiness check) is one ``Served`` per app in ``app.state``, handed to each 
 Both APIs drive the same ``Orchestrator.generate`` as gRPC does, so a greedy answer is the
 same text whichever way it was asked for, and a W3C ``traceparent`` header is continued as the
 gRPC metadata is. A failure before any output is an HTTP status (``router/http_errors.py``); one
-after the stream began is an error event in it.
+after the stream began is an error event in it, and the stream's last: no ``data: [DONE]``
+follows, so a client that reads to the end can tell a failed stream from a finished one.
 
 A client that goes away (a closed stream, a dropped connection while waiting for a
 non-streaming answer) aborts the request on every node, so its KV blocks are freed at once
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
@@ -37,12 +40,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from protos.pdserve.v1 import serving_pb2 as pb
 from router import openai_protocol as oai
+from router import openai_responses as oresp
 from router.http_errors import ErrorResponse
 from router.orchestrator import Orchestrator
 from router.validation import RouterError
 from telemetry import tracing
 
 GenerateStream = AsyncIterator[pb.GenerateResponse]
+log = logging.getLogger(__name__)
 
 
 class Served:
@@ -90,7 +95,10 @@ async def health():
 @routes.get("/ready")
 async def ready(served: ServedDep):
     ok, why = served.readiness() if served.readiness is not None else (True, "")
-    return JSONResponse({"ready": ok, "reason": why}, status_code=200 if ok else 503)
+    # Degraded (Redis failing: placing by load, without the index) still serves, so stays 200.
+    degraded = served.orch.refresher.degraded
+    return JSONResponse({"ready": ok, "reason": why, "degraded": degraded is not None,
+                         "degraded_reason": degraded or ""}, status_code=200 if ok else 503)
 
 
 @routes.get("/metrics")
@@ -121,13 +129,18 @@ def _sse(obj: dict | str) -> bytes:
 
 
 async def _first_response(stream: GenerateStream) -> pb.GenerateResponse | None:
-    """The first message, so that failures before any output become an HTTP status."""
+    """The first message, so that failures before any output (a refusal, or an error message
+    first in the stream) become an HTTP status."""
     try:
-        return await anext(stream)
+        first = await anext(stream)
     except StopAsyncIteration:
         return None
     except RouterError as e:
         raise ErrorResponse.from_router_error(e) from None
+    if first.WhichOneof("kind") == "error":
+        await stream.aclose()
+        raise ErrorResponse.from_stream(first.error)
+    return first
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -147,11 +160,13 @@ async def _collect_unless_disconnected(served: Served, request: Request, rids: l
         task.cancel()
         await served.abort(rids)
         raise ErrorResponse(499, "client closed the request", "cancelled", "cancelled")
+    if task.exception() is not None:  # one prompt of a batch failed: the others stop too
+        await served.abort(rids)
     return task.result()
 
 
-async def _drain(stream: GenerateStream, first: pb.GenerateResponse | None) -> oai.Collected:
-    collected = oai.Collected()
+async def _drain(stream: GenerateStream, first: pb.GenerateResponse | None) -> oresp.Collected:
+    collected = oresp.Collected()
     if first is not None:
         collected.feed(first)
     async for resp in stream:
@@ -159,13 +174,20 @@ async def _drain(stream: GenerateStream, first: pb.GenerateResponse | None) -> o
     return collected
 
 
-def _raise_stream_error(collected: oai.Collected) -> None:
+def _raise_stream_error(collected: oresp.Collected) -> None:
     if collected.error is not None:
         raise ErrorResponse.from_stream(collected.error)
 
 
-def _stream_error_event(err: pb.Error) -> bytes:
-    return _sse(ErrorResponse.from_stream(err).body())
+def _failure_event(failure: pb.Error | BaseException) -> bytes:
+    """The error event that ends a failed stream: an error message of the stream, or an
+    exception raised while reading it (a router fault, logged here with its traceback)."""
+    if isinstance(failure, pb.Error):
+        return _sse(ErrorResponse.from_stream(failure).body())
+    if isinstance(failure, RouterError):
+        return _sse(ErrorResponse.from_router_error(failure).body())
+    log.error("a response stream failed", exc_info=failure)
+    return _sse(ErrorResponse.internal(failure).body())
 
 
 # -- chat -----------------------------------------------------------------------------------------
@@ -185,25 +207,29 @@ async def chat_completions(req: oai.ChatCompletionRequest, request: Request, ser
     if not req.stream:
         collected = await _collect_unless_disconnected(served, request, [rid], _drain(stream, first))
         _raise_stream_error(collected)
-        return JSONResponse(oai.chat_completion_json(rid, model_name, collected, req.logprobs, served.token_text),
+        return JSONResponse(oresp.chat_completion_json(rid, model_name, collected, req.logprobs, served.token_text),
                             headers=headers)
-    chat = oai.ChatStream(rid, model_name, req.logprobs, req.include_usage, served.token_text)
+    chat = oresp.ChatStream(rid, model_name, req.logprobs, req.include_usage, served.token_text)
     return StreamingResponse(_chat_events(served, rid, chat, stream, first), media_type="text/event-stream",
                              headers=headers)
 
 
-async def _chat_events(served: Served, rid: str, chat: oai.ChatStream, stream: GenerateStream,
+async def _chat_events(served: Served, rid: str, chat: oresp.ChatStream, stream: GenerateStream,
                        first: pb.GenerateResponse | None) -> AsyncIterator[bytes]:
+    """The chat stream's events; a failure ends it with an error event and no [DONE]."""
     finished = False
     try:
-        if first is not None:
-            for obj in chat.feed(first):
-                yield _sse(obj)
-        async for resp in stream:
-            if resp.WhichOneof("kind") == "error":
-                yield _stream_error_event(resp.error)
-            for obj in chat.feed(resp):
-                yield _sse(obj)
+        async with aclosing(_chained(first, stream)) as responses:
+            try:
+                async for resp in responses:
+                    if resp.WhichOneof("kind") == "error":
+                        yield _failure_event(resp.error)
+                        return
+                    for obj in chat.feed(resp):
+                        yield _sse(obj)
+            except Exception as e:  # noqa: BLE001 - the client is told, and the router logs it
+                yield _failure_event(e)
+                return
         if chat.include_usage:
             yield _sse(chat.usage_chunk())
         yield _sse("[DONE]")
@@ -211,6 +237,15 @@ async def _chat_events(served: Served, rid: str, chat: oai.ChatStream, stream: G
     finally:
         if not finished:
             await served.abort([rid])
+
+
+async def _chained(first: pb.GenerateResponse | None, stream: GenerateStream) -> GenerateStream:
+    """``first`` (already read), then the rest of ``stream``; closing this closes ``stream``."""
+    async with aclosing(stream):
+        if first is not None:
+            yield first
+        async for resp in stream:
+            yield resp
 
 
 # -- completions ----------------------------------------------------------------------------------
@@ -240,11 +275,10 @@ async def completions(req: oai.CompletionRequest, request: Request, served: Serv
         per_prompt = await _collect_unless_disconnected(served, request, rids, _drain_all(streams, firsts))
         for c in per_prompt:
             _raise_stream_error(c)
-        return JSONResponse(oai.completion_json(rid, model_name, per_prompt, req.n, want_lp, served.token_text),
+        return JSONResponse(oresp.completion_json(rid, model_name, per_prompt, req.n, want_lp, served.token_text),
                             headers=headers)
-    created = oai._now()
-    encoders = [oai.CompletionStream(rid, model_name, i, req.n, want_lp, req.include_usage, served.token_text,
-                                     created) for i in range(len(streams))]
+    encoders = oresp.CompletionStream.for_prompts(rid, model_name, len(streams), req.n, want_lp, req.include_usage,
+                                                  served.token_text)
     events = _completion_events(served, rid, rids, streams, firsts, encoders, req.include_usage)
     return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
@@ -254,21 +288,27 @@ async def _drain_all(streams: Sequence[GenerateStream], firsts: Sequence[pb.Gene
 
 
 async def _completion_events(served: Served, rid: str, rids: list[str], streams: Sequence[GenerateStream],
-                             firsts: Sequence[pb.GenerateResponse | None], encoders: list[oai.CompletionStream],
+                             firsts: Sequence[pb.GenerateResponse | None], encoders: list[oresp.CompletionStream],
                              include_usage: bool) -> AsyncIterator[bytes]:
     """The prompts' streams interleaved as they come, each through its own encoder (one per
-    prompt, all with the same ``created``), then the usage of them all if asked for."""
+    prompt, all with the same ``created``), then the usage of them all if asked for. The first
+    failure of any prompt (an error message, or an exception from its stream) ends the whole
+    response with an error event and no [DONE], and the other prompts' requests are aborted."""
     finished = False
     try:
         async with aclosing(_interleaved(streams, firsts)) as responses:
             async for i, resp in responses:
+                if isinstance(resp, BaseException):
+                    yield _failure_event(resp)
+                    return
                 if resp.WhichOneof("kind") == "error":
-                    yield _stream_error_event(resp.error)
+                    yield _failure_event(resp.error)
+                    return
                 for obj in encoders[i].feed(resp):
                     yield _sse(obj)
         if include_usage:
-            yield _sse(oai.completion_usage_chunk(rid, served.config.model_name, encoders[0].created,
-                                                  [e.collected for e in encoders]))
+            yield _sse(oresp.completion_usage_chunk(rid, served.config.model_name, encoders[0].created,
+                                                    [e.collected for e in encoders]))
         yield _sse("[DONE]")
         finished = True
     finally:
@@ -277,9 +317,10 @@ async def _completion_events(served: Served, rid: str, rids: list[str], streams:
 
 
 async def _interleaved(streams: Sequence[GenerateStream], firsts: Sequence[pb.GenerateResponse | None]
-                       ) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
-    """(index, response) of every stream, in the order they arrive: one pump task per stream
-    feeds one queue; the tasks are cancelled when this generator is closed."""
+                       ) -> AsyncIterator[tuple[int, pb.GenerateResponse | Exception]]:
+    """(index, response) of every stream, in the order they arrive, or (index, exception) for
+    a stream that raised: one pump task per stream feeds one queue; the tasks are cancelled
+    (their requests aborted by the orchestrator) when this generator is closed."""
     queue: asyncio.Queue = asyncio.Queue()
     tasks = [asyncio.ensure_future(_pump(queue, i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
     try:
@@ -301,5 +342,7 @@ async def _pump(queue: asyncio.Queue, i: int, stream: GenerateStream, first: pb.
             await queue.put((i, first))
         async for resp in stream:
             await queue.put((i, resp))
+    except Exception as e:  # noqa: BLE001 - handed on: the response ends with it, never drops it
+        await queue.put((i, e))
     finally:
         await queue.put((i, None))  # this stream is done, however it ended

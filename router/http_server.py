@@ -4,11 +4,12 @@ its gRPC server. This module assembles the app (``build_app``) from its parts an
 
     router/http_routes.py    the routes: OpenAI-compatible API, /health, /ready, /metrics
     router/http_errors.py    every failure in OpenAI's error shape
-    here                     the body limit (413) and the API-key check (401) in front of the
-                             routes, the readiness check, uvicorn
+    router/http_front.py     the bounds: admission, body limit, byte budget, read timeouts
+    here                     the API-key check (401) in front of them, the readiness check,
+                             uvicorn
 
-A request passes the API-key check (when keys are set), then the body limit, then FastAPI's
-validation, then its route.
+A request passes the API-key check (when keys are set), then the front door's bounds, then
+FastAPI's validation, then its route.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from starlette.middleware.base import BaseHTTPMiddleware
 
 from kv_index.nodes import Role
 from router import openai_protocol as oai
-from router.http_errors import ErrorResponse, add_error_handlers
+from router.http_errors import add_error_handlers
+from router.http_front import OPEN_PATHS, FrontDoor, front_limits, guarded_protocol
 from router.http_routes import Served, routes
 from router.orchestrator import Orchestrator
 from security.api_keys import MISSING, ApiKeys
@@ -35,16 +37,14 @@ def build_app(orch: Orchestrator, metrics_registry=None,
     app = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve cluster",
                   docs_url=None, redoc_url=None)
     app.state.served = Served(orch, metrics_registry, readiness)
-    app.add_middleware(BodyLimit, max_bytes=cfg.max_message_bytes)
+    app.state.front = front_limits(cfg, orch.tokenizer)
+    metrics = getattr(orch, "metrics", None)
+    app.add_middleware(FrontDoor, limits=app.state.front, on_refused=metrics.rejected if metrics else None)
     if cfg.api_keys:  # added last, so it runs first: a request without a key is not even read
         app.add_middleware(RequireApiKey, keys=ApiKeys(cfg.api_keys))
     add_error_handlers(app)
     app.include_router(routes)
     return app
-
-
-# Answered without a key: probes and scrapers send none, and they tell nothing about prompts.
-OPEN_PATHS = ("/health", "/ready", "/metrics")
 
 
 class RequireApiKey(BaseHTTPMiddleware):
@@ -64,56 +64,6 @@ class RequireApiKey(BaseHTTPMiddleware):
         code = None if why == MISSING else "invalid_api_key"
         return JSONResponse(oai.error_json(why, "invalid_request_error", code, None), status_code=401,
                             headers={"WWW-Authenticate": "Bearer"})
-
-
-class BodyLimit:
-    """Refuse with 413 a body over ``max_bytes`` (the gRPC API's message limit): FastAPI would
-    otherwise hold any size in memory to parse it. A Content-Length over the limit is refused
-    before anything is read; a body without one (``Transfer-Encoding: chunked``), or one that
-    sends more than it declared, is counted as it arrives and refused as soon as it passes the
-    limit, so no more than ``max_bytes`` (plus one network read) is ever held. The body is read
-    here and handed to the app whole; after it the app gets the real ``receive``, so the
-    disconnect detection of the routes works as before. Plain ASGI."""
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    def _too_large(self, what: str) -> ErrorResponse:
-        return ErrorResponse(413, f"the request body has {what} bytes; at most {self.max_bytes} are accepted "
-                             "(max_message_bytes)", "invalid_request_error", "body_too_large")
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope["headers"]).get(b"content-length", b"0")
-        if length.isdigit() and int(length) > self.max_bytes:
-            await self._too_large(str(int(length))).response()(scope, receive, send)
-            return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left before its body was complete
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await self._too_large(f"more than {self.max_bytes}").response()(scope, receive, send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
 
 
 def node_readiness(orch: Orchestrator, min_prefill: int) -> Callable[[], tuple[bool, str]]:
@@ -139,14 +89,15 @@ def node_readiness(orch: Orchestrator, min_prefill: int) -> Callable[[], tuple[b
 
 class HttpServer:
     """uvicorn on the caller's running event loop. ``start`` binds (port 0 = a free one) and
-    returns "host:port" once it accepts connections."""
+    returns "host:port" once it accepts connections. uvicorn's own ``limit_concurrency`` is
+    not used: past it uvicorn answers a plain-text 503, where the front door (the app's
+    ``FrontDoor``) answers OpenAI's 429 with Retry-After; ``header_timeout_s`` bounds the wait
+    for a request's headers (``guarded_protocol``)."""
 
     def __init__(self, app: FastAPI, host: str, port: int, ssl: dict | None = None,
-                 limit_concurrency: int | None = None) -> None:
+                 header_timeout_s: float = 20.0) -> None:
         self.app, self.host, self.port = app, host, port
-        # Connections + requests uvicorn holds at once; beyond it 503 at once (a bound on the
-        # router's memory under overload; admission answers 429 well before it).
-        self.limit_concurrency = limit_concurrency
+        self.protocol = guarded_protocol(header_timeout_s, app.state.front.body_limit)
         self.ssl = ssl or {}  # uvicorn's ssl_* keywords: HTTPS (security.tls.uvicorn_ssl)
         self.address: str | None = None
         self._server: uvicorn.Server | None = None
@@ -159,8 +110,8 @@ class HttpServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         sock.set_inheritable(True)
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5, limit_concurrency=self.limit_concurrency, **self.ssl)
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off", http=self.protocol,
+                                timeout_graceful_shutdown=5, **self.ssl)
         self._server = uvicorn.Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:

@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import grpc
 
-from protos.conventions import grpc_options
+from protos.conventions import grpc_options, keepalive_channel_options
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 from protos.pdserve.v1 import serving_pb2 as pb
 from router.config import RouterConfig
@@ -66,11 +66,14 @@ class NodeClient:
         return await self._kv(decode_address).ReserveBlocks(request, timeout=self.config.reserve_timeout_s,
                                                             metadata=metadata)
 
-    def prefill(self, prefill_address: str, request: kv_pb2.PrefillRequest, metadata: Metadata):
+    def prefill(self, prefill_address: str, request: kv_pb2.PrefillRequest, metadata: Metadata,
+                timeout_s: float | None = None):
         """The Prefill call, started: await it with ``prefilled``; cancelling it aborts the
-        prefill."""
+        prefill. ``timeout_s``: its deadline (router/liveness.py prefill_deadline_s; default
+        prefill_timeout_s)."""
         stub = kv_pb2_grpc.PrefillNodeStub(self._channel(prefill_address))
-        return stub.Prefill(request, timeout=self.config.prefill_timeout_s, metadata=metadata)
+        return stub.Prefill(request, timeout=timeout_s if timeout_s is not None else self.config.prefill_timeout_s,
+                            metadata=metadata)
 
     async def prefilled(self, call, decode_address: str, node_request_id: str,
                         lease_s: float) -> kv_pb2.PrefillResponse:
@@ -88,7 +91,8 @@ class NodeClient:
         return await await_renewing(call, renew, lease_s)
 
     def decode(self, decode_address: str, request: kv_pb2.DecodeRequest, metadata: Metadata):
-        """The Decode stream (iterate it; ``cancel()`` stops it)."""
+        """The Decode stream (``read()`` it; ``cancel()`` stops it). No deadline of its own:
+        router/relay.py bounds each wait by the node's progress instead."""
         return kv_pb2_grpc.DecodeNodeStub(self._channel(decode_address)).Decode(request, metadata=metadata)
 
     # -- housekeeping: logged, never raised ---------------------------------------------------------
@@ -135,6 +139,8 @@ class NodeClient:
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = aio_channel(  # mutual TLS when the config has TLS
-                address, self.config.tls, grpc_options(self.config.max_message_bytes))
+            # Mutual TLS when the config has TLS; keepalive so a frozen node fails its calls
+            # within seconds (protos/conventions.py).
+            ch = self._channels[address] = aio_channel(
+                address, self.config.tls, grpc_options(self.config.max_message_bytes) + keepalive_channel_options())
         return ch

@@ -17,7 +17,9 @@ from dataclasses import dataclass, replace
 from kv_index.nodes import NodeInfo, Role
 from kv_index.reader import IndexReader
 from router.cost_model import CostBook
+from router.index_guard import GuardedLookup
 from router.step_history import StepHistory
+from telemetry.log_limit import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,10 @@ class NodeView:
     fingerprint: str | None = None
     block_size: int | None = None
     error: str | None = None  # why the registry could not be read, if it could not
+    # (node id, address) of every node registered when read, draining or excluded ones too: a
+    # node missing here has lost its lease, and its open streams move (router/relay.py).
+    # None: not read from the registry.
+    live: frozenset[tuple[str, str]] | None = None
 
     @property
     def has_decode(self) -> bool:
@@ -41,9 +47,10 @@ def build_view(nodes: dict[str, NodeInfo]) -> NodeView:
     model is garbage to another): the fingerprint with the most decode nodes wins, the rest
     are excluded and logged. A draining node (finishing its requests before it stops) is left
     out: nothing new is placed there."""
+    live = frozenset((n.node_id, n.grpc_address) for n in nodes.values())
     nodes = {nid: n for nid, n in nodes.items() if not n.draining}
     if not nodes:
-        return NodeView()
+        return NodeView(live=live)
     groups = Counter((n.fingerprint, n.block_size) for n in nodes.values() if n.role == Role.DECODE)
     if not groups:
         groups = Counter((n.fingerprint, n.block_size) for n in nodes.values())
@@ -54,26 +61,38 @@ def build_view(nodes: dict[str, NodeInfo]) -> NodeView:
                      for n in nodes.values() if (n.fingerprint, n.block_size) != (fp, bs))
         log.error("nodes with a different model fingerprint or block size are excluded from routing "
                   "(serving %s, block_size %d): %s", fp, bs, ", ".join(odd))
-    return NodeView(keep, fp, bs)
+    return NodeView(keep, fp, bs, live=live)
 
 
 class NodeRefresher:
     """Reads the registry every ``refresh_s`` on its own thread; ``view`` is the latest
-    snapshot. A node whose lease lapses leaves the view within lease + refresh_s.
+    snapshot. A node whose lease lapses leaves the view within lease + refresh_s, and its
+    streams in flight move then (``NodeView.live``, router/relay.py).
 
-    While Redis cannot be read (down, restarting) the view keeps the last nodes it read, for
-    up to ``outage_grace_s``, with ``error`` set: requests go on being placed by those nodes'
-    last known load, without the index (whose lookup fails too), and a node that died
-    meanwhile is found out by its failed call (the router migrates). Once Redis answers again
-    (restarted empty, say) the nodes' next heartbeats register them again and resync their
-    index entries from their snapshots (node/publisher.py)."""
+    A registry that cannot be read is not a registry that is empty: a lapsed lease means the
+    node stopped heartbeating, a failed read means nothing about the nodes. So while Redis
+    cannot be read (down, hung, restarting) the view keeps the last nodes it read, with
+    ``error`` set (for ``outage_grace_s``; None: as long as the outage lasts): requests go on
+    being placed by those nodes' last known load, without the index (``lookup``'s breaker is
+    opened too), and a node that died meanwhile is found out by its failed call (the router
+    migrates). Once Redis answers again, a node of the last view that is missing from the
+    registry (Redis restarted empty, or its lease ran out while Redis was frozen) is kept for
+    ``settle_s`` more: its next heartbeat registers it again and its publisher resyncs its
+    index entries from its snapshot (node/publisher.py). No dead node is pruned meanwhile.
+    ``degraded`` says why the router is placing without the full picture, or None."""
 
     def __init__(self, reader: IndexReader, refresh_s: float, prune_every_s: float,
-                 costs: CostBook | None = None, outage_grace_s: float = 30.0) -> None:
+                 costs: CostBook | None = None, outage_grace_s: float | None = None,
+                 lookup: GuardedLookup | None = None, settle_s: float = 5.0) -> None:
         self._reader = reader
         self._outage_grace_s = outage_grace_s
+        self._lookup = lookup  # probed from this thread while its breaker is open
+        self._outage_log = RateLimitedLog(log)  # every refresh fails while Redis is out
+        self._settle_s = settle_s
         self._last_good: tuple[NodeView, float] | None = None  # (view, monotonic time read)
-        self._outage = False  # a read failed and no node has been read since
+        self._outage_since: float | None = None  # when the registry became unreadable; None: readable
+        # After an outage: the nodes read before it, kept until they register again or until then.
+        self._settling: tuple[dict[str, NodeInfo], float] | None = None
         self._costs = costs
         # Each decode node's own step times: NodeInfo.step_best_s for placement's straggler check.
         self.steps = StepHistory()
@@ -89,31 +108,59 @@ class NodeRefresher:
     def view(self) -> NodeView:
         return self._view  # one attribute read: the snapshot is replaced, never mutated
 
+    @property
+    def degraded(self) -> str | None:
+        """Why this router places without the whole picture (the registry unreadable, nodes
+        kept from before an outage, index lookups skipped), or None. It still serves."""
+        lookup = self._lookup.degraded if self._lookup is not None else None
+        return "; ".join(r for r in (self._view.error, lookup) if r) or None
+
     def refresh_once(self) -> NodeView:
+        now = time.monotonic()
         try:
-            view = build_view(self._reader.live_nodes())
-            view = replace(view, nodes=self.steps.annotate(view.nodes, time.monotonic()))
-        except Exception as e:  # redis down: the last nodes for a while, then nothing
-            log.warning("node registry unreadable: %s", e)
-            self._outage = True
-            self._view = self._last_nodes(f"node registry unreadable: {e}")
+            read = self._reader.live_nodes()
+        except Exception as e:  # redis down or hung: the last nodes read, by load only
+            self._outage_log.warning("registry", "node registry unreadable: %s", e)
+            why = f"node registry unreadable: {e}"
+            if self._outage_since is None:
+                self._outage_since = now
+            self._settling = None
+            if self._lookup is not None:  # no request should wait for a lookup that fails too
+                self._lookup.trip(why)
+            self._view = self._last_nodes(why, now)
             return self._view
-        if not view.nodes and self._outage:
-            # Redis is back but empty (restarted): the nodes register again with their next
-            # heartbeat. Until one has, the last nodes read are the better guess.
-            self._view = self._last_nodes("node registry empty after an outage")
-        else:
-            self._view, self._outage = view, False
-            self._last_good = (view, time.monotonic())
-            if self._costs is not None:  # a pair's transport before its first transfer
-                self._costs.note_endpoints({n.node_id: n.kv_endpoints for n in view.nodes})
-        if self._costs is not None:
+        nodes, kept = self._settle(read, now)
+        view = build_view(nodes)
+        view = replace(view, nodes=self.steps.annotate(view.nodes, now), error=kept)
+        self._view = view
+        if kept is None:
+            self._last_good = (view, now)
+        if self._costs is not None:  # a pair's transport before its first transfer
+            self._costs.note_endpoints({n.node_id: n.kv_endpoints for n in view.nodes})
             self._read_steps()
         return self._view
 
-    def _last_nodes(self, why: str) -> NodeView:
+    def _settle(self, read: dict[str, NodeInfo], now: float) -> tuple[dict[str, NodeInfo], str | None]:
+        """``read`` plus, just after an outage, the nodes of the last good view that have not
+        registered again yet (with the reason they are kept), until ``settle_s`` has passed."""
+        if self._outage_since is not None:  # Redis answers again
+            self._outage_since = None
+            before = {n.node_id: n for n in self._last_good[0].nodes} if self._last_good is not None else {}
+            self._settling = (before, now + self._settle_s)
+        if self._settling is None:
+            return read, None
+        before, until = self._settling
+        missing = {nid: n for nid, n in before.items() if nid not in read}
+        if not missing or now >= until:
+            self._settling = None
+            return read, None
+        return {**missing, **read}, (f"Redis answers again; {len(missing)} nodes of the last view are kept until "
+                                     f"they register again ({', '.join(sorted(missing))})")
+
+    def _last_nodes(self, why: str, now: float) -> NodeView:
         last = self._last_good
-        if last is not None and last[0].nodes and time.monotonic() - last[1] <= self._outage_grace_s:
+        grace = self._outage_grace_s
+        if last is not None and last[0].nodes and (grace is None or now - last[1] <= grace):
             return replace(last[0], error=f"{why}; placing on the {len(last[0].nodes)} nodes last read, by load only")
         return NodeView(error=why)
 
@@ -143,7 +190,11 @@ class NodeRefresher:
         while not self._stop.is_set():
             self.refresh_once()
             self._first.set()
-            if time.monotonic() - last_prune >= self._prune_every_s:
+            if self._lookup is not None:
+                self._lookup.probe()
+            # Not while the registry is unreadable or settling: a lease that ran out while Redis
+            # was frozen is a node about to register again, not a dead one.
+            if self._view.error is None and time.monotonic() - last_prune >= self._prune_every_s:
                 last_prune = time.monotonic()
                 try:
                     dead = self._reader.prune_dead()

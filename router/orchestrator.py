@@ -24,9 +24,13 @@ Node failures (router/migration.py): a prefill node that fails leaves the prompt
 node (under a fresh node request id, so a half-written reservation cannot collide); a decode
 stream that breaks, before or after output, moves the request: prompt + the tokens already
 streamed are placed again, away from the failed node, and the stream goes on where it stopped
-(at most ``max_migrations`` times)::
+(at most ``max_migrations`` times, and only once for a failed engine step)::
 
     _attempts: _execute(prep) --stream breaks--> _migrate -> _execute(prep') -> ...
+
+A node that fails quietly (frozen, cut off, wedged) is found by keepalive, the Decode
+stream's progress deadline, its lapsed lease (router/relay.py) or the Prefill call's deadline
+from the cost model (router/liveness.py says which, and how long each wait is).
 """
 from __future__ import annotations
 
@@ -42,18 +46,18 @@ import grpc
 from opentelemetry.context import Context
 
 from kv_index.nodes import NodeInfo, Role, index_freshness
-from kv_index.reader import IndexReader
-from protos.conventions import retry_after_ms
 from protos.pdserve.v1 import kv_pb2
 from protos.pdserve.v1 import serving_pb2 as pb
-from router import responses
+from router import liveness, responses
 from router.config import RouterConfig
 from router.cost_model import CostBook
-from router.migration import Exclusions, NodeFailed, continuation, is_node_failure
+from router.index_guard import GuardedLookup
+from router.migration import Exclusions, NodeFailed, continuation, is_node_failure, refusal
 from router.node_client import NodeClient
 from router.node_view import IndexAccuracy, NodeRefresher, PrefillLedger
 from router.placement import NoCapacityError, PlacementPolicy
 from router.prepare import Preparer
+from router.relay import DecodeRelay
 from router.request_metrics import StreamObserver
 from router.request_state import Prepared, Running, fresh_node_id
 from router.request_trace import RequestTrace
@@ -75,7 +79,7 @@ class Orchestrator:
     (tokenizing and the Redis lookup block)."""
 
     def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer, refresher: NodeRefresher,
-                 reader: IndexReader, policy: PlacementPolicy, costs: CostBook | None = None,
+                 reader: GuardedLookup, policy: PlacementPolicy, costs: CostBook | None = None,
                  metrics: RouterMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else RouterMetrics(config.model_name)
@@ -91,6 +95,7 @@ class Orchestrator:
         self.nodes = NodeClient(config)
         self._running: dict[str, Running] = {}
         self.exclusions = Exclusions(config.exclude_failed_node_s)
+        self.relay = DecodeRelay(config, self.nodes, refresher, self.exclusions)
         self.inflight = 0
         # Set by RouterServer.drain: new requests get UNAVAILABLE (another replica takes them),
         # those in flight finish.
@@ -212,11 +217,17 @@ class Orchestrator:
         node in time)."""
         cfg = self.config
         now = time.monotonic()
-        self.exclusions.exclude(failure.node, now)
+        self.metrics.node_failure(failure.reason)
+        self.exclusions.exclude(failure.node, now, failure.reason if failure.reason in liveness.NODE_WIDE else None)
         # Frees its blocks if it lives. The run's id, not prep's: a failed prefill renamed the attempt.
         self.nodes.abort_in_background(failure.node.grpc_address, run.node_request_id or prep.node_id)
         log.warning("request %s: %s (after %d tokens)", prep.client_id, failure.message, len(run.output_ids))
-        if (prep.params.n != 1 and yielded) or run.migrations >= cfg.max_migrations or run.aborted:
+        step_error = failure.reason == liveness.STEP_ERROR
+        run.step_errors += step_error
+        why_not = refusal(step_error=step_error, n=prep.params.n, yielded=yielded, migrations=run.migrations,
+                          max_migrations=cfg.max_migrations, step_errors=run.step_errors, aborted=run.aborted)
+        if why_not is not None:
+            log.warning("request %s cannot move: %s", prep.client_id, why_not)
             return None
         cont = continuation(prep.prompt[: prep.num_prompt_tokens], run.output_ids, prep.params.max_tokens)
         if cont.resumed_output_tokens:
@@ -244,6 +255,7 @@ class Orchestrator:
     async def _execute(self, prep: Prepared, run: Running) -> AsyncIterator[pb.GenerateResponse]:
         pl = prep.placement
         decode = pl.decode_node
+        run.attempt += 1
         run.decode_address = decode.grpc_address
         run.node_request_id = prep.node_id
         if run.queue_s is None:
@@ -266,7 +278,7 @@ class Orchestrator:
         if first is not None:
             dreq.first_token_ids.extend(first.first_token_ids)
             dreq.cached_prompt_tokens = first.cached_tokens
-        async for resp in self._relay(prep, dreq, decode, first, run):
+        async for resp in self.relay.relay(prep, dreq, decode, first, run):
             yield resp
 
     async def _prefill(self, prep: Prepared, prefill: NodeInfo, decode: NodeInfo,
@@ -288,10 +300,15 @@ class Orchestrator:
             run.trace.fallback(span, "reserve_failed", e)
             span.end()
             return prep, None
+        est = prep.placement.estimate
+        cfg = self.config
+        deadline_s = liveness.prefill_deadline_s(est, cfg.prefill_deadline_factor, cfg.prefill_deadline_floor_s,
+                                                 cfg.prefill_timeout_s)
+        started = time.monotonic()
         call = run.prefill_call = self.nodes.prefill(prefill.grpc_address, kv_pb2.PrefillRequest(
             request_id=prep.node_id, prompt_token_ids=prep.prompt, sampling=prep.sampling,
-            decode_address=decode.grpc_address, reservation=reservation, resumed_output_tokens=prep.resumed), md)
-        est = prep.placement.estimate
+            decode_address=decode.grpc_address, reservation=reservation, resumed_output_tokens=prep.resumed), md,
+            timeout_s=deadline_s)
         self.ledger.add(prefill.node_id, prep.node_id, est.prefill_s if est is not None else 0.0)
         try:
             resp = await self.nodes.prefilled(call, decode.grpc_address, prep.node_id, reservation.lease_s)
@@ -306,8 +323,10 @@ class Orchestrator:
                                   "request %s: Prefill on %s failed (%s: %s); recomputing on decode node %s",
                                   prep.client_id, prefill.node_id, e.code().name, e.details(), decode.node_id)
             run.trace.fallback(span, "prefill_failed", e)
-            if is_node_failure(e.code()):
+            reason = _prefill_failure(e, time.monotonic() - started, deadline_s)
+            if reason is not None:
                 self.exclusions.exclude(prefill, time.monotonic())
+                self.metrics.node_failure(reason)
                 self.metrics.migrated("prefill_failed")
                 run.trace.migrated("prefill_failed", prefill.node_id, prep.resumed, e.details() or "")
             # A fresh id: the failed push may still hold the old reservation on the decode node
@@ -336,47 +355,6 @@ class Orchestrator:
             return None
         return stop_reason(first.first_token_ids[0], prep.resumed + 1, len(prep.prompt) + 1, p, self.eos_token_ids,
                            self.config.max_model_len)
-
-    async def _relay(self, prep: Prepared, dreq: kv_pb2.DecodeRequest, decode: NodeInfo,
-                     first: kv_pb2.PrefillResponse | None, run: Running):
-        span = run.trace.client_span("router.decode", {tracing.DECODE_NODE: decode.node_id,
-                                                       tracing.RECOMPUTE: first is None})
-        call = self.nodes.decode(decode.grpc_address, dreq, run.trace.metadata(span))
-        sent = 0
-        try:
-            async for resp in call:
-                kind = resp.WhichOneof("kind")
-                if kind == "chunk":
-                    if resp.chunk.index not in run.first_token_s:
-                        run.first_token_s[resp.chunk.index] = time.monotonic() - run.arrival
-                    if sent == 0 and first is not None and first.first_logprobs:
-                        responses.prepend_first_logprobs(resp.chunk, first)
-                    if prep.params.n == 1:
-                        run.output_ids.extend(resp.chunk.token_ids)
-                elif kind == "complete":
-                    responses.fill_relayed_complete(resp.complete, prep, run, first)
-                elif kind == "error" and is_node_failure(resp.error.code):  # e.g. its engine stopped
-                    raise NodeFailed(decode, f"decode node {decode.node_id}: {resp.error.message}")
-                sent += 1
-                yield resp
-        except grpc.aio.AioRpcError as e:
-            run.trace.call_failed(span, e)
-            if is_node_failure(e.code()):
-                raise NodeFailed(decode, f"decode node {decode.node_id} failed ({e.code().name}: {e.details()})") \
-                    from None
-            if sent == 0:
-                code = e.code()
-                retry = retry_after_ms(e.trailing_metadata()) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
-                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and retry is None:
-                    retry = self.config.retry_after_ms
-                raise RouterError(code, f"decode node {decode.node_id}: {e.details()}", retry) from None
-            log.warning("request %s: decode stream from %s broke after output: %s", prep.client_id,
-                        decode.node_id, e.details())
-            for r in responses.error_tail(e.code(), f"decode node {decode.node_id}: {e.details()}", prep.params.n):
-                yield r
-        finally:
-            call.cancel()  # no-op once the stream ended; stops it when we leave it early
-            span.end()
 
     # -- observability ---------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -410,6 +388,15 @@ class Orchestrator:
 
     async def close(self) -> None:
         await self.nodes.close()
+
+
+def _prefill_failure(e: grpc.aio.AioRpcError, elapsed_s: float, deadline_s: float) -> str | None:
+    """Whether a failed Prefill call says its node failed (router/liveness.py reasons): gone,
+    unanswered keepalive, or past the deadline this router gave it (a DEADLINE_EXCEEDED the
+    node reports about its own push to the decode node is not the prefill node's fault)."""
+    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return liveness.PREFILL_DEADLINE if elapsed_s >= 0.95 * deadline_s else None
+    return liveness.call_failure(e.code(), e.details()) if is_node_failure(e.code()) else None
 
 
 def learn_transfer(costs: CostBook, src: str, dst: str, resp: kv_pb2.PrefillResponse, block_size: int) -> None:

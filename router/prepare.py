@@ -4,20 +4,21 @@ migration's continuation placed again. The result is a ``Prepared`` (router/requ
 
 Everything here blocks (tokenizing, the Redis lookup), so the orchestrator runs it on a worker
 thread and keeps its event loop for the streams. The node view is read, never waited for
-(router/node_view.py refreshes it in the background).
+(router/node_view.py refreshes it in the background). The lookup is the one Redis round trip
+on the request path: bounded by a short timeout and skipped while Redis is failing
+(router/index_guard.py), so a hung Redis costs a request at most that timeout.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 
 import grpc
 
-from kv_index.reader import IndexReader
 from protos.convert import sampling_to_proto
 from protos.pdserve.v1 import serving_pb2 as pb
 from router.admission import SLO_CLASSES, decide
 from router.config import RouterConfig
+from router.index_guard import GuardedLookup
 from router.migration import Continuation, Exclusions
 from router.node_view import NodeRefresher, NodeView, PrefillLedger
 from router.placement import NoCapacityError, Placement, PlacementPolicy, PlacementRequest
@@ -27,15 +28,13 @@ from router.validation import RequestValidator, RouterError
 from telemetry import tracing
 from tokens.block_hash import hash_prompt_blocks
 
-log = logging.getLogger(__name__)
-
 
 class Preparer:
     """``prepare`` a new request, ``place_continuation`` a migrated one. Holds no request state:
     safe on several worker threads at once."""
 
     def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer, refresher: NodeRefresher,
-                 reader: IndexReader, policy: PlacementPolicy, ledger: PrefillLedger) -> None:
+                 reader: GuardedLookup, policy: PlacementPolicy, ledger: PrefillLedger) -> None:
         self.config = config
         self.validator = RequestValidator(config, tokenizer)
         self.refresher = refresher
@@ -89,11 +88,8 @@ class Preparer:
         Raises NoCapacityError."""
         nodes = Exclusions.usable(view.nodes, excluded)
         hashes = hash_prompt_blocks(prompt, view.block_size, view.fingerprint.encode())
-        try:
-            matched = self.reader.match(hashes, [x.node_id for x in nodes]) if self.policy.uses_index else {}
-        except Exception as e:  # the index is a hint: route without it rather than fail
-            log.warning("index lookup failed, placing without prefix information: %s", e)
-            matched = {}
+        # The index is a hint: {} (no prefix information) when it fails or is being skipped.
+        matched = self.reader.match(hashes, [x.node_id for x in nodes]) if self.policy.uses_index else {}
         tracing.event("index_matched", {"pdserve.index.longest_match_blocks": max(matched.values(), default=0)})
         placement = self.policy.choose(PlacementRequest(len(prompt), view.block_size, n, max_tokens, slo_class),
                                        nodes, matched, self.ledger.backlog_s())

@@ -64,6 +64,10 @@ class Running:
     trace: RequestTrace = field(default_factory=RequestTrace.off)  # the request's spans
     output_ids: list[int] = field(default_factory=list)  # tokens relayed to the client (n = 1)
     migrations: int = 0
+    step_errors: int = 0  # engine step failures met (router/migration.py STEP_ERROR_BUDGET)
+    # Counts the attempts (_execute calls): a stream relays only while its attempt is the
+    # current one, so nothing from a replaced attempt reaches the client.
+    attempt: int = 0
     queue_s: float | None = None  # arrival -> the first attempt started (placement, admission)
     prefill_s: float | None = None  # the prefill node's report, latest attempt that prefilled
     transfer_s: float | None = None  # its KV transfer

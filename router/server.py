@@ -20,20 +20,21 @@ import threading
 import time
 
 import grpc
-import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kv_index.client import RedisTimeouts, redis_client
 from kv_index.nodes import index_freshness
 from kv_index.reader import IndexReader
 from kv_index.redis_url import resolve_redis_url
-from protos.conventions import grpc_options, retry_after_metadata
+from protos.conventions import grpc_options, keepalive_server_options, retry_after_metadata
 from protos.pdserve.v1 import serving_pb2 as pb
 from protos.pdserve.v1 import serving_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.cost_model import CostBook
 from router.grpc_parsing import add_parsing_servicer
 from router.http_server import HttpServer, build_app, node_readiness
+from router.index_guard import GuardedLookup, LookupBreaker
 from router.node_view import NodeRefresher
 from router.orchestrator import Orchestrator, RouterError
 from router.placement import PrefixLoadPolicy, TtftPolicy
@@ -131,10 +132,15 @@ class RouterServer:
         self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         tracing.setup_tracing("pdserve-router", cfg.otlp_endpoint)
-        client = redis.Redis.from_url(cfg.redis_url)
+        # Two clients: the background thread's, and the request path's lookup with a short bound.
+        client = redis_client(cfg.redis_url, RedisTimeouts(cfg.redis_connect_timeout_s, cfg.redis_timeout_s))
+        lookup_client = redis_client(cfg.redis_url, RedisTimeouts(cfg.index_lookup_timeout_s,
+                                                                  cfg.index_lookup_timeout_s))
         reader = IndexReader(client, cfg.namespace)
+        lookup = GuardedLookup(IndexReader(lookup_client, cfg.namespace), LookupBreaker(base_s=cfg.node_refresh_s))
         costs = CostBook(kv_bytes_per_token=cfg.kv_bytes_per_token) if cfg.kv_bytes_per_token else CostBook()
-        refresher = NodeRefresher(reader, cfg.node_refresh_s, cfg.prune_every_s, costs, cfg.registry_outage_s)
+        refresher = NodeRefresher(reader, cfg.node_refresh_s, cfg.prune_every_s, costs, cfg.registry_outage_s,
+                                  lookup=lookup, settle_s=cfg.registry_settle_s)
         if cfg.policy == "ttft":
             policy = TtftPolicy(costs, cfg.short_prompt_tokens, cfg.max_n, compute_weight=cfg.compute_weight,
                                 slow_step_factor=cfg.straggler_factor)
@@ -142,17 +148,21 @@ class RouterServer:
             policy = PrefixLoadPolicy(cfg.load_alpha, cfg.short_prompt_tokens, cfg.max_n,
                                       slow_step_factor=cfg.straggler_factor)
         metrics = RouterMetrics(cfg.model_name)
-        orch = self.orchestrator = Orchestrator(cfg, PromptTokenizer(cfg.tokenizer_dir), refresher, reader,
+        orch = self.orchestrator = Orchestrator(cfg, PromptTokenizer(cfg.tokenizer_dir), refresher, lookup,
                                                 policy, costs, metrics)
         accuracy = orch.accuracy
         metrics.watch_index(lambda: index_freshness(refresher.view.nodes, time.time()),
                             lambda: accuracy.summary()["exact_fraction"] if accuracy.requests else None)
         metrics.watch_transfers(costs.transfer_fits)
+        metrics.watch_degraded(lambda: refresher.degraded is not None, lambda: (lookup.failures, lookup.skipped))
         # Client routes need an API key when keys are configured (health stays open).
         interceptors = [ApiKeyInterceptor(ApiKeys(cfg.api_keys))] if cfg.api_keys else []
         # A bound on the RPCs held at once (memory under overload): Generate is bounded by
         # max_inflight (429 + retry hint) well before; the rest covers Abort, health, reflection.
-        server = grpc.aio.server(options=grpc_options(cfg.max_message_bytes), interceptors=interceptors,
+        # Clients may ping (keepalive) without being cut off as abusive; the router itself does
+        # not ping its clients (protos/conventions.py keepalive_server_options).
+        server = grpc.aio.server(options=grpc_options(cfg.max_message_bytes) + keepalive_server_options(),
+                                 interceptors=interceptors,
                                  maximum_concurrent_rpcs=cfg.rpc_limit)
         # Requests are parsed by us: malformed bytes get INVALID_ARGUMENT naming the field.
         add_parsing_servicer(PdServeService(orch), pb.DESCRIPTOR.services_by_name["PdServe"], server)
@@ -170,7 +180,7 @@ class RouterServer:
             app = build_app(orch, metrics.registry, node_readiness(orch, cfg.ready_min_prefill))
             http = HttpServer(app, cfg.host, cfg.http_port,
                               ssl=tls_.uvicorn_ssl(cfg.tls, require_client_auth=cfg.tls_client_auth),
-                              limit_concurrency=cfg.rpc_limit)
+                              header_timeout_s=cfg.http_header_timeout_s)
             try:
                 self.http_address = await http.start()
             except BaseException:
@@ -190,6 +200,7 @@ class RouterServer:
             refresher.stop()
             await orch.close()
             client.close()
+            lookup_client.close()
             tracing.flush()  # the batch exporter holds the last requests' spans
 
 
@@ -249,13 +260,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-limit", type=int)
     p.add_argument("--short-prompt-tokens", type=int, default=64)
     p.add_argument("--max-inflight", type=int, default=256)
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="HTTP bodies over this are 413 (default: what --max-model-len tokens can use)")
+    p.add_argument("--max-buffered-bytes", type=int, default=128 << 20,
+                   help="HTTP body bytes held at once across requests; past it 429 + Retry-After")
+    p.add_argument("--http-header-timeout", type=float, default=20.0, dest="http_header_timeout_s",
+                   help="seconds a connection may take to send a request's headers (else 408, closed)")
+    p.add_argument("--http-body-timeout", type=float, default=30.0, dest="http_body_timeout_s",
+                   help="seconds a request may take to send its body after its headers (else 408)")
     p.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
                    help="on SIGTERM, seconds to finish in-flight requests (new ones are refused) before exiting")
     p.add_argument("--node-refresh-s", type=float, default=0.5)
+    p.add_argument("--redis-connect-timeout", type=float, default=1.0, dest="redis_connect_timeout_s",
+                   help="seconds to open a Redis connection")
+    p.add_argument("--redis-timeout", type=float, default=2.0, dest="redis_timeout_s",
+                   help="seconds to wait for a Redis reply off the request path (node registry, step reports)")
+    p.add_argument("--index-lookup-timeout", type=float, default=0.5, dest="index_lookup_timeout_s",
+                   help="most seconds a request waits for its prefix lookup in Redis; after a failure lookups "
+                        "are skipped (placement by load) until Redis answers again")
     p.add_argument("--policy", choices=["ttft", "prefix_load"], default="ttft")
     p.add_argument("--default-slo-class", default="relaxed")
     p.add_argument("--max-migrations", type=int, default=2,
                    help="times a request whose node failed is placed again (0: the stream ends with the error)")
+    p.add_argument("--decode-progress-factor", type=float, default=10.0,
+                   help="a Decode stream with no token and no heartbeat for this many times its node's step time "
+                   "(clamped to the floor and ceiling) moves elsewhere")
+    p.add_argument("--decode-progress-floor", type=float, default=3.0, dest="decode_progress_floor_s",
+                   help="seconds: the shortest progress deadline (bounds the detection of a frozen decode node)")
+    p.add_argument("--decode-progress-ceiling", type=float, default=30.0, dest="decode_progress_ceiling_s",
+                   help="seconds: the longest progress deadline (also used while a node's step time is unknown)")
+    p.add_argument("--prefill-deadline-factor", type=float, default=4.0,
+                   help="a Prefill call's deadline is this many times the predicted queue + prefill + transfer")
+    p.add_argument("--prefill-deadline-floor", type=float, default=10.0, dest="prefill_deadline_floor_s",
+                   help="seconds: the shortest Prefill deadline (past it the decode node recomputes the prompt)")
     p.add_argument("--straggler-factor", type=float, default=3.0,
                    help="leave out a decode node whose step time is this many times the fastest one's or its "
                    "own recent best (0: never)")
@@ -274,9 +311,16 @@ def main(argv: list[str] | None = None) -> int:
         http_port=None if args.http_port < 0 else args.http_port, ready_min_prefill=args.ready_min_prefill,
         max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
         short_prompt_tokens=args.short_prompt_tokens, max_inflight=args.max_inflight,
+        max_body_bytes=args.max_body_bytes, max_buffered_bytes=args.max_buffered_bytes,
+        http_header_timeout_s=args.http_header_timeout_s, http_body_timeout_s=args.http_body_timeout_s,
         drain_timeout_s=args.drain_timeout_s,
-        node_refresh_s=args.node_refresh_s, policy=args.policy, default_slo_class=args.default_slo_class,
+        node_refresh_s=args.node_refresh_s, redis_connect_timeout_s=args.redis_connect_timeout_s,
+        redis_timeout_s=args.redis_timeout_s, index_lookup_timeout_s=args.index_lookup_timeout_s,
+        policy=args.policy, default_slo_class=args.default_slo_class,
         max_migrations=args.max_migrations, straggler_factor=args.straggler_factor,
+        decode_progress_factor=args.decode_progress_factor, decode_progress_floor_s=args.decode_progress_floor_s,
+        decode_progress_ceiling_s=args.decode_progress_ceiling_s,
+        prefill_deadline_factor=args.prefill_deadline_factor, prefill_deadline_floor_s=args.prefill_deadline_floor_s,
         otlp_endpoint=args.otlp_endpoint, **security_fields(args, os.environ),
     ))
     print(f"router listening on grpc={server.address} http={server.http_address}", flush=True)

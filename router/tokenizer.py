@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,14 @@ class PromptTokenizer:
         # Longest vocabulary entry: byte-level BPE spells each byte as one character (and
         # byte-fallback tokens as "<0xNN>"), so no token covers more input characters than this.
         self.max_token_chars = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+
+    @cached_property
+    def max_token_json_bytes(self) -> int:
+        """The most bytes of JSON one token's text can take in a request body: each token
+        decoded alone and escaped as the strictest encoder escapes it (ASCII only, so a
+        control character costs 6 bytes). Bounds the body a prompt of N tokens can need."""
+        texts = self._tok.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+        return max((len(json.dumps(t)) - 2 for t in texts), default=1) or 1
 
     @property
     def vocab_size(self) -> int:

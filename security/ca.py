@@ -1,4 +1,5 @@
-"""A throwaway CA for a cluster on one machine (``pdserve up --tls``) and for tests.
+"""A throwaway CA for a cluster on one machine (``pdserve up --tls``), for the Helm chart's
+generated certificate (deploy/k8s_secrets.py, valid ``valid_days``) and for tests.
 
     ThrowawayCA(dir)  ->  dir/ca.pem            the CA certificate (give it to clients)
                           dir/member.pem, .key  one certificate for every cluster member:
@@ -47,12 +48,12 @@ def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
 
 
 class ThrowawayCA:
-    def __init__(self, directory: Path, common_name: str = "pdserve throwaway CA") -> None:
+    def __init__(self, directory: Path, common_name: str = "pdserve throwaway CA", valid_days: int = VALID_DAYS) -> None:
         self.dir = Path(directory)
         self._key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
         self._not_before = now - datetime.timedelta(minutes=5)  # tolerate a little clock skew
-        self._not_after = now + datetime.timedelta(days=VALID_DAYS)
+        self._not_after = now + datetime.timedelta(days=valid_days)
         self.cert = (x509.CertificateBuilder()
                      .subject_name(_name(common_name)).issuer_name(_name(common_name))
                      .public_key(self._key.public_key()).serial_number(x509.random_serial_number())

@@ -39,6 +39,8 @@ REJECTIONS = ("invalid", "not_found", "duplicate_id", "overloaded", "slo", "unav
 # the request moved to another node, its prefill failed and was placed again, or it could not
 # move (no migration left, no live node, n > 1) and ended with an error.
 MIGRATIONS = ("decode_failed", "prefill_failed", "gave_up")
+# How the router found out that a node failed for a request (router/liveness.py).
+NODE_FAILURES = ("unavailable", "keepalive", "progress_deadline", "lease_lapsed", "step_error", "prefill_deadline")
 
 
 def name(short: str) -> str:
@@ -93,15 +95,22 @@ class RouterMetrics:
                                   "local: prefilled on the decode node, ...).", ["model_name", "reason"],
                                   registry=self.registry)
         self._rejected = Counter(name("requests_rejected"), "Requests refused before any output, by reason "
-                                 "(invalid, overloaded, slo, unavailable, not_found).", ["model_name", "reason"],
+                                 "(invalid, overloaded, slo, unavailable, not_found; the HTTP front's http_overloaded, "
+                                 "body_too_large, body_budget, body_timeout).", ["model_name", "reason"],
                                  registry=self.registry)
         self._migrations = Counter(name("request_migrations"), "Requests placed again after a node failed, by "
                                    "reason (decode_failed, prefill_failed, gave_up).", ["model_name", "reason"],
                                    registry=self.registry)
+        self._node_failures = Counter(name("router_node_failures_detected"), "Node failures the router detected "
+                                      "on a request's call, by how (unavailable, keepalive, progress_deadline, "
+                                      "lease_lapsed, step_error, prefill_deadline).", ["model_name", "reason"],
+                                      registry=self.registry)
         self._model = model_name
         # Exported at 0 from the start, so rate() and dashboards see every series at once.
         for reason in MIGRATIONS:
             self._migrations.labels(model_name=model_name, reason=reason)
+        for reason in NODE_FAILURES:
+            self._node_failures.labels(model_name=model_name, reason=reason)
         self.requests.declare_reasons(("stop", "length", "abort", "error"))
         for reason in DECISIONS:
             self._decisions.labels(model_name=model_name, reason=reason)
@@ -117,6 +126,10 @@ class RouterMetrics:
     def migrated(self, reason: str) -> None:
         self._migrations.labels(model_name=self._model, reason=reason).inc()
 
+    def node_failure(self, reason: str) -> None:
+        """One request's call found its node failed, and how (one of NODE_FAILURES)."""
+        self._node_failures.labels(model_name=self._model, reason=reason).inc()
+
     def watch_index(self, freshness: Callable[[], Mapping[str, float]], accuracy: Callable[[], float | None]) -> None:
         """Export the index's freshness (per node) and accuracy, read at scrape time."""
         self.registry.register(_IndexCollector(self._model, freshness, accuracy))
@@ -127,6 +140,32 @@ class RouterMetrics:
         ``fixed_s``, ``current`` and ``exposed_factor`` (router/cost_model.py TransferFitView);
         duck-typed, since telemetry imports no router module."""
         self.registry.register(_TransferCollector(self._model, fits))
+
+    def watch_degraded(self, degraded: Callable[[], bool], lookups: Callable[[], tuple[int, int]]) -> None:
+        """Export whether the router places without the index (Redis failing), read at scrape
+        time; ``lookups`` returns (failed, skipped) prefix lookups so far."""
+        self.registry.register(_DegradedCollector(self._model, degraded, lookups))
+
+
+class _DegradedCollector(Collector):
+    def __init__(self, model: str, degraded, lookups) -> None:
+        self.model, self.degraded, self.lookups = model, degraded, lookups
+
+    def collect(self):
+        g = GaugeMetricFamily(name("router_degraded"), "1 while the router places requests without the full "
+                              "index (Redis unreadable or failing lookups; it still serves), else 0.",
+                              labels=["model_name"])
+        g.add_metric([self.model], 1.0 if self.degraded() else 0.0)
+        yield g
+        failed, skipped = self.lookups()
+        f = CounterMetricFamily(name("index_lookup_failures"), "Prefix lookups in Redis that failed (timed out, "
+                                "refused); the request was placed without the index.", labels=["model_name"])
+        f.add_metric([self.model], failed)
+        yield f
+        k = CounterMetricFamily(name("index_lookups_skipped"), "Prefix lookups not made because Redis was "
+                                "failing (the breaker was open); placed by load.", labels=["model_name"])
+        k.add_metric([self.model], skipped)
+        yield k
 
 
 class _IndexCollector(Collector):
@@ -192,6 +231,10 @@ class NodeMetrics:
                                           keys, buckets=TRANSFER_BUCKETS, registry=self.registry).labels(**labels)
         self.transfer_failures = Counter(name("kv_transfer_failures"), "KV transfers that failed (the request "
                                          "was then recomputed).", keys, registry=self.registry).labels(**labels)
+        # 0 once the node is unhealthy (failing engine steps, or its engine thread died): it left
+        # the index; node/server.py sets it.
+        self.healthy = Gauge(name("node_healthy"), "1 while the node's engine serves; 0 once it is unhealthy "
+                             "(it left the index).", keys, registry=self.registry).labels(**labels)
         if engine_stats is not None:
             self.registry.register(EngineCollector(labels, engine_stats))
 
@@ -219,6 +262,9 @@ class EngineCollector(Collector):
         yield self._family(g, "num_requests_waiting", "Sequences waiting for a slot.", s["waiting"])
         yield self._family(g, "kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s["kv_usage"])
         yield self._family(c, "num_preemptions", "Sequences preempted (recomputed later).", s["preemptions"])
+        if "step_failures" in s:  # a node's engine loop counts them, not the engine
+            yield self._family(c, "engine_step_failures", "Engine steps that raised (their requests failed and "
+                               "moved).", s["step_failures"])
         yield self._family(c, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                            s["prefix_cache_query_tokens"])
         yield self._family(c, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",

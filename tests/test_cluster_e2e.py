@@ -149,6 +149,9 @@ def test_pdserve_up_prints_ready_and_leaves_nothing_behind():
                 break
         assert line.startswith(f"pdserve ready grpc=127.0.0.1:{port} http=127.0.0.1:{http_port} "
                                f"dashboard=http://127.0.0.1:"), line
+        # Ray's token auth is on: the line names where the dashboard's token is, and Ray wrote it there.
+        fields = dict(f.split("=", 1) for f in line.split()[2:])
+        assert fields["dashboard_token"] == "$RAY_AUTH_TOKEN" or os.path.isfile(fields["dashboard_token"]), line
         children = psutil.Process(proc.pid).children(recursive=True)
         assert any("redis-server" in " ".join(c.cmdline()) for c in children)
         with pdserve.Client(f"127.0.0.1:{port}", timeout=60) as client:

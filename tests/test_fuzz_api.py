@@ -422,5 +422,5 @@ def test_http_refuses_a_body_over_the_message_limit_before_reading_it(cluster):
     client.conn.endheaders()
     r = client.conn.getresponse()
     err = json.loads(r.read())["error"]
-    assert r.status == 413 and err["code"] == "body_too_large" and "max_message_bytes" in err["message"]
+    assert r.status == 413 and err["code"] == "body_too_large" and "max_body_bytes" in err["message"]
     client.conn.close()

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from kv_transfer.buffers import BufferPool
 from kv_transfer.grpc_transport import KVReceiver
 from kv_transfer.layout import PoolLayout
-from kv_transfer.validate import KVValidationError, Reservation, validate_header
+from kv_transfer.validate import KVValidationError, Reservation, new_token, validate_header
 from kv_transfer.wire import build_header, iter_wire_messages, payload_units
 from protos.pdserve.v1 import kv_pb2
 
@@ -34,7 +34,8 @@ SRC_IDS = (1, 3, 6)
 DEST_IDS = (5, 2, 7)
 NUM_TOKENS = 10  # two full blocks and a partial one
 HASHES = (0x1111, 0x2222)
-RESERVATION = Reservation(0, DEST_IDS, HASHES)
+TOKEN = new_token()
+RESERVATION = Reservation(0, DEST_IDS, HASHES, TOKEN)
 HEADER_FIELDS = [f.name for f in kv_pb2.KVHeader.DESCRIPTOR.fields]
 NAMES_A_FIELD = re.compile("|".join(["request_id", "first message", "message after", "chunk seq", "payload bytes",
                                      "checksum", "stream", *HEADER_FIELDS]))
@@ -49,7 +50,7 @@ SOURCE = pool(1)
 
 def honest_header() -> kv_pb2.KVHeader:
     return build_header(request_id="r", fingerprint=FP, layout=PoolLayout.of(SOURCE), dest_block_ids=DEST_IDS,
-                        block_hashes=HASHES, num_tokens=NUM_TOKENS, layers=range(SHAPE[0]))
+                        block_hashes=HASHES, num_tokens=NUM_TOKENS, layers=range(SHAPE[0]), token=TOKEN)
 
 
 def honest_stream(header: kv_pb2.KVHeader | None = None) -> list[kv_pb2.KVBlockMessage]:
@@ -138,6 +139,7 @@ HEADER_CHANGES = st.one_of(
     st.tuples(st.just("block_hashes"), st.lists(st.one_of(st.sampled_from(HASHES), st.integers(0, (1 << 64) - 1)),
                                                 max_size=4)),
     st.tuples(st.just("request_id"), st.text(max_size=8)),
+    st.tuples(st.just("token"), st.one_of(st.binary(max_size=24), st.just(TOKEN[:-1] + bytes([TOKEN[-1] ^ 1])))),
 )
 
 
@@ -170,7 +172,15 @@ def test_a_changed_header_is_refused_by_name_or_writes_only_the_reserved_blocks(
         r.assert_untouched()
         assert r.buffers.outstanding == 0
         if field in ("model_fingerprint", "dest_block_ids", "block_hashes", "request_id"):
-            assert field.split("_")[0] in e.details or "reservation" in e.details, e.details
+            named = [field.split("_")[0], "reservation"]
+            if field == "dest_block_ids" and len(value) != len(DEST_IDS):
+                # Another count of blocks no longer covers the header's tokens: num_tokens (checked
+                # against the block count first) is as true a name for the fault.
+                named.append("num_tokens")
+            assert any(n in e.details for n in named), e.details
+        if field == "token":  # refused before anything else is looked at, and never echoed
+            assert e.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED), e
+            assert TOKEN.hex() not in e.details and str(TOKEN) not in e.details
         return
     # Accepted: only a header that still describes the same bytes for the same blocks (here a
     # different partial last block: num_tokens 9 or 11) may be.
@@ -340,7 +350,7 @@ def test_decode_node_frees_a_reservation_whose_push_stopped_mid_stream(decode_no
     header = build_header(request_id="cut", fingerprint=eng.fingerprint, layout=layout,
                           dest_block_ids=list(res.block_ids), block_hashes=node.reservations.get("cut").block_hashes,
                           num_tokens=len(prompt), layers=range(layout.num_layers),
-                          first_block_index=res.num_cached_blocks)
+                          first_block_index=res.num_cached_blocks, token=res.token)
     src = torch.randn(eng.kv_cache.shape, dtype=eng.kv_cache.dtype)
     units = payload_units(src, list(range(len(res.block_ids))), range(layout.num_layers))
     wire = list(iter_wire_messages(header, units, chunk_bytes=layout.block_bytes))

@@ -2,8 +2,10 @@
 v4 SDK, no helm binary), validate built-in kinds with kubernetes-validate --strict and each
 RayCluster against KubeRay's CRD schema (../shared/data/k8s/), then check what users rely on:
 probes on real ports, the NetworkPolicy admitting the router, secrets only through secretKeyRef,
-worker groups whose requests match their values, a schema that refuses misspelt values, and
-every value documented."""
+secure defaults (generated Secrets that no render changes, TLS and API keys on, read-only root
+filesystems, no service-account tokens, GCS fault tolerance, a budget for the head), worker
+groups whose requests match their values, a schema that refuses misspelt values, and every
+value documented."""
 from __future__ import annotations
 
 import json
@@ -24,7 +26,7 @@ EXAMPLES = sorted((REPO / "helm" / "examples").glob("*.yaml"))
 CRD = REPO.parent / "shared" / "data" / "k8s" / "ray.io_rayclusters.yaml"
 K8S_VERSION = "1.33.0"
 # Kinds of other operators: checked against their CRD where we have it (KubeRay), by hand otherwise.
-CUSTOM_KINDS = {"RayCluster", "ServiceMonitor", "PodMonitor"}
+CUSTOM_KINDS = {"RayCluster", "ServiceMonitor", "PodMonitor", "Issuer", "Certificate"}
 
 
 def example_values(path: Path) -> dict:
@@ -65,12 +67,33 @@ def pod_specs(docs: list[dict]) -> list[tuple[str, dict]]:
     """(where, pod spec) of every pod template in the release, the RayCluster's included."""
     out = []
     for d in docs:
-        if d["kind"] in ("Deployment", "StatefulSet"):
+        if d["kind"] in ("Deployment", "StatefulSet", "Job"):
             out.append((d["metadata"]["name"], d["spec"]["template"]["spec"]))
         elif d["kind"] == "RayCluster":
             out.append(("head", d["spec"]["headGroupSpec"]["template"]["spec"]))
             out += [(g["groupName"], g["template"]["spec"]) for g in d["spec"]["workerGroupSpecs"]]
     return out
+
+
+def hook_args(docs: list[dict]):
+    """The secrets hook Job's flags, read by its own parser (deploy/k8s_secrets.py); all None
+    when the release renders no hook."""
+    from deploy.k8s_secrets import build_parser
+
+    jobs = [d for d in docs if d["kind"] == "Job"]
+    if not jobs:
+        return build_parser().parse_args([])
+    (job,) = jobs
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["python", "-m", "deploy.k8s_secrets"]
+    return build_parser().parse_args(c["args"])
+
+
+def secret_refs(docs: list[dict]) -> dict[str, tuple[str, str]]:
+    """{env var: (Secret, key)} of every secretKeyRef in the release's pods."""
+    return {e["name"]: (e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
+            for _, spec in pod_specs(docs) for c in containers(spec) for e in c.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
 
 
 # ---------------------------------------------------------------------- lint, render, validate
@@ -99,11 +122,13 @@ def test_builtin_kinds_validate_strictly(example):
 
 # Corners the examples do not reach: no secret at all, a download, no optional object.
 CORNERS = {
-    "bare": {"ray": {"auth": {"enabled": False}}, "networkPolicy": {"enabled": False},
+    "bare": {"ray": {"auth": {"enabled": False}, "head": {"pdb": {"enabled": False}}},
+             "networkPolicy": {"enabled": False}, "tls": {"enabled": False}, "apiKey": {"enabled": False},
              "redis": {"mode": "external", "external": {"url": "redis://cache:6379/0"}},
              "router": {"pdb": {"enabled": False}}, "prefill": {"replicas": 0}},
     "download": {"model": {"source": "download", "download": {"repo": "Org/Model"}}},
     "secured": {"tls": {"enabled": True, "secretName": "pd-tls"}, "apiKey": {"name": "pd-keys"}},
+    "cert-manager": {"tls": {"provider": "certManager"}, "ray": {"gcsFaultTolerance": {"enabled": False}}},
 }
 
 
@@ -114,7 +139,7 @@ def test_corner_values_validate_strictly(corner):
         if doc["kind"] not in CUSTOM_KINDS:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     rc = one(docs, "RayCluster")
-    jsonschema.validate(rc, raycluster_schema())
+    validate_raycluster(rc)
     for where, spec in pod_specs([rc]):
         kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": where}, "spec": spec},
                                      K8S_VERSION, strict=True)
@@ -134,11 +159,26 @@ def raycluster_schema() -> dict:
     return v1["schema"]["openAPIV3Schema"]
 
 
+@cache
+def _raycluster_validator():
+    schema = raycluster_schema()
+    cls = jsonschema.validators.validator_for(schema)  # what jsonschema.validate picks
+    cls.check_schema(schema)  # once: jsonschema.validate does it on every call
+    return cls(schema)
+
+
+def validate_raycluster(rc: dict) -> None:
+    """jsonschema.validate against KubeRay's CRD, its (large) schema checked once per run."""
+    error = jsonschema.exceptions.best_match(_raycluster_validator().iter_errors(rc))
+    if error is not None:
+        raise error
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
 def test_raycluster_matches_kuberays_crd(example):
     rc = one(render(example_values(example)), "RayCluster")
     assert rc["apiVersion"] == "ray.io/v1"
-    jsonschema.validate(rc, raycluster_schema())
+    validate_raycluster(rc)
     # The CRD leaves unknown fields of embedded pod templates to the API server: check those
     # pod specs as built-in PodSpecs, strictly.
     for where, spec in pod_specs([rc]):
@@ -150,7 +190,7 @@ def test_the_crd_schema_catches_a_wrong_field():
     rc = one(render(), "RayCluster")
     rc["spec"]["workerGroupSpecs"][0]["replicas"] = "two"
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(rc, raycluster_schema())
+        validate_raycluster(rc)
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
@@ -169,8 +209,10 @@ def test_the_router_is_scraped_over_https_under_tls():
     the release's CA under the member name; the nodes' metrics ports stay plain HTTP
     (docs/security.md says why)."""
     values = {"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}}
-    (plain,) = one(render(values), "ServiceMonitor")["spec"]["endpoints"]
+    (plain,) = one(render({**values, "tls": {"enabled": False}}), "ServiceMonitor")["spec"]["endpoints"]
     assert "scheme" not in plain and "tlsConfig" not in plain
+    (default,) = one(render(values), "ServiceMonitor")["spec"]["endpoints"]  # TLS on: the chart's own CA
+    assert default["tlsConfig"]["ca"]["secret"] == {"name": "pd-pdserve-tls", "key": "ca.crt"}
     docs = render({**values, "tls": {"enabled": True, "secretName": "pd-tls", "serverName": "members.pd"}})
     (ep,) = one(docs, "ServiceMonitor")["spec"]["endpoints"]
     assert ep["scheme"] == "https"
@@ -181,8 +223,9 @@ def test_the_router_is_scraped_over_https_under_tls():
 def test_what_each_example_renders():
     kinds = {p.stem: sorted(d["kind"] for d in render(example_values(p))) for p in EXAMPLES}
     base = ["Deployment", "NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget", "PodDisruptionBudget",
-            "PodDisruptionBudget", "RayCluster", "Service"]
-    builtin_redis = ["NetworkPolicy", "Secret", "Service", "StatefulSet"]
+            "PodDisruptionBudget", "PodDisruptionBudget", "RayCluster", "Service",
+            "Job", "Role", "RoleBinding", "ServiceAccount"]  # the secrets hook (API key, TLS)
+    builtin_redis = ["NetworkPolicy", "Service", "StatefulSet"]  # its password: the hook's too
     monitoring = ["ConfigMap", "PodMonitor", "ServiceMonitor"]
     assert kinds["cpu-toy"] == sorted(base + builtin_redis)
     assert kinds["gpu-single"] == sorted(base + builtin_redis + monitoring)
@@ -208,7 +251,10 @@ def test_router_probes_point_at_its_ports(example):
     grpc_port = int(args[args.index("--port") + 1])
     http_port = int(args[args.index("--http-port") + 1])
     assert args[args.index("--host") + 1] == "0.0.0.0"
-    assert _port(c, c["startupProbe"]["grpc"]["port"]) == grpc_port
+    if values.get("tls", {}).get("enabled", True):  # the kubelet's gRPC probe speaks no TLS: /ready
+        assert c["startupProbe"]["httpGet"] == {"path": "/ready", "port": "http", "scheme": "HTTPS"}
+    else:
+        assert _port(c, c["startupProbe"]["grpc"]["port"]) == grpc_port
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert _port(c, c["readinessProbe"]["httpGet"]["port"]) == http_port
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
@@ -362,6 +408,15 @@ def test_router_values_map_onto_router_server_flags():
     a = router_args({"router": {"maxMigrations": 0, "stragglerFactor": 2.5}})
     assert (a.max_migrations, a.straggler_factor) == (0, 2.5)
     assert router_args({"router": {"stragglerFactor": 0}}).straggler_factor == 0.0  # off
+    # The HTTP front's bounds: the body limit from the model's context unless set.
+    assert (a.max_body_bytes, a.max_buffered_bytes, a.http_header_timeout_s, a.http_body_timeout_s) == \
+        (None, 128 << 20, 20.0, 30.0)
+    a = router_args({"router": {"maxBodyBytes": 4 << 20, "maxBufferedBytes": 1 << 30, "httpHeaderTimeoutSeconds": 5}})
+    assert (a.max_body_bytes, a.max_buffered_bytes, a.http_header_timeout_s) == (4 << 20, 1 << 30, 5.0)
+    a = router_args({"router": {"decodeProgress": {"factor": 5, "floorSeconds": 2, "ceilingSeconds": 20},
+                                "prefillDeadline": {"factor": 3, "floorSeconds": 7}}})
+    assert (a.decode_progress_factor, a.decode_progress_floor_s, a.decode_progress_ceiling_s,
+            a.prefill_deadline_factor, a.prefill_deadline_floor_s) == (5, 2, 20, 3, 7)
     for example in EXAMPLES:
         router_args(example_values(example))
 
@@ -463,8 +518,10 @@ def test_values_hold_no_secret_only_references_to_secrets():
     def walk(node, path):
         for key, sub in node.get("properties", {}).items():
             if re.fullmatch(r"(?i).*(password|token|apikey|credential)(secret)?", key):
-                assert sub.get("type") == "object" and set(sub["properties"]) == {"name", "key"}, \
+                props = sub.get("properties", {})
+                assert sub.get("type") == "object" and {"name", "key"} <= set(props) <= {"name", "key", "enabled"}, \
                     f"{path + key} must reference a Secret, not hold one"
+                assert props.get("enabled", {"type": "boolean"}) == {"type": "boolean"}
             walk(sub, f"{path}{key}.")
 
     walk(schema, "")
@@ -486,14 +543,16 @@ def test_existing_secrets_are_used_as_named():
 
 
 def test_tls_and_api_keys_come_from_secrets():
-    """tls.enabled mounts one Secret at one path on the router and every worker pod, and the
+    """tls.enabled mounts one Secret at one path on the router and every Ray pod, and the
     router's and the supervisor's flags name files under it (a node reads them on the pod Ray
     places it on); the kubelet's probes, which speak no TLS over gRPC, use HTTPS; the API keys
-    reach the router as a secretKeyRef."""
-    plain = render()
+    reach the router as a secretKeyRef. Both on by default; off, nothing of them is left."""
+    plain = render({"tls": {"enabled": False}, "apiKey": {"enabled": False}})
     router = one(plain, "Deployment", "-router")["spec"]["template"]["spec"]
-    assert "grpc" in router["containers"][0]["startupProbe"]  # off by default: as before
+    assert "grpc" in router["containers"][0]["startupProbe"]
     assert not any(a.startswith("--tls") for _, s in pod_specs(plain) for c in containers(s) for a in c.get("args", []))
+    assert "PDSERVE_API_KEY" not in {e["name"] for e in router["containers"][0]["env"]}
+    assert not [d for d in plain if d["kind"] == "Job"] or hook_args(plain).tls_secret is None
 
     docs = render({"tls": {"enabled": True, "secretName": "pd-tls"}, "apiKey": {"name": "pd-keys", "key": "k"}})
     pods = dict(pod_specs(docs))
@@ -506,13 +565,15 @@ def test_tls_and_api_keys_come_from_secrets():
     files = {flag: rc_flags[flag] for flag in ("--tls-cert-file", "--tls-key-file", "--tls-ca-file")}
     assert all(sup_flags[flag] == path for flag, path in files.items())
     assert rc_flags["--tls-server-name"] == sup_flags["--tls-server-name"] == "pdserve-cluster"
-    mounted = [where for where in pods if where.endswith(("router", "prefill", "decode"))]
-    assert len(mounted) == 3
+    mounted = [where for where in pods if where.endswith(("router", "head", "prefill", "decode"))]
+    assert len(mounted) == 4
     for where in mounted:
         vols = {v["name"]: v for v in pods[where]["volumes"]}
         assert vols["pdserve-tls"]["secret"]["secretName"] == "pd-tls", where
-        (mount,) = [m for c in containers(pods[where]) for m in c.get("volumeMounts", []) if m["name"] == "pdserve-tls"]
-        assert mount["readOnly"] and all(p.startswith(mount["mountPath"] + "/") for p in files.values()), where
+        mounts = [m for c in containers(pods[where]) for m in c.get("volumeMounts", []) if m["name"] == "pdserve-tls"]
+        assert mounts, where
+        for mount in mounts:  # the head: the supervisor and Ray's own container (GCS to a rediss:// Redis)
+            assert mount["readOnly"] and all(p.startswith(mount["mountPath"] + "/") for p in files.values()), where
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert rc[probe]["httpGet"]["scheme"] == "HTTPS"
     env = {e["name"]: e for e in rc["env"]}
@@ -618,8 +679,7 @@ def test_redis_modes():
     docs = render()
     sts = one(docs, "StatefulSet", "-redis")
     assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "1Gi"
-    secret = one(docs, "Secret", "-redis")
-    assert len(secret["data"]["password"]) > 0
+    assert hook_args(docs).redis_password_secret == "pd-pdserve-redis"  # made by the hook, not rendered
     router_args = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]["args"]
     url = router_args[router_args.index("--redis-url") + 1]
     svc = one(docs, "Service", "-redis")
@@ -628,6 +688,7 @@ def test_redis_modes():
     docs = render({"redis": {"mode": "external", "external": {
         "url": "rediss://cache.example:6380/2", "passwordSecret": {"name": "ext", "key": "pw"}}}})
     assert not [d for d in docs if d["kind"] in ("StatefulSet", "Secret")]
+    assert hook_args(docs).redis_password_secret is None
     router = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
     assert router["args"][router["args"].index("--redis-url") + 1] == "rediss://cache.example:6380/2"
     (pw,) = [e for e in router["env"] if e["name"] == "PDSERVE_REDIS_PASSWORD"]
@@ -684,7 +745,11 @@ def test_the_charts_dashboard_is_the_repos():
     {"redis": {"mode": "external", "external": {"url": "rediss://cache:6380/0?password=hunter2"}}},  # ... in its query
     {"redis": {"mode": "external", "external": {"url": "rediss://cache:6380/0?ssl_ca_certs=/a&password=x"}}},
     {"tls": {"enabled": True, "secretName": "t", "clientAuth": "yes"}},
-    {"tls": {"enabled": True}},  # TLS without the Secret holding the certificates
+    {"tls": {"provider": "letsencrypt"}},  # the chart makes its certificate one of two ways
+    {"tls": {"validityDays": 0}},
+    {"apiKey": {"enabled": "yes"}},
+    {"ray": {"gcsFaultTolerance": {"enabled": 1}}},
+    {"ray": {"head": {"pdb": {"maxUnavailabe": 1}}}},
     {"apiKey": "sk-inline"},  # a key itself instead of a reference to its Secret
     {"router": {"maxMigrations": -1}},
     {"router": {"maxMigrations": 1.5}},
@@ -750,3 +815,257 @@ def test_every_value_is_documented():
     missing = [".".join(p) for p, ok in documented.items() if not ok and p not in groups]
     assert not missing, "values without a `# --` comment: " + ", ".join(missing)
     assert len(documented) > 80
+
+
+# ---------------------------------------------------------------------- secure by default
+def _raw_render(values: dict, **kw) -> dict[str, str]:
+    return helm_python.Chart.load(str(CHART)).render(values, name="pd", namespace="serving", **kw)
+
+
+@pytest.mark.parametrize("values", [{}, {"tls": {"provider": "certManager"}}], ids=["generated", "cert-manager"])
+def test_generated_secrets_are_the_same_on_every_render(values):
+    """No render holds a generated value: two renders, an install and an upgrade render are
+    byte for byte the same (`lookup` is empty offline, as under `helm template`, so a Secret
+    the templates generated would differ), and no Secret object is rendered at all."""
+    first = _raw_render(values)
+    assert first == _raw_render(values) == _raw_render(values, is_upgrade=True)
+    assert not [d for d in render(values) if d["kind"] == "Secret"]
+
+
+def test_the_secrets_hook_makes_exactly_what_the_pods_use():
+    """By default the pre-install/pre-upgrade hook creates the Redis password, the API key and
+    the TLS Secret, under the names every pod, the RayCluster's GCS options and the ServiceMonitor
+    read; its Role reads only those names; it alone gets a service-account token."""
+    docs = render({"metrics": {"serviceMonitor": {"enabled": True}}})
+    args = hook_args(docs)
+    refs = secret_refs(docs)
+    assert refs["PDSERVE_REDIS_PASSWORD"] == refs["REDIS_PASSWORD"] == (args.redis_password_secret, "password")
+    assert refs["PDSERVE_API_KEY"] == (args.api_key_secret, args.api_key_key) == ("pd-pdserve-api-key", "api-key")
+    rc = one(docs, "RayCluster")
+    assert rc["spec"]["gcsFaultToleranceOptions"]["redisPassword"]["valueFrom"]["secretKeyRef"] == {
+        "name": args.redis_password_secret, "key": "password"}
+    tls_volumes = {v["secret"]["secretName"] for _, spec in pod_specs(docs) for v in spec.get("volumes", [])
+                   if v["name"] == "pdserve-tls"}
+    assert tls_volumes == {args.tls_secret}
+    (ep,) = one(docs, "ServiceMonitor")["spec"]["endpoints"]
+    assert ep["tlsConfig"]["ca"]["secret"]["name"] == args.tls_secret
+    # The certificate names what members verify each other against and what clients dial.
+    router_flags = _cli_flags(one(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert router_flags["--tls-server-name"] in args.tls_name
+    assert {"pd-pdserve-router", "pd-pdserve-router.serving.svc", "localhost"} <= set(args.tls_name)
+    assert args.tls_days == 365
+
+    role = one(docs, "Role", "-secrets")
+    get_rule, create_rule = role["rules"]
+    assert set(get_rule["resourceNames"]) == {args.redis_password_secret, args.api_key_secret, args.tls_secret}
+    assert get_rule["verbs"] == ["get"] and create_rule["verbs"] == ["create"]
+    for kind in ("ServiceAccount", "Role", "RoleBinding", "Job"):
+        hook = one(docs, kind, "-secrets")["metadata"]["annotations"]
+        assert hook["helm.sh/hook"] == "pre-install,pre-upgrade"
+        assert int(hook["helm.sh/hook-weight"]) <= 0 and "hook-succeeded" in hook["helm.sh/hook-delete-policy"]
+    with_token = [where for where, spec in pod_specs(docs) if spec.get("automountServiceAccountToken") is not False]
+    assert with_token == ["pd-pdserve-secrets"]
+
+
+def test_an_operators_existing_secret_always_wins():
+    docs = render({"redis": {"builtin": {"existingSecret": "my-redis"}}, "apiKey": {"name": "my-keys", "key": "k"},
+                   "tls": {"secretName": "my-tls"}})
+    assert not [d for d in docs if d["kind"] in ("Job", "Role", "Secret", "Certificate")]  # nothing generated
+    refs = secret_refs(docs)
+    assert refs["PDSERVE_REDIS_PASSWORD"] == ("my-redis", "password") and refs["PDSERVE_API_KEY"] == ("my-keys", "k")
+    assert {v["secret"]["secretName"] for _, spec in pod_specs(docs) for v in spec.get("volumes", [])
+            if v["name"] == "pdserve-tls"} == {"my-tls"}
+    # One of them given: the hook makes only the others.
+    args = hook_args(render({"apiKey": {"name": "my-keys"}}))
+    assert args.api_key_secret is None and args.redis_password_secret and args.tls_secret
+    # cert-manager given its API, or asked for: no generated TLS, Certificates instead.
+    assert hook_args(render({"tls": {"provider": "certManager"}})).tls_secret is None
+
+
+def test_tls_from_cert_manager():
+    """provider certManager: a self-signed issuer, the release's CA, its issuer, and the member
+    certificate written into the Secret every pod mounts, for both usages and every name."""
+    docs = render({"tls": {"provider": "certManager", "validityDays": 90}})
+    issuers = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "Issuer"}
+    certs = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "Certificate"}
+    assert all(d["apiVersion"] == "cert-manager.io/v1" for d in docs if d["kind"] in ("Issuer", "Certificate"))
+    ca, member = certs["pd-pdserve-ca"], certs["pd-pdserve-tls"]
+    assert ca["isCA"] and issuers[ca["issuerRef"]["name"]] == {"selfSigned": {}}
+    assert issuers[member["issuerRef"]["name"]] == {"ca": {"secretName": ca["secretName"]}}
+    assert set(member["usages"]) >= {"server auth", "client auth"} and member["duration"] == "2160h"
+    assert {"pdserve-cluster", "pd-pdserve-router", "localhost"} <= set(member["dnsNames"])
+    assert {v["secret"]["secretName"] for _, spec in pod_specs(docs) for v in spec.get("volumes", [])
+            if v["name"] == "pdserve-tls"} == {member["secretName"]}
+    assert "--tls-ca-file" in _cli_flags(one(docs, "Deployment", "-router")["spec"]["template"]["spec"]
+                                         ["containers"][0]["args"])
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_every_container_has_a_read_only_root_and_scratch_where_it_writes(example):
+    docs = render(example_values(example))
+    for where, spec in pod_specs(docs):
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for c in containers(spec):
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True, (where, c["name"])
+            if c["name"] == "redis":
+                continue  # writes /data (its volume) and /tmp
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            for path in ("/tmp", "/home/pdserve"):  # Ray's session, ~/.cache, ~/.ray, compilers
+                assert "emptyDir" in volumes[mounts[path]], (where, c["name"], path)
+    rc = one(docs, "RayCluster")
+    for g in rc["spec"]["workerGroupSpecs"]:
+        (worker,) = g["template"]["spec"]["containers"]
+        assert {"/dev/shm", "/cache"} <= {m["mountPath"] for m in worker["volumeMounts"]}
+    for spec in (rc["spec"]["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in
+                                                                    rc["spec"]["workerGroupSpecs"])):
+        assert spec["automountServiceAccountToken"] is False  # nothing in a Ray pod calls Kubernetes
+
+
+def test_a_disruption_budget_keeps_the_head():
+    docs = render()
+    rc = one(docs, "RayCluster")
+    pdb = one(docs, "PodDisruptionBudget", "-head")
+    assert pdb["spec"]["maxUnavailable"] == 0
+    # KubeRay's labels on the head pod: its cluster and node type.
+    assert pdb["spec"]["selector"]["matchLabels"] == {"ray.io/cluster": rc["metadata"]["name"], "ray.io/node-type": "head"}
+    assert not [d for d in render({"ray": {"head": {"pdb": {"enabled": False}}}}) if d["metadata"]["name"].endswith("-head")]
+
+
+def test_gcs_fault_tolerance_uses_the_releases_redis():
+    """KubeRay's gcsFaultToleranceOptions (checked against its CRD in the corner and example
+    tests) point at the built-in Redis with its password, or at the external one, TLS and its
+    private CA included; off, none."""
+    rc = one(render(), "RayCluster")
+    ft = rc["spec"]["gcsFaultToleranceOptions"]
+    assert ft["redisAddress"] == "pd-pdserve-redis:6379"
+    assert set(ft) == {"redisAddress", "redisPassword"}  # the storage namespace: KubeRay's default (the UID)
+
+    url = "rediss://cache.example:6380/2?ssl_ca_certs=/etc/pdserve/tls/ca.crt"
+    docs = render({"redis": {"mode": "external", "external": {"url": url, "passwordSecret": {"name": "ext"}}}})
+    rc = one(docs, "RayCluster")
+    validate_raycluster(rc)
+    ft = rc["spec"]["gcsFaultToleranceOptions"]
+    assert ft["redisAddress"] == "rediss://cache.example:6380"  # Ray's form: TLS by the scheme, no db
+    assert ft["redisPassword"]["valueFrom"]["secretKeyRef"] == {"name": "ext", "key": "password"}
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]
+    ray_head = head["containers"][0]
+    assert {"name": "RAY_REDIS_CA_CERT", "value": "/etc/pdserve/tls/ca.crt"} in ray_head["env"]
+    assert "/etc/pdserve/tls" in {m["mountPath"] for m in ray_head["volumeMounts"]}
+
+    rc = one(render({"redis": {"mode": "external", "external": {"url": "redis://cache/0"}}}), "RayCluster")
+    assert rc["spec"]["gcsFaultToleranceOptions"] == {"redisAddress": "cache:6379"}  # no port, no password
+    assert "gcsFaultToleranceOptions" not in one(render({"ray": {"gcsFaultTolerance": {"enabled": False}}}),
+                                                 "RayCluster")["spec"]
+
+
+class _FakeApiServer:
+    """Kubernetes' two Secret endpoints the hook calls, on loopback: GET by name, POST to create
+    (a stand-in for the API server, which the test machines do not have)."""
+
+    def __init__(self, namespace: str, token: str) -> None:
+        import http.server
+        import threading
+
+        self.secrets: dict[str, dict] = {}
+        self.calls: list[tuple[str, str]] = []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _route(self) -> str | None:
+                base = f"/api/v1/namespaces/{namespace}/secrets"
+                if self.headers.get("Authorization") != f"Bearer {token}":
+                    self.send_response(401)
+                    self.end_headers()
+                    return None
+                server.calls.append((self.command, self.path))
+                return self.path[len(base):] if self.path.startswith(base) else None
+
+            def do_GET(self):
+                name = (self._route() or "").lstrip("/")
+                found = name in server.secrets
+                self.send_response(200 if found else 404)
+                self.end_headers()
+                self.wfile.write(json.dumps(server.secrets.get(name, {})).encode())
+
+            def do_POST(self):
+                if self._route() != "":
+                    return
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                kubernetes_validate.validate(body, K8S_VERSION, strict=True)
+                name = body["metadata"]["name"]
+                self.send_response(409 if name in server.secrets else 201)
+                self.end_headers()
+                server.secrets.setdefault(name, body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_the_secrets_hook_creates_only_what_is_missing_and_its_certificate_works(tmp_path, capsys):
+    """The rendered hook's own args against the API calls it makes: the first run creates the
+    three Secrets (valid Secret objects), a second run and an upgrade keep them untouched; the
+    generated certificate passes a mutual TLS handshake on loopback under the member name."""
+    import base64
+    import socket
+    import ssl
+    import threading
+
+    from deploy.k8s_secrets import KubeApi, main
+
+    docs = render()
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    argv = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    api_server = _FakeApiServer("serving", "sa-token")
+    try:
+        api = KubeApi(api_server.url, "serving", "sa-token")
+        assert main(argv, api=api) == 0
+        first = {name: s["data"] for name, s in api_server.secrets.items()}
+        assert set(first) == {"pd-pdserve-redis", "pd-pdserve-api-key", "pd-pdserve-tls"}
+        assert all(s["metadata"]["labels"]["app.kubernetes.io/instance"] == "pd" for s in api_server.secrets.values())
+        posts = [c for c in api_server.calls if c[0] == "POST"]
+        assert main(argv, api=api) == 0  # the next upgrade
+        assert [c for c in api_server.calls if c[0] == "POST"] == posts  # nothing created again
+        assert {name: s["data"] for name, s in api_server.secrets.items()} == first
+        out = capsys.readouterr().out
+        assert out.count("created") == 3 and out.count("kept") == 3
+        assert all(base64.b64decode(v).decode(errors="ignore") not in out for d in first.values() for v in d.values())
+    finally:
+        api_server.close()
+    password = base64.b64decode(first["pd-pdserve-redis"]["password"]).decode()
+    assert len(password) == 32 and password.isalnum()
+    assert len(base64.b64decode(first["pd-pdserve-api-key"]["api-key"])) > 32
+
+    for key, data in first["pd-pdserve-tls"].items():
+        (tmp_path / key).write_bytes(base64.b64decode(data))
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(tmp_path / "tls.crt", tmp_path / "tls.key")
+    server_ctx.load_verify_locations(tmp_path / "ca.crt")
+    server_ctx.verify_mode = ssl.CERT_REQUIRED  # mutual, as between members
+    client_ctx = ssl.create_default_context(cafile=str(tmp_path / "ca.crt"))
+    client_ctx.load_cert_chain(tmp_path / "tls.crt", tmp_path / "tls.key")
+    listener = socket.create_server(("127.0.0.1", 0))
+    peer: list[dict] = []
+
+    def accept() -> None:
+        conn, _ = listener.accept()
+        with server_ctx.wrap_socket(conn, server_side=True) as s:
+            peer.append(s.getpeercert())
+            s.sendall(b"ok")
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    with socket.create_connection(listener.getsockname(), timeout=10) as raw:
+        with client_ctx.wrap_socket(raw, server_hostname="pdserve-cluster") as s:
+            assert s.recv(2) == b"ok"
+            names = {v for k, v in s.getpeercert()["subjectAltName"]}
+    t.join(10)
+    listener.close()
+    assert peer and {"pdserve-cluster", "pd-pdserve-router.serving.svc", "localhost", "127.0.0.1"} <= names

@@ -15,7 +15,7 @@ from decode_node.reservations import NotReadyError, ReservationTable
 from engine.model_runner import KV_PREEMPTED, final_blocks
 from kv_transfer.layout import PoolLayout
 from kv_transfer.transport import PushResult, TransferError
-from kv_transfer.validate import KVValidationError, Reservation, validate_header
+from kv_transfer.validate import KVValidationError, Reservation, new_token, validate_header
 from kv_transfer.wire import build_header
 from prefill_node.kv_streamer import KVStreamer
 
@@ -25,12 +25,14 @@ SHAPE = (3, 16, 2, 4, 2, 4)
 FP = "model-a"
 LAYOUT = PoolLayout.of(torch.zeros(SHAPE))
 # Prompt of 18 tokens = 5 blocks (4 full + 2 tokens); the decode node caches block 0.
-RES = Reservation(1, (9, 3, 12, 7), (0xB1, 0xB2, 0xB3))
+TOKEN = new_token()
+RES = Reservation(1, (9, 3, 12, 7), (0xB1, 0xB2, 0xB3), TOKEN)
 
 
 def header(first: int, ids, hashes, num_tokens: int, layers=range(3)):
     return build_header(request_id="r", fingerprint=FP, layout=LAYOUT, dest_block_ids=list(ids),
-                        block_hashes=list(hashes), num_tokens=num_tokens, layers=layers, first_block_index=first)
+                        block_hashes=list(hashes), num_tokens=num_tokens, layers=layers, first_block_index=first,
+                        token=TOKEN)
 
 
 @pytest.mark.parametrize("first, ids, hashes, num_tokens, layers", [
@@ -82,8 +84,8 @@ def test_reservation_is_taken_only_when_every_layer_of_every_block_landed():
     with pytest.raises(ValueError, match="outside"):
         table.received("s", range(2), 3, 3)
     # Nothing reserved (all cached on the decode node): complete from the start.
-    table.add("cached", Reservation(5, (), ()), prompt)
-    assert table.take("cached", prompt) == Reservation(5, (), ())
+    table.add("cached", Reservation(5, (), (), TOKEN), prompt)
+    assert table.take("cached", prompt) == Reservation(5, (), (), TOKEN)
 
 
 # ----------------------------------------------------------------------------- the streamer

@@ -12,7 +12,7 @@ from kv_transfer import checksum
 from kv_transfer.buffers import BufferPool
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, PUSH_BLOCKS_PATH, KVReceiver, push_blocks
 from kv_transfer.layout import PoolLayout
-from kv_transfer.validate import KVValidationError, ReceivedBlocks, Reservation, validate_header
+from kv_transfer.validate import KVValidationError, ReceivedBlocks, Reservation, new_token, validate_header
 from kv_transfer.wire import build_header, encode_chunk, iter_wire_messages, payload_units, unit_rows
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 
@@ -20,6 +20,7 @@ from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 SHAPE = (4, 12, 2, 4, 2, 8)
 BLOCK_SIZE = SHAPE[3]
 FP = "model-a"
+TOKEN = new_token()  # every reservation's here: what an honest sender carries
 
 
 def make_pool(dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -39,7 +40,8 @@ class Node:
         kv_pb2_grpc.add_KVTransferServicer_to_server(receiver, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=KV_GRPC_OPTIONS)
+        self.address = f"127.0.0.1:{port}"
+        self.channel = grpc.insecure_channel(self.address, options=KV_GRPC_OPTIONS)
 
     def close(self) -> None:
         self.channel.close()
@@ -67,11 +69,11 @@ def test_round_trip_bit_exact_noncontiguous_blocks_layer_range(node: Node) -> No
     src_ids, dest_ids = [7, 2, 9], [5, 0, 11]
     num_tokens = 3 * BLOCK_SIZE - 1  # last block partial: no hash for it
     hashes = [0xAAAA, 0xBBBB]
-    node.reservations["r1"] = Reservation(0, tuple(dest_ids), tuple(hashes))
+    node.reservations["r1"] = Reservation(0, tuple(dest_ids), tuple(hashes), TOKEN)
 
     resp = push_blocks(
         node.channel, src, request_id="r1", fingerprint=FP, src_block_ids=src_ids, block_hashes=hashes,
-        num_tokens=num_tokens, dest_block_ids=dest_ids, layers=range(1, 3),
+        num_tokens=num_tokens, dest_block_ids=dest_ids, token=TOKEN, layers=range(1, 3),
         chunk_bytes=700,  # several chunks, each of whole block-layers
     )
 
@@ -87,11 +89,11 @@ def test_skip_leading_blocks(node: Node) -> None:
     request_blocks = [3, 8, 1, 6]  # blocks 3 and 8 are already on the decode node
     hashes = [11, 22, 33, 44]
     num_tokens = 4 * BLOCK_SIZE
-    node.reservations["r2"] = Reservation(2, (4, 9), (33, 44))
+    node.reservations["r2"] = Reservation(2, (4, 9), (33, 44), TOKEN)
 
     push_blocks(
         node.channel, src, request_id="r2", fingerprint=FP, src_block_ids=request_blocks, block_hashes=hashes,
-        num_tokens=num_tokens, dest_block_ids=[4, 9], skip_leading_blocks=2,
+        num_tokens=num_tokens, dest_block_ids=[4, 9], token=TOKEN, skip_leading_blocks=2,
     )
 
     expected = node.before.clone()
@@ -107,10 +109,10 @@ def test_checksum_algorithms(node: Node, algorithm: str) -> None:
     if value not in checksum.supported():
         pytest.skip("xxhash is not installed")
     src = make_pool(node.pool.dtype, seed=5)
-    node.reservations["r3"] = Reservation(0, (3,), ())
+    node.reservations["r3"] = Reservation(0, (3,), (), TOKEN)
     push_blocks(
         node.channel, src, request_id="r3", fingerprint=FP, src_block_ids=[6], block_hashes=[], num_tokens=2,
-        dest_block_ids=[3], chunk_bytes=300, checksum_algorithm=value,
+        dest_block_ids=[3], token=TOKEN, chunk_bytes=300, checksum_algorithm=value,
     )
     assert torch.equal(node.pool[:, 3], src[:, 6])
 
@@ -120,7 +122,7 @@ def _messages(src: torch.Tensor, *, dest_ids=(5, 0), src_ids=(7, 2), fingerprint
     fields of the header as sent, while the payload stays the honest one."""
     header = build_header(
         request_id="bad", fingerprint=fingerprint, layout=PoolLayout.of(src), dest_block_ids=list(dest_ids),
-        block_hashes=[1, 2], num_tokens=2 * BLOCK_SIZE, layers=range(4),
+        block_hashes=[1, 2], num_tokens=2 * BLOCK_SIZE, layers=range(4), token=TOKEN,
     )
     messages = list(iter_wire_messages(header, payload_units(src, list(src_ids), range(4)), chunk_bytes=1000))
     if header_lies:
@@ -177,6 +179,10 @@ CORRUPTIONS = {
     "chunk_out_of_order": (lambda s, n: (lambda m: [m[0], m[2], m[1], *m[3:]])(_messages(s)),
                            grpc.StatusCode.INVALID_ARGUMENT, "seq"),
     "no_reservation": (lambda s, n: _messages(s, request_id="nobody"), grpc.StatusCode.NOT_FOUND, "reservation"),
+    # A peer that knows the request id but not its reservation's token writes nothing.
+    "token_missing": (lambda s, n: _messages(s, token=b""), grpc.StatusCode.UNAUTHENTICATED, "token: missing"),
+    "token_wrong": (lambda s, n: _messages(s, token=new_token()), grpc.StatusCode.PERMISSION_DENIED,
+                    "not this reservation's"),
     "checksum_algorithm_unset": (lambda s, n: _messages(s, checksum_algorithm=0), grpc.StatusCode.INVALID_ARGUMENT,
                                  "checksum_algorithm"),
     "chunk_before_header": (lambda s, n: _messages(s)[1:], grpc.StatusCode.INVALID_ARGUMENT, "expected header"),
@@ -187,7 +193,7 @@ CORRUPTIONS = {
 def test_bad_transfer_rejected_and_pool_unchanged(node: Node, case: str) -> None:
     build, code, words = CORRUPTIONS[case]
     # The reservation matches the well-formed stream: each case breaks exactly one thing.
-    node.reservations["bad"] = Reservation(0, (5, 99) if case == "block_id_out_of_range" else (5, 0), (1, 2))
+    node.reservations["bad"] = Reservation(0, (5, 99) if case == "block_id_out_of_range" else (5, 0), (1, 2), TOKEN)
     src = make_pool(node.pool.dtype, seed=4)
     messages = build(src, node)
     assert len(messages) > 3, "the stream must have several chunks for the cases to mean something"
@@ -198,6 +204,39 @@ def test_bad_transfer_rejected_and_pool_unchanged(node: Node, case: str) -> None
     assert err.value.code() == code, err.value.details()
     assert words in err.value.details()
     assert node.unchanged()
+
+
+@pytest.mark.parametrize("mode", ["flip", "cut"])
+def test_the_corrupting_sender_is_refused_by_checksum_not_by_token(node: Node, mode: str) -> None:
+    """corrupt-kv (prefill_node/faults.py) carries the reservation's token: what refuses its
+    transfers must be the payload checks, or the chaos scenario would test the wrong thing."""
+    from kv_transfer.transport import TransferError
+    from prefill_node.faults import CorruptingKVSender
+
+    node.reservations["c"] = Reservation(0, (5, 0), (1,), TOKEN)
+    sender = CorruptingKVSender(mode)
+    try:
+        with pytest.raises(TransferError) as err:
+            sender.push(node.address, make_pool(node.pool.dtype, seed=6), request_id="c", fingerprint=FP,
+                        src_block_ids=[7, 2], block_hashes=[1], num_tokens=BLOCK_SIZE + 1, dest_block_ids=[5, 0],
+                        token=TOKEN, timeout=10)
+    finally:
+        sender.close()
+    assert err.value.code == grpc.StatusCode.DATA_LOSS, err.value
+    assert node.unchanged()
+
+
+def test_a_reservation_without_a_token_admits_nobody() -> None:
+    from kv_transfer.validate import KVPermissionError, KVUnauthenticatedError, check_token
+
+    check_token(TOKEN, Reservation(0, (1,), (), TOKEN))
+    with pytest.raises(KVUnauthenticatedError):
+        check_token(b"", Reservation(0, (1,), (), b""))
+    with pytest.raises(KVPermissionError):
+        check_token(b"anything", Reservation(0, (1,), (), b""))
+    with pytest.raises(KVPermissionError) as err:
+        check_token(TOKEN[:-1], Reservation(0, (1,), (), TOKEN))  # a prefix is not the token
+    assert TOKEN.hex() not in str(err.value) and repr(TOKEN) not in str(err.value)
 
 
 def test_encode_chunk_is_the_protobuf_encoding() -> None:
@@ -213,10 +252,10 @@ def test_validation_error_names_field_and_both_values() -> None:
     pool = make_pool(torch.float32, seed=0)
     header = build_header(
         request_id="r", fingerprint=FP, layout=PoolLayout.of(pool), dest_block_ids=[1], block_hashes=[],
-        num_tokens=3, layers=range(4),
+        num_tokens=3, layers=range(4), token=TOKEN,
     )
     with pytest.raises(KVValidationError) as err:
-        validate_header(header, PoolLayout.of(pool.to(torch.bfloat16)), FP, Reservation(0, (1,), ()))
+        validate_header(header, PoolLayout.of(pool.to(torch.bfloat16)), FP, Reservation(0, (1,), (), TOKEN))
     assert isinstance(err.value, ValueError)
     assert "dtype" in str(err.value) and "torch.float32" in str(err.value) and "torch.bfloat16" in str(err.value)
 

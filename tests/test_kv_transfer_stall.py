@@ -19,10 +19,11 @@ from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, GrpcKVSender, KVReceiver
 from kv_transfer.shm_transport import ShmKVSender, buffer_prefix, shm_endpoint
 from kv_transfer.tcp_transport import TcpKVSender
 from kv_transfer.transport import FallbackKVSender, PushResult, TransferError
-from kv_transfer.validate import Reservation
+from kv_transfer.validate import Reservation, new_token
 from protos.pdserve.v1 import kv_pb2_grpc
 
 FP = "model-a"
+TOKEN = new_token()
 # Every push here has a deadline far beyond the progress timeout: a DEADLINE_EXCEEDED that
 # names "no progress" came from the progress timeout, and a broken one would still end.
 DEADLINE_S = 60.0
@@ -69,7 +70,8 @@ def peer():
 def blocks(n: int, dest: list[int] | None = None) -> dict:
     """n blocks of a prompt, the first n - 1 full (hashes 1, 2, ...), into ``dest`` (default 0..n)."""
     return dict(request_id="r", fingerprint=FP, src_block_ids=list(range(n)), block_hashes=list(range(1, n)),
-                num_tokens=16 * n - 1, dest_block_ids=list(range(n)) if dest is None else dest, timeout=DEADLINE_S)
+                num_tokens=16 * n - 1, dest_block_ids=list(range(n)) if dest is None else dest, token=TOKEN,
+                timeout=DEADLINE_S)
 
 
 @pytest.mark.parametrize("num_blocks", [1, 64], ids=["waits-for-reply", "blocks-in-send"])
@@ -150,7 +152,7 @@ class Slow:
 def test_a_stalled_fast_transport_falls_back_and_only_the_landed_attempt_is_timed(peer: StalledPeer) -> None:
     node = GrpcReceiver()
     src = pool_of(64, 2)
-    node.reservations["r"] = Reservation(0, tuple(range(8)), tuple(range(1, 8)))
+    node.reservations["r"] = Reservation(0, tuple(range(8)), tuple(range(1, 8)), TOKEN)
     # gRPC slowed by a known delay, so the timing cannot pass for the whole wall time by luck.
     sender = FallbackKVSender([TcpKVSender(progress_timeout_s=PROGRESS_S)], Slow(GrpcKVSender(), 0.05))
     try:
@@ -168,7 +170,7 @@ def test_a_stalled_fast_transport_falls_back_and_only_the_landed_attempt_is_time
 
 def test_a_transport_that_does_not_apply_is_skipped_not_counted() -> None:
     node = GrpcReceiver()
-    node.reservations["r"] = Reservation(0, (3,), ())
+    node.reservations["r"] = Reservation(0, (3,), (), TOKEN)
     sender = FallbackKVSender([ShmKVSender()], GrpcKVSender())
     try:
         got = sender.push(node.address, pool_of(4, 3), endpoints=["shm://another-boot/127.0.0.1:1"],

@@ -22,11 +22,11 @@ from kv_transfer.receiver import TcpKVServer, row_views
 from kv_transfer.shm_transport import ShmKVSender, buffer_prefix, parse_shm_endpoint, shm_endpoint
 from kv_transfer.tcp_transport import TcpKVSender, parse_endpoint
 from kv_transfer.transport import FallbackKVSender, PushResult, TransferError
-from kv_transfer.validate import Reservation
+from kv_transfer.validate import Reservation, new_token
 from kv_transfer.wire import build_header, payload_units
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 from tests.helpers import wait_for
-from tests.test_kv_transfer import BLOCK_SIZE, FP, SHAPE, make_pool
+from tests.test_kv_transfer import BLOCK_SIZE, FP, SHAPE, TOKEN, make_pool
 
 
 class Receiver:
@@ -81,7 +81,7 @@ def sender():
 def push(sender, node: Receiver, src: torch.Tensor, rid: str, src_ids, dest_ids, **kw) -> PushResult:
     return sender.push(node.endpoint, src, request_id=rid, fingerprint=FP, src_block_ids=src_ids,
                        block_hashes=kw.pop("hashes", []), num_tokens=kw.pop("num_tokens", 2),
-                       dest_block_ids=dest_ids, timeout=10, **kw)
+                       dest_block_ids=dest_ids, token=kw.pop("token", TOKEN), timeout=10, **kw)
 
 
 def test_parse_endpoint() -> None:
@@ -95,7 +95,7 @@ def test_parse_endpoint() -> None:
 def test_round_trip_bit_exact_layer_range_skip_and_reused_connection(node: Receiver, sender) -> None:
     src = make_pool(node.pool.dtype, seed=2)
     num_tokens = 3 * BLOCK_SIZE - 1  # last block partial: no hash for it
-    node.reservations["r1"] = Reservation(1, (5, 0, 11), (0xBBBB, 0xCCCC))
+    node.reservations["r1"] = Reservation(1, (5, 0, 11), (0xBBBB, 0xCCCC), TOKEN)
     got = push(sender, node, src, "r1", [4, 7, 2, 9], [5, 0, 11], hashes=[0xAAAA, 0xBBBB, 0xCCCC],
                num_tokens=num_tokens + BLOCK_SIZE, skip_leading_blocks=1, layers=range(1, 3))
     unit = PoolLayout.of(src).block_bytes
@@ -105,7 +105,7 @@ def test_round_trip_bit_exact_layer_range_skip_and_reused_connection(node: Recei
     assert torch.equal(node.pool, expected)  # written blocks bit-exact, nothing else touched
     assert node.received[0].layers == range(1, 3) and node.received[0].first_block_index == 1
 
-    node.reservations["r2"] = Reservation(0, (3,), ())
+    node.reservations["r2"] = Reservation(0, (3,), (), TOKEN)
     push(sender, node, src, "r2", [6], [3])
     assert torch.equal(node.pool[:, 3], src[:, 6])
     assert node.data.connections_accepted == 1  # the second transfer reused the connection
@@ -118,13 +118,13 @@ def test_refusal_leaves_pool_and_connection_intact(node: Receiver, sender) -> No
     with pytest.raises(TransferError) as err:  # no reservation
         push(sender, node, src, "nobody", [1, 2], [5, 0], **two)
     assert err.value.code == grpc.StatusCode.NOT_FOUND and "reservation" in err.value.details
-    node.reservations["r"] = Reservation(0, (5, 0), (7,))
+    node.reservations["r"] = Reservation(0, (5, 0), (7,), TOKEN)
     with pytest.raises(TransferError) as err:  # not the reserved ids
         push(sender, node, src, "r", [1, 2], [0, 5], **two)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "dest_block_ids (reserved)" in err.value.details
     with pytest.raises(TransferError) as err:
         sender.push(node.endpoint, src, request_id="r", fingerprint="model-b", src_block_ids=[1, 2],
-                    block_hashes=[7], num_tokens=7, dest_block_ids=[5, 0], timeout=10)
+                    block_hashes=[7], num_tokens=7, dest_block_ids=[5, 0], token=TOKEN, timeout=10)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "model_fingerprint" in err.value.details
     assert node.unchanged()
     push(sender, node, src, "r", [1, 2], [5, 0], **two)
@@ -134,7 +134,7 @@ def test_refusal_leaves_pool_and_connection_intact(node: Receiver, sender) -> No
 def _stream(src: torch.Tensor, dest_ids, src_ids, *, bad_seq: int | None = None, units_per_chunk: int = 2) -> bytes:
     """A hand-made transfer of all layers: header, chunks (chunk ``bad_seq`` with a wrong checksum), trailer."""
     header = build_header(request_id="r", fingerprint=FP, layout=PoolLayout.of(src), dest_block_ids=list(dest_ids),
-                          block_hashes=[], num_tokens=2, layers=range(SHAPE[0]),
+                          block_hashes=[], num_tokens=2, layers=range(SHAPE[0]), token=TOKEN,
                           checksum_algorithm=kv_pb2.CHECKSUM_ALGORITHM_XXH3_64)
     units = payload_units(src, list(src_ids), range(SHAPE[0]))
     out = [frame(kv_pb2.KVBlockMessage(header=header))]
@@ -159,7 +159,7 @@ def _reply(sock: socket.socket) -> kv_pb2.KVStreamReply:
 
 def test_chunk_checksum_fails_the_transfer_and_touches_only_reserved_blocks(node: Receiver) -> None:
     src = make_pool(node.pool.dtype, seed=4)
-    node.reservations["r"] = Reservation(0, (6,), ())  # 1 block x 4 layers = 4 units, 2 per chunk
+    node.reservations["r"] = Reservation(0, (6,), (), TOKEN)  # 1 block x 4 layers = 4 units, 2 per chunk
     others = [b for b in range(node.pool.shape[1]) if b != 6]
     with socket.create_connection(("127.0.0.1", node.data.port), timeout=10) as sock:
         sock.sendall(_stream(src, [6], [3], bad_seq=0))
@@ -190,7 +190,7 @@ def test_garbage_closes_only_its_connection(node: Receiver, sender) -> None:
         while more := sock.recv(1 << 16):  # an error reply, then the close
             data += more
     assert kv_pb2.KVStreamReply.FromString(data[4:]).error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    node.reservations["r"] = Reservation(0, (2,), ())
+    node.reservations["r"] = Reservation(0, (2,), (), TOKEN)
     push(sender, node, make_pool(node.pool.dtype, seed=5), "r", [1], [2])
     assert node.received
 
@@ -217,7 +217,7 @@ def test_shm_endpoint_that_cannot_map_is_not_tried_again() -> None:
     endpoint = shm_endpoint(f"127.0.0.1:{listener.getsockname()[1]}")
     sender = ShmKVSender()
     blocks = dict(request_id="r", fingerprint=FP, src_block_ids=[1], block_hashes=[], num_tokens=2,
-                  dest_block_ids=[4], timeout=10)
+                  dest_block_ids=[4], token=TOKEN, timeout=10)
     try:
         for _ in range(2):
             with pytest.raises(TransferError) as err:
@@ -240,7 +240,7 @@ def test_a_stalled_sender_ends_its_push() -> None:
                             on_outcome=lambda ok, nbytes, s: node.outcomes.append(ok), stall_timeout_s=0.2)
     port = node.data.start()
     try:
-        node.reservations["r"] = Reservation(0, (6,), ())
+        node.reservations["r"] = Reservation(0, (6,), (), TOKEN)
         stream = _stream(make_pool(node.pool.dtype, seed=9), [6], [3])
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.sendall(stream[: len(stream) // 2])  # then nothing: the sender hangs
@@ -267,8 +267,8 @@ class _Broken:
 def test_fallback_order_and_what_falls_back(node: Receiver) -> None:
     src = make_pool(node.pool.dtype, seed=6)
     blocks = dict(request_id="r", fingerprint=FP, src_block_ids=[1], block_hashes=[], num_tokens=2,
-                  dest_block_ids=[4], timeout=10)
-    node.reservations["r"] = Reservation(0, (4,), ())
+                  dest_block_ids=[4], token=TOKEN, timeout=10)
+    node.reservations["r"] = Reservation(0, (4,), (), TOKEN)
     real = FallbackKVSender([TcpKVSender()], GrpcKVSender())
     try:
         assert real.push(node.address, src, endpoints=[node.endpoint], **blocks).transport == "tcp"
@@ -296,12 +296,13 @@ def test_shm_round_trip_bit_exact_and_buffer_growth(node: Receiver) -> None:
     src = make_pool(node.pool.dtype, seed=7)
     sender = ShmKVSender(chunk_bytes=700)  # several chunks, each its own region of the buffer
     try:
-        node.reservations["a"] = Reservation(0, (5, 0, 11), (1, 2))
+        node.reservations["a"] = Reservation(0, (5, 0, 11), (1, 2), TOKEN)
         sender.push(endpoint, src, request_id="a", fingerprint=FP, src_block_ids=[7, 2, 9], block_hashes=[1, 2],
-                    num_tokens=3 * BLOCK_SIZE - 2, dest_block_ids=[5, 0, 11], layers=range(1, 4), timeout=10)
-        node.reservations["b"] = Reservation(0, (3,), ())
+                    num_tokens=3 * BLOCK_SIZE - 2, dest_block_ids=[5, 0, 11], token=TOKEN, layers=range(1, 4),
+                    timeout=10)
+        node.reservations["b"] = Reservation(0, (3,), (), TOKEN)
         sender.push(endpoint, src, request_id="b", fingerprint=FP, src_block_ids=[1], block_hashes=[],
-                    num_tokens=2, dest_block_ids=[3], timeout=10)
+                    num_tokens=2, dest_block_ids=[3], token=TOKEN, timeout=10)
     finally:
         sender.close()
     expected = node.before.clone()
@@ -314,9 +315,9 @@ def test_shm_round_trip_bit_exact_and_buffer_growth(node: Receiver) -> None:
 
 def test_shm_is_skipped_for_another_host_and_refused_paths(node: Receiver) -> None:
     src = make_pool(node.pool.dtype, seed=8)
-    node.reservations["r"] = Reservation(0, (4,), ())
+    node.reservations["r"] = Reservation(0, (4,), (), TOKEN)
     blocks = dict(request_id="r", fingerprint=FP, src_block_ids=[1], block_hashes=[], num_tokens=2,
-                  dest_block_ids=[4], timeout=10)
+                  dest_block_ids=[4], token=TOKEN, timeout=10)
     other_host = f"shm://not-this-boot/127.0.0.1:{node.data.port}"
     sender = FallbackKVSender([ShmKVSender(), TcpKVSender()], GrpcKVSender())
     try:
@@ -326,15 +327,69 @@ def test_shm_is_skipped_for_another_host_and_refused_paths(node: Receiver) -> No
     assert got.transport == "tcp" and node.data.connections_accepted == 1  # shm never dialled
     with socket.create_connection(("127.0.0.1", node.data.port), timeout=10) as sock:
         for path in ("/etc/passwd", "/dev/shm/../etc/pdserve-kv-1", "/dev/shm/pdserve-kv-nothere"):
-            sock.sendall(frame(kv_pb2.KVBlockMessage(attach=kv_pb2.KVAttach(path=path, size=4096))))
+            attach = kv_pb2.KVAttach(path=path, size=4096, request_id="r", token=TOKEN)  # authenticated
+            sock.sendall(frame(kv_pb2.KVBlockMessage(attach=attach)))
             assert _reply(sock).WhichOneof("kind") == "error"
         unit = PoolLayout.of(src).block_bytes
         chunk = kv_pb2.KVChunk(seq=0, raw_bytes=unit, checksum=0, shm_offset=0)  # nothing attached
         header = build_header(request_id="r", fingerprint=FP, layout=PoolLayout.of(src), dest_block_ids=[4],
-                              block_hashes=[], num_tokens=2, layers=range(SHAPE[0]))
+                              block_hashes=[], num_tokens=2, layers=range(SHAPE[0]), token=TOKEN)
         sock.sendall(frame(kv_pb2.KVBlockMessage(header=header)) + frame(kv_pb2.KVBlockMessage(chunk=chunk)))
         assert "shm_offset" in _reply(sock).error.message
     assert torch.equal(node.pool[:, 4], src[:, 1]) and len(node.received) == 1
+
+
+def _mapped(path: str) -> bool:
+    """Whether this process (the receiver runs in it) has ``path`` mapped."""
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip().endswith((path, f"{path} (deleted)")) for line in f)
+
+
+def test_a_peer_without_the_token_writes_nothing_and_maps_nothing(node: Receiver) -> None:
+    """A peer that knows the request id but not its reservation's token: refused over tcp
+    (UNAUTHENTICATED without one, PERMISSION_DENIED with another) and over shm, where the
+    receiver opens no file for it; the pool is untouched. The right token then goes through
+    on both, over the same endpoints."""
+    src = make_pool(node.pool.dtype, seed=10)
+    node.reservations["r"] = Reservation(0, (4,), (), TOKEN)
+    blocks = dict(request_id="r", fingerprint=FP, src_block_ids=[1], block_hashes=[], num_tokens=2,
+                  dest_block_ids=[4], timeout=10)
+    shm_ep = shm_endpoint(f"127.0.0.1:{node.data.port}")
+    tcp, shm = TcpKVSender(), ShmKVSender()
+    try:
+        for sender, endpoint in ((tcp, node.endpoint), (shm, shm_ep)):
+            for token, code in ((b"", grpc.StatusCode.UNAUTHENTICATED), (new_token(), grpc.StatusCode.PERMISSION_DENIED)):
+                with pytest.raises(TransferError) as err:
+                    sender.push(endpoint, src, token=token, **blocks)
+                assert err.value.code == code, (endpoint, err.value)
+                assert TOKEN.hex() not in err.value.details and repr(TOKEN) not in err.value.details
+        assert node.unchanged() and not node.in_flight
+
+        # A hand-made attach naming a real buffer file: refused before the file is opened.
+        path = f"/dev/shm/{buffer_prefix()}tokentest"
+        with open(path, "wb") as f:
+            f.truncate(4096)
+        try:
+            with socket.create_connection(("127.0.0.1", node.data.port), timeout=10) as sock:
+                attach = kv_pb2.KVAttach(path=path, size=4096, request_id="r", token=new_token())
+                sock.sendall(frame(kv_pb2.KVBlockMessage(attach=attach)))
+                assert _reply(sock).error.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+                assert sock.recv(1) == b""  # and the connection is closed
+            assert not _mapped(path)
+            with socket.create_connection(("127.0.0.1", node.data.port), timeout=10) as sock:
+                attach = kv_pb2.KVAttach(path=path, size=4096, request_id="r", token=TOKEN)
+                sock.sendall(frame(kv_pb2.KVBlockMessage(attach=attach)))
+                assert _reply(sock).WhichOneof("kind") == "ok"
+                assert wait_for(lambda: _mapped(path), timeout=5)  # the control: an attach does map
+        finally:
+            os.unlink(path)
+
+        assert tcp.push(node.endpoint, src, token=TOKEN, **blocks).blocks_written == 1
+        assert shm.push(shm_ep, src, token=TOKEN, **blocks).blocks_written == 1  # not given up on
+    finally:
+        tcp.close()
+        shm.close()
+    assert torch.equal(node.pool[:, 4], src[:, 1]) and len(node.received) == 2
 
 
 # ---- live nodes: a tiny model on in-process prefill and decode servers (tests/test_nodes.py's Cluster)
@@ -396,7 +451,7 @@ def test_partial_transfer_blocks_are_freed(tiny_dir, cluster) -> None:
         header = build_header(
             request_id=rid, fingerprint=cluster.fp, layout=layout, dest_block_ids=list(res.block_ids),
             block_hashes=cluster.hashes(prompt), num_tokens=len(prompt), layers=range(layout.num_layers),
-            checksum_algorithm=kv_pb2.CHECKSUM_ALGORITHM_XXH3_64)
+            token=res.token, checksum_algorithm=kv_pb2.CHECKSUM_ALGORITHM_XXH3_64)
         units = payload_units(src, list(range(len(res.block_ids))), range(layout.num_layers))
         data = b"".join(u.tobytes() for u in units[: len(units) // 2])
         c = new_checksum(header.checksum_algorithm)

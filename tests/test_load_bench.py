@@ -18,3 +18,16 @@ def test_load_bench_smoke_reports_every_figure_and_leaks_nothing():
     # reaches a concurrency the warm-up did not: bounded by the streams, where a leak per
     # request (hundreds here) is not. The soak run reports the exact figure.
     assert out["leaked_fds"] < 16
+
+
+def test_load_bench_http_smoke_answers_every_request_within_the_bound():
+    """`--http`: a router process of its own at twice its admitted requests, maximum-size
+    bodies, for a few seconds: every request answered, none lost, the RSS figures there."""
+    out = run_bench("load", "--http", "--overload", "2", "--max-inflight", "1", "--seconds", "3",
+                    "--request-timeout", "60", "--prefill-nodes", "0")
+    assert out["admitted"] == 66 and out["clients"] == 132
+    assert out["errors"] == 0, out["error_samples"]
+    assert out["answered"] == out["requests"] == out["done"] + out["rejected_429"] + out["too_large_413"]
+    assert out["too_large_413"] > 0 and out["router_refusals"]["body_too_large"] >= out["too_large_413"]
+    assert out["body_bytes"] == 1_261_568  # SmolLM2's context: 8192 tokens
+    assert out["router_rss_idle_mb"] > 0 and out["within_bound"]

@@ -188,7 +188,8 @@ def test_a_refused_transfer_counts_on_both_sides(pair):
     prompt = list(range(30, 53))
     res = pair.reserve("bad", prompt)
     wrong = kv_pb2.ReserveBlocksResponse(num_cached_blocks=res.num_cached_blocks,
-                                         block_ids=list(reversed(res.block_ids)), lease_s=res.lease_s)
+                                         block_ids=list(reversed(res.block_ids)), lease_s=res.lease_s,
+                                         token=res.token)
     with pytest.raises(grpc.RpcError) as err:
         pair.prefill_rpc("bad", prompt, wrong)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -223,7 +224,8 @@ def test_refused_transfers_are_warned_once_then_counted(pair, monkeypatch, caplo
         prompt = list(range(30, 53))
         res = pair.reserve(rid, prompt)
         wrong = kv_pb2.ReserveBlocksResponse(num_cached_blocks=res.num_cached_blocks,
-                                             block_ids=list(reversed(res.block_ids)), lease_s=res.lease_s)
+                                             block_ids=list(reversed(res.block_ids)), lease_s=res.lease_s,
+                                             token=res.token)
         with pytest.raises(grpc.RpcError) as err:
             pair.prefill_rpc(rid, prompt, wrong)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -110,25 +110,25 @@ def test_fold_kv_events_keeps_the_last_word_per_block():
 def test_reservation_table_defers_release_until_the_push_ends():
     now = [0.0]
     table = ReservationTable(num_layers=2, lease_s=1.0, clock=lambda: now[0])
-    table.add("r", Reservation(1, (7, 8), (99,)), (1, 2, 3))
+    table.add("r", Reservation(1, (7, 8), (99,), b"token"), (1, 2, 3))
     with pytest.raises(NotReadyError):
         table.take("r", (1, 2, 3))
     assert table.begin_push("r")
     assert table.drop("r") == (True, False)  # push in flight: blocks stay reserved
     assert table.get("r") is None  # but no new push is accepted
     assert table.end_push("r") is True  # now the caller releases them
-    table.add("r", Reservation(1, (7, 8), (99,)), (1, 2, 3))
+    table.add("r", Reservation(1, (7, 8), (99,), b"token"), (1, 2, 3))
     assert table.begin_push("r")
     table.received("r", range(0, 2))
     assert table.end_push("r") is False
     with pytest.raises(ValueError):
         table.take("r", (1, 2, 4))
-    assert table.take("r", (1, 2, 3)) == Reservation(1, (7, 8), (99,))
-    table.add("late", Reservation(0, (1,), ()), (5,))
+    assert table.take("r", (1, 2, 3)) == Reservation(1, (7, 8), (99,), b"token")
+    table.add("late", Reservation(0, (1,), (), b"token"), (5,))
     now[0] = 2.0
     assert table.expire() == ["late"] and len(table) == 0
     # Renewing restarts the lease of a waiting reservation, and of nothing else.
-    table.add("queued", Reservation(0, (1,), ()), (5,))
+    table.add("queued", Reservation(0, (1,), (), b"token"), (5,))
     now[0] = 2.9
     assert table.renew("queued") and not table.renew("late")
     now[0] = 3.5
@@ -216,12 +216,18 @@ def test_corrupted_push_is_rejected_and_decode_recomputes(tiny_dir, cluster):
     pool = cluster.decode.engine.kv_cache
     before = pool.clone()
     src = torch.randn_like(pool)
+    blocks = dict(request_id="bad", src_block_ids=list(range(math.ceil(len(prompt) / BS))),
+                  block_hashes=cluster.hashes(prompt), num_tokens=len(prompt), dest_block_ids=list(res.block_ids),
+                  skip_leading_blocks=res.num_cached_blocks, timeout=10)
+    assert len(res.token) >= 16  # the reservation's own secret (kv_transfer/validate.py, check_token)
     with grpc.insecure_channel(cluster.decode.address, options=KV_GRPC_OPTIONS) as ch:
+        # A peer that knows the request id, not the token: refused before anything else.
+        for token, code in ((b"", grpc.StatusCode.UNAUTHENTICATED), (bytes(16), grpc.StatusCode.PERMISSION_DENIED)):
+            with pytest.raises(grpc.RpcError) as err:
+                push_blocks(ch, src, fingerprint=cluster.fp, token=token, **blocks)
+            assert err.value.code() == code, err.value.details()
         with pytest.raises(grpc.RpcError) as err:
-            push_blocks(ch, src, request_id="bad", fingerprint="not-this-model",
-                        src_block_ids=list(range(math.ceil(len(prompt) / BS))), block_hashes=cluster.hashes(prompt),
-                        num_tokens=len(prompt), dest_block_ids=list(res.block_ids),
-                        skip_leading_blocks=res.num_cached_blocks, timeout=10)
+            push_blocks(ch, src, fingerprint="not-this-model", token=res.token, **blocks)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "model_fingerprint" in err.value.details()
     assert torch.equal(pool, before)  # nothing written
@@ -239,7 +245,8 @@ def test_prefill_reports_a_refused_transfer_and_releases_its_blocks(cluster):
     prompt = list(range(60, 83))
     res = cluster.reserve("r", prompt)
     wrong = kv_pb2.ReserveBlocksResponse(num_cached_blocks=res.num_cached_blocks,
-                                         block_ids=list(reversed(res.block_ids)), lease_s=res.lease_s)
+                                         block_ids=list(reversed(res.block_ids)), lease_s=res.lease_s,
+                                         token=res.token)
     with pytest.raises(grpc.RpcError) as err:
         cluster.prefill_rpc("r", prompt, GREEDY, wrong)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

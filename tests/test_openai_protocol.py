@@ -9,7 +9,8 @@ from pydantic import ValidationError
 
 from protos.pdserve.v1 import serving_pb2 as pb
 from router import openai_protocol as oai
-from router.http_server import ErrorResponse
+from router import openai_responses as oresp
+from router.http_errors import ErrorResponse
 from router.request_metrics import StreamObserver
 from telemetry.metrics import RequestMetrics, RouterMetrics
 
@@ -98,7 +99,7 @@ def _complete(index, reason, prompt=5, completion=2, cached=3):
 
 
 def test_chat_stream_order_usage_and_logprobs():
-    s = oai.ChatStream("r", "m", want_logprobs=True, include_usage=True, token_text=tok)
+    s = oresp.ChatStream("r", "m", want_logprobs=True, include_usage=True, token_text=tok)
     out = []
     for resp in (_chunk(0, [1], "Hel", [-0.5]), _chunk(1, [2], "Yo", [-0.1]), _chunk(0, [3], "lo", [-0.2]),
                  _complete(0, pb.FINISH_REASON_STOP), _complete(1, pb.FINISH_REASON_LENGTH, completion=1)):
@@ -112,12 +113,12 @@ def test_chat_stream_order_usage_and_logprobs():
     assert all(o["usage"] is None for o in out)
     assert s.usage_chunk()["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
                                         "prompt_tokens_details": {"cached_tokens": 3}}
-    whole = oai.chat_completion_json("r", "m", s.collected, False, tok)
+    whole = oresp.chat_completion_json("r", "m", s.collected, False, tok)
     assert [c["message"]["content"] for c in whole["choices"]] == ["Hello", "Yo"]
 
 
 def test_completion_logprobs_offsets_and_batched_indexes():
-    e = oai.CompletionStream("r", "m", prompt_index=1, n=2, want_logprobs=True, include_usage=False, token_text=tok)
+    e = oresp.CompletionStream("r", "m", prompt_index=1, n=2, want_logprobs=True, include_usage=False, token_text=tok)
     a = e.feed(_chunk(0, [1, 2], "ab", [-1.0, -2.0]))[0]["choices"][0]
     b = e.feed(_chunk(0, [3], "c", [-3.0]))[0]["choices"][0]
     assert a["index"] == 2  # prompt 1, sample 0, n=2

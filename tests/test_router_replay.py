@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from deploy.bench import Reporter, load
+from deploy.bench import Reporter, benchmark_module
 from router.cost_model import CostBook, PrefillCost
 from router.node_view import PrefillLedger
 from router.placement import Placement, PlacementPolicy, TtftPolicy
@@ -159,7 +159,7 @@ def test_trace_loaders():
 
 
 def _run(redis_url, trace, n, *extra):
-    mod = load("router")
+    mod = benchmark_module("router")
     p = argparse.ArgumentParser()
     mod.add_arguments(p)
     argv = ["--trace", trace, "--max-requests", str(n), "--redis-url", redis_url, *extra]
@@ -187,7 +187,7 @@ def test_replay_conversation_slice_every_policy(redis_url):
     # prefix-aware placement finds the conversations' prefixes; round robin mostly misses them
     assert pol["pdserve"]["hit_ratio"] > 2 * pol["round_robin"]["hit_ratio"]
     assert pol["pdserve"]["index_exact_fraction"] >= 0.95
-    assert pol["pdserve"]["constant"] == load("router").constants("pdserve")
+    assert pol["pdserve"]["constant"] == benchmark_module("router").constants("pdserve")
 
 
 @needs_traces

@@ -46,3 +46,26 @@ def test_bad_values_stop_before_anything_starts(argv, capsys):
         cluster_config_from_args(parse_up(*argv))
     assert cmd_up(parse_up(*argv)) == 2  # reported, nothing started
     assert "error:" in capsys.readouterr().err
+
+
+def test_the_ready_line_says_where_the_dashboards_token_is(tmp_path):
+    """Ray's token auth stays on, so the dashboard of the ready line asks for a token: the line
+    names where it is (never the token), as Ray looks for it, after the fields scripts parse."""
+    from types import SimpleNamespace
+
+    from deploy.launcher import dashboard_login, ready_line
+
+    home = tmp_path
+    assert dashboard_login({"RAY_AUTH_MODE": "token"}, home) == str(home / ".ray" / "auth_token")
+    assert dashboard_login({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "/etc/t"}, home) == "/etc/t"
+    assert dashboard_login({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "s3cret"}, home) == "$RAY_AUTH_TOKEN"
+    assert dashboard_login({"RAY_AUTH_MODE": "disabled"}, home) is None and dashboard_login({}, home) is None
+
+    cluster = SimpleNamespace(address="127.0.0.1:50051", http_address="127.0.0.1:8000",
+                              dashboard_url="http://127.0.0.1:8265", tls=SimpleNamespace(ca_file="/tmp/x/ca.pem"))
+    line = ready_line(cluster, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "s3cret"}, home)
+    assert line.startswith("pdserve ready grpc=127.0.0.1:50051 http=127.0.0.1:8000 dashboard=http://127.0.0.1:8265 "
+                           "tls_ca=/tmp/x/ca.pem")
+    fields = dict(f.split("=", 1) for f in line.split()[2:])
+    assert fields["dashboard_token"] == "$RAY_AUTH_TOKEN" and "s3cret" not in line
+    assert "dashboard_token" not in ready_line(cluster, {"RAY_AUTH_MODE": "disabled"}, home)

@@ -26,10 +26,13 @@ BENCHMARKS: dict[str, str] = {
     "verify-cost": "verify_cost",
     "serve": "serve",
     "load": "load",
+    "redis-hang": "redis_hang",
 }
 
 
-def load(name: str):
+def benchmark_module(name: str):
+    """The module behind `pdserve bench NAME` (named so that importing `deploy.bench.load`, the
+    load benchmark, cannot shadow it as a package attribute)."""
     if name not in BENCHMARKS:
         known = ", ".join(sorted(BENCHMARKS))
         raise SystemExit(f"unknown benchmark {name!r}; known: {known}")

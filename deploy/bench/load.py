@@ -3,6 +3,8 @@ while, then what it left behind.
 
     pdserve bench load --json                       # 256 streams for 60 s (the defaults)
     pdserve bench load --streams 16 --seconds 5     # smoke run
+    pdserve bench load --http --overload 10 --json  # the HTTP front at 10x its admitted requests,
+                                                    # maximum-size bodies (deploy/bench/load_http.py)
 
 The cluster is `pdserve up`'s parts (Redis, a local Ray, node actors, the router in this
 process) on loopback, serving a tiny random-weight Llama with the SmolLM2 tokenizer (the point
@@ -42,8 +44,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from deploy.bench import load_http
+
 # Files of a tokenizer directory the router and decode nodes read.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                    "chat_template.jinja")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--settle-s", type=float, default=30.0,
                    help="after the load, how long to wait for the nodes to go idle before counting leaks")
     p.add_argument("--seed", type=int, default=0)
+    load_http.add_arguments(p)
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -67,14 +73,14 @@ def _range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def tiny_model_with_tokenizer(tmp: Path) -> Path:
+def tiny_model_with_tokenizer(tmp: Path, max_position_embeddings: int = 1024) -> Path:
     """A tiny random Llama with SmolLM2's vocabulary, its tokenizer files beside it."""
     from engine.models.builtin import resolve_builtin
     from engine.models.tiny import save_tiny_model
 
     tok_dir = resolve_builtin("smollm2-135m")
     model_dir = save_tiny_model(tmp / "tiny-llama-smollm2-vocab", arch="llama", seed=0, vocab_size=49152,
-                                max_position_embeddings=1024)
+                                max_position_embeddings=max_position_embeddings)
     for name in _TOKENIZER_FILES:
         if (tok_dir / name).exists():
             shutil.copy(tok_dir / name, model_dir / name)
@@ -210,8 +216,14 @@ def run(args: argparse.Namespace, report) -> dict:
         import psutil  # noqa: F401 - Resources needs it
     except ImportError:
         raise SystemExit("pdserve bench load needs psutil (pip install psutil)") from None
-    if args.streams < 1 or args.seconds <= 0:
-        raise SystemExit("--streams must be >= 1 and --seconds > 0")
+    if args.seconds <= 0:
+        raise SystemExit("--seconds must be > 0")
+    if args.http:
+        if args.overload <= 0 or args.max_inflight < 1:
+            raise SystemExit("--overload must be > 0 and --max-inflight >= 1")
+        return load_http.run(args, report)
+    if args.streams < 1:
+        raise SystemExit("--streams must be >= 1")
     with tempfile.TemporaryDirectory(prefix="pdserve-load-") as tmp:
         report.progress("building the tiny model")
         model = tiny_model_with_tokenizer(Path(tmp))

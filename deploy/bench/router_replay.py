@@ -32,6 +32,7 @@ import redis
 
 from deploy.bench.plotting import figure
 from deploy.redis_server import RedisServer
+from kv_index.client import RedisTimeouts, redis_client
 from kv_index.nodes import NodeInfo
 from kv_index.publisher import NodePublisher
 from kv_index.reader import IndexReader
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace, report) -> dict:
     if url is None:
         server = RedisServer().start()
         url = server.url
-    client = redis.Redis.from_url(url)
+    client = redis_client(url, RedisTimeouts(reply_s=30.0))  # bulk deletes of a whole replay's keys
     try:
         def replay(name: str, override: dict | None = None) -> PolicyResult:
             t0 = time.perf_counter()

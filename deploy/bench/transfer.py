@@ -65,6 +65,7 @@ from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, push_blocks
 from kv_transfer.layout import PoolLayout
 from kv_transfer.shm_transport import ShmKVSender, shm_endpoint
 from kv_transfer.tcp_transport import TcpKVSender
+from kv_transfer.validate import new_token
 from kv_transfer.wire import build_header, iter_wire_messages, payload_units
 from protos.pdserve.v1 import kv_pb2
 
@@ -208,14 +209,15 @@ def run(args: argparse.Namespace, report) -> dict:
         dst_ids = torch.randperm(num_blocks, generator=gen)[:n].tolist()
         hashes = list(range(1, n + 1))
         rid = f"bench-{n}-{next(count)}"
-        receiver.ask(reserve=rid, first=0, dest=dst_ids, hashes=hashes)
+        token = new_token()
+        receiver.ask(reserve=rid, first=0, dest=dst_ids, hashes=hashes, token=token.hex())
         blocks = dict(request_id=rid, fingerprint=FINGERPRINT, src_block_ids=src_ids, block_hashes=hashes,
-                      num_tokens=n * BLOCK_SIZE, dest_block_ids=dst_ids, checksum_algorithm=algorithm)
+                      num_tokens=n * BLOCK_SIZE, dest_block_ids=dst_ids, token=token, checksum_algorithm=algorithm)
         payload = b"".join(payload_units(src_pool, src_ids, range(NUM_LAYERS)))
         staging = np.empty(len(payload), dtype=np.uint8)
         header = build_header(request_id=rid, fingerprint=FINGERPRINT, layout=PoolLayout.of(src_pool),
                               dest_block_ids=dst_ids, block_hashes=hashes, num_tokens=n * BLOCK_SIZE,
-                              layers=range(NUM_LAYERS), checksum_algorithm=algorithm)
+                              layers=range(NUM_LAYERS), checksum_algorithm=algorithm, token=token)
         serialized = list(iter_wire_messages(header, payload_units(src_pool, src_ids, range(NUM_LAYERS))))
         return {
             "src_ids": src_ids, "dst_ids": dst_ids, "bytes": len(payload),

@@ -100,7 +100,8 @@ def main() -> None:
     for line in sys.stdin:
         cmd = json.loads(line)
         if "reserve" in cmd:
-            reservations[cmd["reserve"]] = Reservation(cmd["first"], tuple(cmd["dest"]), tuple(cmd["hashes"]))
+            reservations[cmd["reserve"]] = Reservation(cmd["first"], tuple(cmd["dest"]), tuple(cmd["hashes"]),
+                                                       bytes.fromhex(cmd["token"]))
             out = {"ok": True}
         else:
             blocks = pool[:, cmd["digest"]].contiguous()

@@ -174,6 +174,7 @@ model volume: include with (dict "ctx" $ "tokenizerOnly" true). None for a PVC. 
     {{- end }}
     {{- end }}
   volumeMounts:
+    {{- include "pdserve.scratchMounts" .ctx | nindent 4 }}
     {{- include "pdserve.modelMounts" .ctx | nindent 4 }}
   securityContext:
     {{- include "pdserve.containerSecurity" .ctx | nindent 4 }}
@@ -196,8 +197,28 @@ seccompProfile:
 
 {{- define "pdserve.containerSecurity" -}}
 allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
 capabilities:
   drop: ["ALL"]
+{{- end }}
+
+{{/* With a read-only root filesystem, what pdserve, Ray, Python and gcc write goes to emptyDirs:
+/tmp (Ray's session under /tmp/ray, compiler and tempfile scratch) and the home directory
+(~/.cache, ~/.ray). The model cache (/cache) and /models are modelVolumes. */}}
+{{- define "pdserve.homeDir" -}}/home/pdserve{{- end }}
+
+{{- define "pdserve.scratchVolumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: home
+  emptyDir: {}
+{{- end }}
+
+{{- define "pdserve.scratchMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: home
+  mountPath: {{ include "pdserve.homeDir" . }}
 {{- end }}
 
 {{/* `pdserve nodes` engine flags, from .Values.engine (one to one with `pdserve up`'s). */}}
@@ -288,11 +309,43 @@ exec:
 timeoutSeconds: 6
 {{- end }}
 
+{{/* The Secret with tls.crt, tls.key and ca.crt: the operator's (tls.secretName), else the
+chart's own, which cert-manager or the secrets hook fills (pdserve.tlsProvider). */}}
+{{- define "pdserve.tlsSecretName" -}}
+{{- default (printf "%s-tls" (include "pdserve.fullname" .)) .Values.tls.secretName }}
+{{- end }}
+
+{{/* Who makes the chart's TLS Secret: "" (TLS off, or tls.secretName given: nobody),
+"certManager" (Certificates of a release CA) or "generated" (the secrets hook). `auto` takes
+cert-manager when its API is installed; `helm template` without --api-versions sees none. */}}
+{{- define "pdserve.tlsProvider" -}}
+{{- $t := .Values.tls }}
+{{- if and $t.enabled (not $t.secretName) }}
+{{- if eq $t.provider "auto" }}
+{{- if .Capabilities.APIVersions.Has "cert-manager.io/v1" }}certManager{{ else }}generated{{ end }}
+{{- else }}
+{{- $t.provider }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The names every member's certificate carries: the one members verify each other
+against, the router's Service (in-cluster clients) and loopback (port-forward, probes). */}}
+{{- define "pdserve.tlsDnsNames" -}}
+{{- $svc := include "pdserve.routerName" . }}
+- {{ .Values.tls.serverName | quote }}
+- {{ $svc | quote }}
+- {{ printf "%s.%s" $svc .Release.Namespace | quote }}
+- {{ printf "%s.%s.svc" $svc .Release.Namespace | quote }}
+- {{ printf "%s.%s.svc.cluster.local" $svc .Release.Namespace | quote }}
+- "localhost"
+{{- end }}
+
 {{- define "pdserve.tlsVolumes" -}}
 {{- if .Values.tls.enabled }}
 - name: pdserve-tls
   secret:
-    secretName: {{ required "tls.secretName is required when tls.enabled" .Values.tls.secretName }}
+    secretName: {{ include "pdserve.tlsSecretName" . }}
     defaultMode: 0440  # group-readable: fsGroup makes the pod user its group
 {{- end }}
 {{- end }}
@@ -305,13 +358,60 @@ timeoutSeconds: 6
 {{- end }}
 {{- end }}
 
+{{/* The Secret holding the router's API keys: the operator's (apiKey.name), else the one the
+secrets hook makes at install. */}}
+{{- define "pdserve.apiKeySecretName" -}}
+{{- default (printf "%s-api-key" (include "pdserve.fullname" .)) .Values.apiKey.name }}
+{{- end }}
+
 {{/* The router's API keys, from their Secret (never a value or an argument). */}}
 {{- define "pdserve.apiKeyEnv" -}}
-{{- if .Values.apiKey.name }}
+{{- if .Values.apiKey.enabled }}
 - name: PDSERVE_API_KEY
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.apiKey.name }}
+      name: {{ include "pdserve.apiKeySecretName" . }}
       key: {{ .Values.apiKey.key }}
+{{- end }}
+{{- end }}
+
+{{/* The Secrets the pre-install/pre-upgrade hook creates when absent
+(templates/secrets-hook.yaml), by kind: a YAML mapping, empty when there is nothing to create.
+An operator's existing Secret is never one. */}}
+{{- define "pdserve.hookSecrets" -}}
+{{- if and (eq .Values.redis.mode "builtin") (not .Values.redis.builtin.existingSecret) }}
+redis: {{ include "pdserve.redisName" . }}
+{{- end }}
+{{- if and .Values.apiKey.enabled (not .Values.apiKey.name) }}
+apiKey: {{ include "pdserve.apiKeySecretName" . }}
+{{- end }}
+{{- if eq (include "pdserve.tlsProvider" .) "generated" }}
+tls: {{ include "pdserve.tlsSecretName" . }}
+{{- end }}
+{{- end }}
+
+{{/* Where KubeRay's GCS fault tolerance finds the release's Redis: host:port, with rediss://
+kept for TLS (Ray reads that prefix); "" when off. */}}
+{{- define "pdserve.gcsRedisAddress" -}}
+{{- if .Values.ray.gcsFaultTolerance.enabled }}
+{{- if eq .Values.redis.mode "builtin" }}
+{{- printf "%s:6379" (include "pdserve.redisName" .) }}
+{{- else }}
+{{- $u := urlParse (include "pdserve.redisUrl" .) }}
+{{- $host := ternary $u.host (printf "%s:6379" $u.host) (contains ":" $u.host) }}
+{{- if eq $u.scheme "rediss" }}{{ printf "rediss://%s" $host }}{{ else }}{{ $host }}{{ end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The private CA of an external rediss:// Redis (the URL's ssl_ca_certs, a file under the
+mounted TLS Secret) for Ray's GCS, which reads it from RAY_REDIS_CA_CERT. */}}
+{{- define "pdserve.gcsRedisEnv" -}}
+{{- if and .Values.ray.gcsFaultTolerance.enabled (eq .Values.redis.mode "external") }}
+{{- $ca := regexFind "ssl_ca_certs=[^&]*" (urlParse (include "pdserve.redisUrl" .)).query | trimPrefix "ssl_ca_certs=" }}
+{{- with $ca }}
+- name: RAY_REDIS_CA_CERT
+  value: {{ . | quote }}
+{{- end }}
 {{- end }}
 {{- end }}

@@ -29,20 +29,22 @@ CHECKSUM_ALGORITHM_CRC32: ChecksumAlgorithm
 CHECKSUM_ALGORITHM_XXH3_64: ChecksumAlgorithm
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token_ids", "cached_prompt_tokens", "resumed_output_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token_ids", "cached_prompt_tokens", "resumed_output_tokens", "heartbeat_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _serving_pb2.SamplingParams
     first_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cached_prompt_tokens: int
     resumed_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., cached_prompt_tokens: _Optional[int] = ..., resumed_output_tokens: _Optional[int] = ...) -> None: ...
+    heartbeat_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., cached_prompt_tokens: _Optional[int] = ..., resumed_output_tokens: _Optional[int] = ..., heartbeat_s: _Optional[float] = ...) -> None: ...
 
 class KVBlockMessage(_message.Message):
     __slots__ = ("header", "chunk", "trailer", "attach")
@@ -57,15 +59,19 @@ class KVBlockMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., trailer: _Optional[_Union[KVTrailer, _Mapping]] = ..., attach: _Optional[_Union[KVAttach, _Mapping]] = ...) -> None: ...
 
 class KVAttach(_message.Message):
-    __slots__ = ("path", "size")
+    __slots__ = ("path", "size", "request_id", "token")
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     path: str
     size: int
-    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+    request_id: str
+    token: bytes
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., request_id: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("request_id", "model_fingerprint", "block_size", "num_layers", "layer_start", "layer_count", "dtype", "block_shape", "first_block_index", "dest_block_ids", "block_hashes", "num_tokens", "payload_bytes", "checksum_algorithm")
+    __slots__ = ("request_id", "model_fingerprint", "block_size", "num_layers", "layer_start", "layer_count", "dtype", "block_shape", "first_block_index", "dest_block_ids", "block_hashes", "num_tokens", "payload_bytes", "checksum_algorithm", "token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +86,7 @@ class KVHeader(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_fingerprint: str
     block_size: int
@@ -94,7 +101,8 @@ class KVHeader(_message.Message):
     num_tokens: int
     payload_bytes: int
     checksum_algorithm: ChecksumAlgorithm
-    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_count: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., block_shape: _Optional[_Iterable[int]] = ..., first_block_index: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ...) -> None: ...
+    token: bytes
+    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_count: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., block_shape: _Optional[_Iterable[int]] = ..., first_block_index: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("seq", "data", "raw_bytes", "checksum", "shm_offset")
@@ -157,16 +165,18 @@ class ReserveBlocksRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveBlocksResponse(_message.Message):
-    __slots__ = ("num_cached_blocks", "block_ids", "lease_s", "kv_endpoints")
+    __slots__ = ("num_cached_blocks", "block_ids", "lease_s", "kv_endpoints", "token")
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     num_cached_blocks: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     lease_s: float
     kv_endpoints: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_cached_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., kv_endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
+    token: bytes
+    def __init__(self, num_cached_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., kv_endpoints: _Optional[_Iterable[str]] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseReservationRequest(_message.Message):
     __slots__ = ("request_id",)

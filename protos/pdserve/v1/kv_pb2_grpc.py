@@ -71,7 +71,8 @@ class KVTransferServicer:
         checksum before writing a byte into its pool: a stream is written whole or not at all.
         Errors: INVALID_ARGUMENT (header does not match the pool or the reservation, out-of-order
         or oversize chunks), DATA_LOSS (checksum mismatch, stream ended early), NOT_FOUND (no
-        reservation for the request).
+        reservation for the request), UNAUTHENTICATED / PERMISSION_DENIED (no token, or not the
+        reservation's: KVHeader.token).
         The streamed element is one of header / chunk / trailer, not a "request", hence its name:
         buf:lint:ignore RPC_REQUEST_STANDARD_NAME
         """

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/serving.proto\x12\npdserve.v1\"\xa0\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x17\n\nrequest_id\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ChatPromptH\x00\x12)\n\x06tokens\x18\x05 \x01(\x0b\x32\x17.pdserve.v1.TokenPromptH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tslo_class\x18\x07 \x01(\x0e\x32\x14.pdserve.v1.SloClass\x12\x12\n\nsession_id\x18\x08 \x01(\tB\x08\n\x06promptB\r\n\x0b_request_id\"7\n\nChatPrompt\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x1a\n\x0bTokenPrompt\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd3\x03\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x03 \x01(\r\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05min_p\x18\x07 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x06\x88\x01\x01\x42\x04\n\x02_nB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xa0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.ChunkH\x00\x12(\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.CompleteH\x00\x12\"\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.ErrorH\x00\x42\x06\n\x04kind\"d\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"W\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x92\x01\n\x08\x43omplete\x12\r\n\x05index\x18\x01 \x01(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.Timings\"\xee\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x13\n\x0bspec_drafts\x18\x04 \x01(\r\x12\x19\n\x11spec_draft_tokens\x18\x05 \x01(\r\x12\x1c\n\x14spec_accepted_tokens\x18\x06 \x01(\r\x12$\n\x1cspec_acceptance_per_position\x18\x07 \x03(\x02\x12!\n\x19spec_mean_accepted_length\x18\x08 \x01(\x02\"i\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\"D\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x12\n\x05index\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"3\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\r*\x84\x01\n\x08SloClass\x12\x19\n\x15SLO_CLASS_UNSPECIFIED\x10\x00\x12\x19\n\x15SLO_CLASS_INTERACTIVE\x10\x01\x12\x16\n\x12SLO_CLASS_STANDARD\x10\x02\x12\x13\n\x0fSLO_CLASS_BATCH\x10\x03\x12\x15\n\x11SLO_CLASS_RELAXED\x10\x04*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xdd\x01\n\x07PdServe\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/serving.proto\x12\npdserve.v1\"\xa0\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x17\n\nrequest_id\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ChatPromptH\x00\x12)\n\x06tokens\x18\x05 \x01(\x0b\x32\x17.pdserve.v1.TokenPromptH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tslo_class\x18\x07 \x01(\x0e\x32\x14.pdserve.v1.SloClass\x12\x12\n\nsession_id\x18\x08 \x01(\tB\x08\n\x06promptB\r\n\x0b_request_id\"7\n\nChatPrompt\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x1a\n\x0bTokenPrompt\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd3\x03\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x03 \x01(\r\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05min_p\x18\x07 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x06\x88\x01\x01\x42\x04\n\x02_nB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xcc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.ChunkH\x00\x12(\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.CompleteH\x00\x12\"\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.ErrorH\x00\x12*\n\theartbeat\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.HeartbeatH\x00\x42\x06\n\x04kind\"$\n\tHeartbeat\x12\x17\n\x0f\x65ngine_progress\x18\x01 \x01(\x04\"d\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"W\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x92\x01\n\x08\x43omplete\x12\r\n\x05index\x18\x01 \x01(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.Timings\"\xee\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x13\n\x0bspec_drafts\x18\x04 \x01(\r\x12\x19\n\x11spec_draft_tokens\x18\x05 \x01(\r\x12\x1c\n\x14spec_accepted_tokens\x18\x06 \x01(\r\x12$\n\x1cspec_acceptance_per_position\x18\x07 \x03(\x02\x12!\n\x19spec_mean_accepted_length\x18\x08 \x01(\x02\"i\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\"D\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x12\n\x05index\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"3\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\r*\x84\x01\n\x08SloClass\x12\x19\n\x15SLO_CLASS_UNSPECIFIED\x10\x00\x12\x19\n\x15SLO_CLASS_INTERACTIVE\x10\x01\x12\x16\n\x12SLO_CLASS_STANDARD\x10\x02\x12\x13\n\x0fSLO_CLASS_BATCH\x10\x03\x12\x15\n\x11SLO_CLASS_RELAXED\x10\x04*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xdd\x01\n\x07PdServe\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.serving_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SLOCLASS']._serialized_start=2106
-  _globals['_SLOCLASS']._serialized_end=2238
-  _globals['_FINISHREASON']._serialized_start=2241
-  _globals['_FINISHREASON']._serialized_end=2386
+  _globals['_SLOCLASS']._serialized_start=2188
+  _globals['_SLOCLASS']._serialized_end=2320
+  _globals['_FINISHREASON']._serialized_start=2323
+  _globals['_FINISHREASON']._serialized_end=2468
   _globals['_GENERATEREQUEST']._serialized_start=41
   _globals['_GENERATEREQUEST']._serialized_end=329
   _globals['_CHATPROMPT']._serialized_start=331
@@ -46,31 +46,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=463
   _globals['_SAMPLINGPARAMS']._serialized_end=930
   _globals['_GENERATERESPONSE']._serialized_start=933
-  _globals['_GENERATERESPONSE']._serialized_end=1093
-  _globals['_CHUNK']._serialized_start=1095
-  _globals['_CHUNK']._serialized_end=1195
-  _globals['_TOKENLOGPROBS']._serialized_start=1197
-  _globals['_TOKENLOGPROBS']._serialized_end=1284
-  _globals['_TOPLOGPROB']._serialized_start=1286
-  _globals['_TOPLOGPROB']._serialized_end=1333
-  _globals['_COMPLETE']._serialized_start=1336
-  _globals['_COMPLETE']._serialized_end=1482
-  _globals['_USAGE']._serialized_start=1485
-  _globals['_USAGE']._serialized_end=1723
-  _globals['_TIMINGS']._serialized_start=1725
-  _globals['_TIMINGS']._serialized_end=1830
-  _globals['_ERROR']._serialized_start=1832
-  _globals['_ERROR']._serialized_end=1900
-  _globals['_ABORTREQUEST']._serialized_start=1902
-  _globals['_ABORTREQUEST']._serialized_end=1936
-  _globals['_ABORTRESPONSE']._serialized_start=1938
-  _globals['_ABORTRESPONSE']._serialized_end=1968
-  _globals['_LISTMODELSREQUEST']._serialized_start=1970
-  _globals['_LISTMODELSREQUEST']._serialized_end=1989
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1991
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2050
-  _globals['_MODELINFO']._serialized_start=2052
-  _globals['_MODELINFO']._serialized_end=2103
-  _globals['_PDSERVE']._serialized_start=2389
-  _globals['_PDSERVE']._serialized_end=2610
+  _globals['_GENERATERESPONSE']._serialized_end=1137
+  _globals['_HEARTBEAT']._serialized_start=1139
+  _globals['_HEARTBEAT']._serialized_end=1175
+  _globals['_CHUNK']._serialized_start=1177
+  _globals['_CHUNK']._serialized_end=1277
+  _globals['_TOKENLOGPROBS']._serialized_start=1279
+  _globals['_TOKENLOGPROBS']._serialized_end=1366
+  _globals['_TOPLOGPROB']._serialized_start=1368
+  _globals['_TOPLOGPROB']._serialized_end=1415
+  _globals['_COMPLETE']._serialized_start=1418
+  _globals['_COMPLETE']._serialized_end=1564
+  _globals['_USAGE']._serialized_start=1567
+  _globals['_USAGE']._serialized_end=1805
+  _globals['_TIMINGS']._serialized_start=1807
+  _globals['_TIMINGS']._serialized_end=1912
+  _globals['_ERROR']._serialized_start=1914
+  _globals['_ERROR']._serialized_end=1982
+  _globals['_ABORTREQUEST']._serialized_start=1984
+  _globals['_ABORTREQUEST']._serialized_end=2018
+  _globals['_ABORTRESPONSE']._serialized_start=2020
+  _globals['_ABORTRESPONSE']._serialized_end=2050
+  _globals['_LISTMODELSREQUEST']._serialized_start=2052
+  _globals['_LISTMODELSREQUEST']._serialized_end=2071
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2073
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2132
+  _globals['_MODELINFO']._serialized_start=2134
+  _globals['_MODELINFO']._serialized_end=2185
+  _globals['_PDSERVE']._serialized_start=2471
+  _globals['_PDSERVE']._serialized_end=2692
 # @@protoc_insertion_point(module_scope)
