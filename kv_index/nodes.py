@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class Role(enum.StrEnum):
@@ -72,6 +73,20 @@ class NodeInfo:
             index_seq=int(g.get("seq", -1)),
             event_at=float(g.get("event_at", 0.0)),
         )
+
+
+class PrefixMatch(NamedTuple):
+    """How many of a prompt's leading blocks one node holds, and where (the index's tiers:
+    kv_index/schema.py TIER_*). Each block counts once, in the fastest tier the node holds it
+    in; a hit in a lower tier costs an onboard before the prefill can use it."""
+
+    blocks: int  # leading blocks held, in any tier
+    host: int = 0  # of those, held in host memory and not on the device
+    disk: int = 0  # of those, held on disk only
+
+    @property
+    def device(self) -> int:
+        return self.blocks - self.host - self.disk
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,7 +85,9 @@ def run(args: argparse.Namespace, engine) -> int:
                                            concurrency=args.concurrency, progress=progress))
                 emit(results[-1])
                 return exit_code(results)
-            for name in ORDER if args.scenario == "all" else (args.scenario,):
+            for i, name in enumerate(ORDER if args.scenario == "all" else (args.scenario,)):
+                if i and cluster.settle() is None:
+                    progress("the cluster did not settle within 60 s after the last scenario; going on")
                 results.append(_one(cluster, name, opts, progress))
                 if args.scenario == "all":
                     emit(results[-1])

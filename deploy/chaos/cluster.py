@@ -99,10 +99,9 @@ class ChaosCluster:
         return self.config.namespace
 
     def redis_client(self):
-        import redis
+        from kv_index.client import RedisTimeouts, redis_client
 
-        return redis.Redis.from_url(self.local.redis_url, socket_timeout=REDIS_TIMEOUT_S,
-                                    socket_connect_timeout=REDIS_TIMEOUT_S)
+        return redis_client(self.local.redis_url, RedisTimeouts(REDIS_TIMEOUT_S, REDIS_TIMEOUT_S))
 
     def registered(self) -> dict[str, str]:
         """node id -> registered gRPC address ({} while Redis does not answer)."""
@@ -192,6 +191,21 @@ class ChaosCluster:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the router at {self.address} did not report SERVING in {timeout_s} s")
                 time.sleep(0.2)
+
+    def settle(self, timeout_s: float = 60.0) -> float | None:
+        """Until the cluster is back to where a scenario starts: every node registered and the
+        router leaving none out of placement (a node that failed a moment ago stays excluded for
+        ``exclude_failed_node_s``; a scenario that needs it, kill-prefill after freeze-prefill,
+        would wait in vain). Seconds waited, None if not within ``timeout_s``."""
+        since = time.monotonic()
+
+        def ok() -> bool:
+            if set(self.registered()) != set(self.actors):
+                return False
+            orch = self.router.orchestrator if self.router is not None else None
+            return orch is None or not orch.exclusions.active(time.monotonic())
+
+        return wait_for(ok, since, timeout_s)
 
     def wait_registered(self, node_ids, since: float, timeout_s: float,
                         address_changed_from: dict[str, str] | None = None) -> float | None:
