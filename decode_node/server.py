@@ -18,28 +18,22 @@ reservation's blocks go back to the engine only once no push into them is in fli
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import math
-import threading
-import time
 from collections.abc import Callable
 
 import grpc
 
 from decode_node.proposers import build_proposer
-from decode_node.reservations import NotReadyError, ReservationTable
 from decode_node.responses import ResponseBuilder
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from kv_index.nodes import Role
-from kv_transfer.grpc_transport import KVReceiver
-from kv_transfer.receiver import TcpKVServer
-from kv_transfer.shm_transport import shm_endpoint
-from kv_transfer.tcp_transport import SCHEME as TCP_SCHEME
-from kv_transfer.validate import ReceivedBlocks, Reservation, new_token
-from node.config import NodeConfig, host_port
+from kv_transfer.validate import Reservation, new_token
+from node.config import NodeConfig
 from node.engine_thread import EngineStoppedError, OutputStream, RequestFailedError
+from node.kv_inbox import KVInbox
+from node.reservations import NotReadyError
 from node.rpc_trace import DecodeStreamTrace, traced_rpc
 from node.server import NodeServer
 from protos.conventions import retry_after_metadata
@@ -66,48 +60,29 @@ class DecodeServer(NodeServer):
         # Speculation lives with the decode role: the engine gets its proposer from here.
         super().__init__(config, engine or LLMEngine(config.engine, load_tokenizer=config.load_tokenizer,
                                                      proposer_factory=build_proposer))
-        self.reservations = ReservationTable(self.engine.model_config.num_layers, config.reservation_lease_s)
-        self.receiver = KVReceiver(self.engine.kv_cache, self.engine.fingerprint, self._on_received,
-                                   self.reservations.get)
+        # Its reservations and both receivers (node/kv_inbox.py): the prompts prefill nodes push
+        # here, and the prefixes it fetches like any node.
+        self.inbox = KVInbox(config, self.engine.kv_cache, self.engine.fingerprint, self.engine.model_config.num_layers,
+                             release=lambda rid: self.aengine.release_kv(rid), on_outcome=self.record_push)
+        self.reservations = self.inbox.reservations
+        self.data_server = self.inbox.data_server
         kv_pb2_grpc.add_KVTransferServicer_to_server(_KVTransferService(self), self.grpc_server)
         kv_pb2_grpc.add_DecodeNodeServicer_to_server(_DecodeService(self), self.grpc_server)
         self.num_transfer_failures = 0  # pushes refused or broken off (also on /metrics)
         self.num_decodes = 0  # Decode calls admitted: where the router placed requests (pdserve chaos)
-        # The raw TCP data stream beside PushBlocks (plaintext: not opened when TLS is on).
-        self.data_server: TcpKVServer | None = None
-        if config.kv_data_port is not None and config.tls is None:
-            self.data_server = TcpKVServer(
-                self.engine.kv_cache, self.engine.fingerprint, on_received=self._on_received,
-                reservation_for=self.reservations.get, begin_push=self.reservations.begin_push,
-                end_push=self._end_data_push, on_outcome=self.record_push,
-                host=config.host, port=config.kv_data_port)
-        self._stop = threading.Event()
-        self._reaper = threading.Thread(target=self._expire_reservations, name=f"reaper-{config.node_id}",
-                                        daemon=True)
 
     def start(self) -> str:
-        if self.data_server is not None:  # listening before the index advertises it
-            self.data_server.start()
-        address = super().start()
-        self._reaper.start()
-        return address
+        self.inbox.start()  # the data port listens before the index advertises it
+        return super().start()
 
     def stop(self, deregister: bool = True, grace_s: float = 1.0) -> None:
-        self._stop.set()
-        if self._reaper.is_alive():
-            self._reaper.join()
         super().stop(deregister=deregister, grace_s=grace_s)
-        if self.data_server is not None:
-            self.data_server.stop()
+        self.inbox.stop()
 
     def kv_endpoints(self) -> tuple[str, ...]:
         """The data plane beside PushBlocks, fastest first: the index entry and every
         reservation carry it (docs/cluster.md, "KV data plane")."""
-        host = self.config.advertised_host
-        if self.data_server is None or self.data_server.port is None or host is None:
-            return ()
-        address = host_port(host, self.data_server.port)
-        return shm_endpoint(address), f"{TCP_SCHEME}://{address}"
+        return self.inbox.kv_endpoints()
 
     def idle(self) -> bool:
         # A reservation is an accepted request whose KV or Decode is still to come.
@@ -121,15 +96,8 @@ class DecodeServer(NodeServer):
 
     # ---- reservation plumbing (gRPC threads)
     def drop_reservation(self, request_id: str) -> tuple[bool, bool]:
-        """Forget ``request_id``'s reservation -> (found, released now). Its blocks go back to
-        the engine now, unless a push into them is in flight: that push's end releases them
-        (``ReservationTable.drop``). Thread-safe (the table's lock); idempotent: a second call
-        finds nothing and releases nothing. Raises EngineStoppedError when the blocks were due
-        back and the engine is gone."""
-        found, release_now = self.reservations.drop(request_id)
-        if release_now:
-            self.aengine.release_kv(request_id)
-        return found, release_now
+        """Forget ``request_id``'s reservation -> (found, released now) (``KVInbox.drop``)."""
+        return self.inbox.drop(request_id)
 
     def record_push(self, ok: bool, nbytes: int, seconds: float) -> None:
         """Count one finished KV push, over either data plane (PushBlocks or the raw TCP
@@ -141,27 +109,6 @@ class DecodeServer(NodeServer):
         else:
             self.metrics.transfer_failures.inc()
             self.num_transfer_failures += 1
-
-    def _on_received(self, r: ReceivedBlocks) -> None:
-        self.reservations.received(r.request_id, r.layers, r.first_block_index, len(r.block_ids))
-
-    def _end_data_push(self, request_id: str) -> None:
-        if self.reservations.end_push(request_id):  # dropped while the push wrote: free now
-            try:
-                self.aengine.release_kv(request_id)
-            except EngineStoppedError:
-                pass  # the engine and its blocks are gone with it
-
-    def _expire_reservations(self) -> None:
-        period = max(0.05, min(1.0, self.config.reservation_lease_s / 4))
-        while not self._stop.wait(period):
-            for rid in self.reservations.expire():
-                log.info("reservation of %r expired after %.1fs without Decode; releasing",
-                         rid, self.config.reservation_lease_s)
-                try:
-                    self.aengine.release_kv(rid)
-                except EngineStoppedError:
-                    return
 
 
 class _KVTransferService(kv_pb2_grpc.KVTransferServicer):
@@ -212,23 +159,7 @@ class _KVTransferService(kv_pb2_grpc.KVTransferServicer):
                                             kv_endpoints=node.kv_endpoints(), token=token)
 
     def PushBlocks(self, request_iterator, context: grpc.ServicerContext):
-        # Peek at the header to count this push as in flight on its reservation: its blocks
-        # must not be released (lease expiry, ReleaseReservation) while it may still write.
-        t0 = time.monotonic()
-        first = next(request_iterator, None)
-        rid = first.header.request_id if first is not None and first.WhichOneof("kind") == "header" else None
-        began = rid is not None and self.node.reservations.begin_push(rid)
-        messages = itertools.chain([] if first is None else [first], request_iterator)
-        try:
-            resp = self.node.receiver.PushBlocks(messages, context)
-        except BaseException:  # refused (validation, checksum, no reservation) or broken off
-            self.node.record_push(False, 0, 0.0)
-            raise
-        finally:
-            if began and self.node.reservations.end_push(rid):
-                self.node.aengine.release_kv(rid)
-        self.node.record_push(True, resp.bytes_written, time.monotonic() - t0)
-        return resp
+        return self.node.inbox.PushBlocks(request_iterator, context)
 
     def ReleaseReservation(self, request: kv_pb2.ReleaseReservationRequest, context):
         found, _ = self.node.drop_reservation(request.request_id)

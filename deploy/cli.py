@@ -57,6 +57,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-mib", type=int, default=512)
+    p.add_argument("--host-cache-mib", type=float, default=0,
+                   help="KV tier in host memory below each node's device pool, MiB (0: none; docs/engine.md)")
+    p.add_argument("--disk-cache-dir", default=None,
+                   help="KV tier on disk below the host tier: a directory, one subdirectory per node, kept "
+                   "across restarts (needs --host-cache-mib and --disk-cache-mib)")
+    p.add_argument("--disk-cache-mib", type=float, default=0, help="byte budget of each node's disk KV tier, MiB")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -80,7 +86,8 @@ def engine_config_from_args(a: argparse.Namespace):
         device=a.device,
         num_threads=a.threads,
         cache=CacheConfig(block_size=a.block_size, kv_cache_bytes=a.kv_cache_mib * 2**20,
-                          enable_prefix_caching=not a.no_prefix_caching),
+                          enable_prefix_caching=not a.no_prefix_caching, host_cache_mib=a.host_cache_mib,
+                          disk_cache_dir=a.disk_cache_dir, disk_cache_mib=a.disk_cache_mib),
         scheduler=SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
                                   max_num_seqs=a.max_num_seqs),
         speculative=SpeculativeConfig(
@@ -194,6 +201,7 @@ def cluster_config_from_args(a: argparse.Namespace):
         decode_progress_ceiling_s=a.decode_progress_ceiling_s, prefill_deadline_factor=a.prefill_deadline_factor,
         prefill_deadline_floor_s=a.prefill_deadline_floor_s,
         max_step_failures=a.max_step_failures, max_start_failures=a.max_start_failures,
+        prefix_fetch=a.prefix_fetch,
     )
 
 
@@ -348,6 +356,8 @@ def add_up_arguments(u: argparse.ArgumentParser) -> None:
                    help="clients must send this key (repeatable; default $PDSERVE_API_KEY, comma-separated)")
     u.add_argument("--short-prompt-tokens", type=int, default=16,
                    help="prompts shorter than this prefill on the decode node")
+    u.add_argument("--no-prefix-fetch", dest="prefix_fetch", action="store_false",
+                   help="never have a prefill node fetch a prefix another node holds; it computes what it lacks")
     u.add_argument("--node-threads", type=int, default=1, help="torch threads per node")
     u.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
                    help="on Ctrl-C / SIGTERM, seconds to finish in-flight requests (new ones refused) before stopping")

@@ -82,6 +82,9 @@ class ClusterConfig:
     # turns unhealthy and restarts, failed lives in a row before it stays down.
     max_step_failures: int = 3
     max_start_failures: int = 3
+    # A prefill node fetches a prefix another node holds when that beats computing it
+    # (router/config.py prefix_fetch).
+    prefix_fetch: bool = True
 
     def __post_init__(self) -> None:
         if self.prefill_nodes < 0 or self.decode_nodes < 1:
@@ -112,7 +115,7 @@ def router_config(cfg: ClusterConfig, **fields):
         api_keys=cfg.api_keys, max_migrations=cfg.max_migrations, straggler_factor=cfg.straggler_factor,
         decode_progress_factor=cfg.decode_progress_factor, decode_progress_floor_s=cfg.decode_progress_floor_s,
         decode_progress_ceiling_s=cfg.decode_progress_ceiling_s, prefill_deadline_factor=cfg.prefill_deadline_factor,
-        prefill_deadline_floor_s=cfg.prefill_deadline_floor_s, **fields)
+        prefill_deadline_floor_s=cfg.prefill_deadline_floor_s, prefix_fetch=cfg.prefix_fetch, **fields)
 
 
 def state_file() -> Path:

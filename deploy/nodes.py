@@ -93,12 +93,17 @@ class NodeTemplate:
         role = Role(role)
         # Speculation is a decode-role feature; prefill nodes produce one token per request.
         engine = self.engine if role is Role.DECODE else replace(self.engine, speculative=SpeculativeConfig())
+        if engine.cache.disk_cache_dir:  # a disk KV tier is one node's: its own subdirectory, kept across restarts
+            engine = replace(engine, cache=replace(engine.cache, disk_cache_dir=os.path.join(
+                engine.cache.disk_cache_dir, node_id(role, index))))
         return NodeConfig(node_id=node_id(role, index), role=role, redis_url=self.redis_url, host=self.host,
                           grpc_port=self.grpc_port, metrics_port=self.metrics_port, namespace=self.namespace,
                           kv_data_port=self.kv_data_port, kv_streaming=self.kv_streaming,
                           lease_s=self.lease_s, heartbeat_s=min(0.5, self.lease_s / 4), engine=engine,
                           redis_connect_timeout_s=self.redis_connect_timeout_s, redis_timeout_s=self.redis_timeout_s,
-                          load_tokenizer=role is Role.DECODE, otlp_endpoint=self.otlp_endpoint,
+                          # Both roles: the prefill node samples a structured output's first token under
+                          # its grammar, built from the tokenizer's vocabulary.
+                          load_tokenizer=True, otlp_endpoint=self.otlp_endpoint,
                           served_model_name=self.served_model_name, tls_cert_file=self.tls_cert_file,
                           tls_key_file=self.tls_key_file, tls_ca_file=self.tls_ca_file,
                           tls_server_name=self.tls_server_name, drain_timeout_s=self.drain_timeout_s,

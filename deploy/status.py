@@ -4,10 +4,13 @@ Each figure has one source, so the terminal view, ``--json`` and a Prometheus da
 
     node registry (Redis)      which nodes are live, their pool, addresses, last heartbeat
     each node's /metrics       running, waiting, KV usage, prefix-cache hits, speculative
-                               acceptance, KV transfer bytes / failures, request counts
+                               acceptance, KV transfer bytes / failures, request counts;
+                               per KV tier (device, host, disk) blocks, usage, hits, bytes
+                               moved and onboard time (deploy/status_tiers.py)
     the router's /metrics      index accuracy (``pdserve:index_accuracy``), when reachable
     the index keys (Redis)     index size: block keys (SCAN, capped) and entries per node
-                               (SCARD of each node's block set); freshness per node
+                               (SCARD of each node's block set); Redis bytes per entry and
+                               per cached token (INFO memory); freshness per node
     health records (Redis)     why a node is unhealthy, restarting or down, and its restarts
                                (kv_index/health.py): such a node has left the registry
 
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from deploy.status_tiers import add_tier_sample, render_tiers, tier_errors, tier_row
 from kv_index.health import DOWN, SERVING, STARTING, UNHEALTHY, HealthRecord
 from kv_index.nodes import NodeInfo, index_freshness
 
@@ -97,6 +101,8 @@ def parse_metrics(text: str) -> dict:
             if s.name in _PLAIN:
                 key = _PLAIN[s.name]
                 out[key] = out.get(key, 0.0) + s.value
+            elif add_tier_sample(out, s):
+                pass  # per-tier KV cache figures (deploy/status_tiers.py)
             elif s.name in _BY_LABEL:
                 label, key = _BY_LABEL[s.name]
                 d = out.setdefault(key, {})
@@ -154,7 +160,7 @@ def node_row(info: NodeInfo, now: float, scraped: Sample | None, prev: Sample | 
         requests={k: int(v) for k, v in sorted(requests.items())},
         prompt_tokens=int(m.get("prompt_tokens", 0)), generation_tokens=int(m.get("generation_tokens", 0)),
         mean_ttft_s=_mean(m, "ttft"), mean_itl_s=_mean(m, "itl"), mean_e2e_s=_mean(m, "e2e"),
-        mean_queue_s=_mean(m, "queue"),
+        mean_queue_s=_mean(m, "queue"), tiers=tier_row(m),
     )
     if prev is not None and scraped.at > prev.at:
         dt = scraped.at - prev.at
@@ -180,6 +186,7 @@ def recent_errors(rows: list[dict]) -> list[str]:
             out.append(f"{nid}: {new} new KV transfer failure(s) ({r['transfer_failures']} in all)")
         elif new is None and r["transfer_failures"]:
             out.append(f"{nid}: {r['transfer_failures']} KV transfer failure(s) since start")
+        out.extend(tier_errors(r))
         aborts = r.get("new_aborts")
         if aborts:
             out.append(f"{nid}: {aborts} new aborted request(s)")
@@ -303,6 +310,9 @@ def render(report: Mapping) -> str:
                 cells = (r["node_id"], r["running"], r["waiting"], _pct(r["kv_usage"]), "-", "-", "-", "-", "-",
                          "-", _age(r["last_seen_s"]), "registry")
             lines.append(_line(cells))
+            tiers = render_tiers(r, _bytes)
+            if tiers:
+                lines.append(tiers)
     if report.get("health"):
         lines += ["", "node health:"]
         for h in report["health"]:
@@ -314,6 +324,9 @@ def render(report: Mapping) -> str:
         more = "" if idx.get("blocks_complete", True) else "+ (scan capped)"
         entries = ", ".join(f"{k} {v}" for k, v in sorted(idx.get("entries", {}).items()))
         lines.append(f"index: {idx['blocks']}{more} block keys; entries per node: {entries or '-'}")
+        if idx.get("bytes_per_cached_token") is not None:
+            lines.append(f"index memory: {_bytes(idx['redis_bytes'])} in Redis, {idx['bytes_per_entry']:.0f} B per "
+                         f"(block, node) entry, {idx['bytes_per_cached_token']:.1f} B per cached token")
     fresh = ", ".join(f"{k} {_age(v)}" for k, v in sorted(idx["freshness_s"].items()))
     acc = "-" if idx.get("accuracy") is None else f"{idx['accuracy']:.3f}"
     lines.append(f"index freshness: {fresh or '-'}; accuracy: {acc}"
@@ -341,15 +354,27 @@ def scrape(address: str, timeout: float = SCRAPE_TIMEOUT_S) -> Sample | str:
 
 
 def index_size(r, ns: str, node_ids, max_scan_calls: int = MAX_SCAN_CALLS) -> dict:
-    """Block keys (``{ns}:blk:*``, counted with SCAN, never KEYS) and each node's entries
-    (SCARD of ``{ns}:nodeblk:{id}``, O(1) each)."""
+    """Block keys (``{ns}:blk:*``, counted with SCAN, never KEYS), each node's entries (SCARD
+    of ``{ns}:nodeblk:{id}``, O(1) each) and what they cost: Redis's memory beyond its empty
+    state per entry and per cached token (``node_ids`` a mapping to ``NodeInfo``: each node's
+    entries count its block size in tokens). The index is nearly all of that memory; the
+    registry and step streams are a few KiB per node, other namespaces on the same Redis
+    count too."""
     from kv_index.schema import node_blocks_key
 
     ids = sorted(node_ids)
     p = r.pipeline(transaction=False)
     for nid in ids:
         p.scard(node_blocks_key(ns, nid))
-    entries = dict(zip(ids, (int(n) for n in p.execute())))
+    p.info("memory")
+    *counts, mem = p.execute()
+    entries = dict(zip(ids, (int(n) for n in counts)))
+    used = max(0, int(mem.get("used_memory", 0)) - int(mem.get("used_memory_startup", 0)))
+    sizes = {nid: getattr(node_ids[nid], "block_size", 0) for nid in ids} if isinstance(node_ids, Mapping) else {}
+    tokens = sum(n * sizes.get(nid, 0) for nid, n in entries.items())
+    cost = {"redis_bytes": used,
+            "bytes_per_entry": round(used / sum(entries.values()), 1) if sum(entries.values()) else None,
+            "bytes_per_cached_token": round(used / tokens, 2) if tokens else None}
     blocks, cursor, calls = 0, 0, 0
     while True:
         cursor, keys = r.scan(cursor, match=f"{ns}:blk:*", count=1000)
@@ -357,7 +382,7 @@ def index_size(r, ns: str, node_ids, max_scan_calls: int = MAX_SCAN_CALLS) -> di
         calls += 1
         if int(cursor) == 0 or calls >= max_scan_calls:
             break
-    return {"blocks": blocks, "blocks_complete": int(cursor) == 0, "entries": entries}
+    return {"blocks": blocks, "blocks_complete": int(cursor) == 0, "entries": entries, **cost}
 
 
 def gather(r, ns: str, *, router_metrics: str | None = None, prev: Mapping[str, Sample] | None = None,

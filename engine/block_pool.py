@@ -19,12 +19,14 @@ ones: a shared prompt head is what later requests are most likely to hit.
 
 Events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``, the index's vocabulary from
 kv_index/events.py) describe every change to ``cached`` so that a node can mirror it into the
-router's global index.
+router's global index. The tiers below the pool (engine/kv_tiers/) append theirs to the same
+list (``emit``), so one batch keeps every tier's changes in order; ``on_cached`` tells them of
+each newly cached block (a copy for the host tier starts there).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kv_index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -61,6 +63,8 @@ class BlockPool:
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self._events: list[KVEvent] = []
+        # Hears of every block cache_full_block registers, with its parent hash (the tiers).
+        self.on_cached: Callable[[KVBlock, BlockHash | None], None] | None = None
         # Prefix-cache counters, in tokens.
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -128,6 +132,8 @@ class BlockPool:
         block.token_ids = tokens
         self.cached[block_hash] = block
         self._events.append(BlockStored((block_hash,), parent_hash, (tokens,)))
+        if self.on_cached is not None:
+            self.on_cached(block, parent_hash)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is referenced."""
@@ -143,6 +149,10 @@ class BlockPool:
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events
+
+    def emit(self, event: KVEvent) -> None:
+        """Append another tier's event to this batch, in order with the pool's own."""
+        self._events.append(event)
 
     # ---- references ----------------------------------------------------------------------
 

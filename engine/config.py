@@ -18,6 +18,15 @@ class CacheConfig:
     # Fraction of all blocks kept free when admitting a *new* request, so running ones can
     # still grow without preempting each other right away.
     watermark: float = 0.01
+    # Tiers below the device pool (engine/kv_tiers/, docs/engine.md "KV tiers"): cached blocks
+    # are copied to a host buffer of this many MiB (pinned on CUDA; 0 = no tiers), and blocks
+    # the host tier evicts are written to files in ``disk_cache_dir`` under a budget of
+    # ``disk_cache_mib`` (None = no disk tier). The directory is one engine's: it survives a
+    # restart, whose engine re-registers the blocks it finds there. Fractions of a MiB are
+    # fine (tests size tiers in blocks of a tiny model).
+    host_cache_mib: float = 0
+    disk_cache_dir: str | None = None
+    disk_cache_mib: float = 0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -26,6 +35,15 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.host_cache_mib < 0 or self.disk_cache_mib < 0:
+            raise ValueError(f"host_cache_mib and disk_cache_mib must be >= 0, got {self.host_cache_mib}, "
+                             f"{self.disk_cache_mib}")
+        if self.disk_cache_dir:
+            if self.disk_cache_mib <= 0:
+                raise ValueError("a disk KV cache needs a budget: set disk_cache_mib (--disk-cache-mib) > 0")
+            if self.host_cache_mib <= 0:
+                raise ValueError("the disk KV cache sits below the host tier (blocks reach disk when the host "
+                                 "tier evicts them): set host_cache_mib (--host-cache-mib) > 0 too")
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from engine.attention import cpu_decode, get_attention_backend
 from engine.attention.kv_cache import allocate_kv_cache, bytes_per_block
 from engine.config import EngineConfig
 from engine.device import resolve_device, torch_dtype
+from engine.engine_tiers import TieredKV
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.limits import RequestLimits
@@ -36,12 +37,13 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, seq_id_of
 from engine.speculative.loop import SpeculativeDecoding
 from engine.speculative.proposer import Proposer
+from engine.structured.decoding import StructuredDecoding
 from engine.tokenizer import encode_chat, load_hf_tokenizer
 from tokens.sampling_params import SamplingParams
 from tokens.stop import FinishReason
 
 
-class LLMEngine:
+class LLMEngine(TieredKV):
     def __init__(
         self,
         config: EngineConfig = EngineConfig(),
@@ -87,12 +89,16 @@ class LLMEngine:
             progress(f"allocating KV cache: {num_blocks} blocks x {cc.block_size} tokens "
                      f"({num_blocks * per_block / 2**20:.0f} MiB)")
         self.kv_cache = allocate_kv_cache(mc, num_blocks, cc.block_size, self.dtype, self.device)
+        tier_copies = self._build_tiers(cc, num_blocks, progress)  # host and disk tiers, if configured
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
-                                 extra_key=self.fingerprint.encode())
+                                 extra_key=self.fingerprint.encode(), tiers=self.tiers)
+        self._start_tiers()
         eos = tuple(mc.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
             eos = eos + (tokenizer.eos_token_id,)
         self.eos_token_ids = eos
+        # Constrained decoding: a grammar matcher per constrained sequence (engine/structured/).
+        self.structured = StructuredDecoding.for_engine(tokenizer, mc.vocab_size, eos)
         self.scheduler = Scheduler(config.scheduler, cc, self.kv, self.max_model_len, eos)
         decode_kernel = None
         if self.device.type == "cpu" and config.cpu_kernels == "auto" and self.dtype == torch.bfloat16:
@@ -101,6 +107,7 @@ class LLMEngine:
                                         decode_kernel=decode_kernel)
         self.runner = ModelRunner(loaded.model, self.kv_cache, backend, cc.block_size, self.device,
                                   Sampler(eos_token_ids=eos, seed=config.seed))
+        self.runner.tier_copies = tier_copies
         self._whole_batch = False  # inside generate(): the caller waits for every request
         self.spec: SpeculativeDecoding | None = None  # set before the factory, which gets this engine
         if config.speculative.enabled:
@@ -171,6 +178,7 @@ class LLMEngine:
             prompt_token_ids = self.encode(prompt)
         tokens = [int(t) for t in prompt_token_ids]
         k = self.limits.check(tokens, params, resumed_output_tokens)
+        self.structured.add(seq_id_of(request_id, 0), params.structured, tokens[len(tokens) - k:])
         now = time.monotonic() if arrival_time is None else arrival_time
         req = RequestState(request_id, tokens[: len(tokens) - k], params, RequestTimes(arrival_time=now), resumed=k)
         self._requests[request_id] = req
@@ -197,6 +205,7 @@ class LLMEngine:
         cached = hit.num_tokens if hit else 0
         if not self.kv.allocate_slots(seq_id, cached, len(tokens), hit):
             return None
+        self._swap_in_now()  # blocks from the host or disk tier: in place before the KV arrives
         return self.kv.get_block_table(seq_id), cached
 
     def add_prefilled_request(
@@ -223,6 +232,8 @@ class LLMEngine:
         k = self.limits.check(prompt, params, resumed_output_tokens)
         if not outs:
             raise InvalidRequestError("a prefilled request needs the prefill node's first token")
+        # The grammar catches up with the resumed outputs and the prefill node's token(s).
+        self.structured.add(seq_id, params.structured, prompt[len(prompt) - k:] + outs)
         self.kv.cache_computed_blocks(seq_id, prompt, len(prompt))
         now = time.monotonic() if arrival_time is None else arrival_time
         req = RequestState(request_id, prompt[: len(prompt) - k], params, RequestTimes(arrival_time=now), resumed=k)
@@ -234,6 +245,8 @@ class LLMEngine:
         self.scheduler.add_sequence(seq)
         # The prefill node's token may already end the request (EOS, a stop token, max_tokens=1).
         self.scheduler.check_stop(seq)
+        if self.structured.ended(seq.seq_id) and not seq.is_finished:  # add() advanced it over outs
+            self.scheduler.finish_and_release(seq, FinishReason.STOP)
         delta, _ = self._feed_text(req, seq, outs)
         done = self.scheduler.request_finished(request_id)
         self._pending.append(self._request_output(
@@ -280,6 +293,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         spec = self.spec
+        self.service_tiers()
         sched = self.scheduler.schedule(spec.plan_lookahead(self.scheduler) if spec is not None else None)
         if sched.preempted and self.runner.kv_layer_listener is not None:
             for seq in sched.preempted:  # their blocks are gone: what the listener heard is void
@@ -288,13 +302,21 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         self.num_steps += 1
-        if spec is not None:
-            spec.propose(sched, self.kv.get_block_table, self.scheduler.num_running)
-        before = {item.seq.seq_id: item.seq.num_tokens for item in sched.scheduled}
-        t0 = time.perf_counter()
-        sampled = self.runner.execute(sched, self.kv.get_block_table)
-        forward_ms = (time.perf_counter() - t0) * 1e3
+        try:
+            self._swap_in(sched.swap_ins)  # before a drafter or the forward pass reads them
+            if spec is not None:
+                spec.propose(sched, self.kv.get_block_table, self.scheduler.num_running)
+            masks = self.structured.prepare(sched.scheduled) if self.structured.active else None
+            before = {item.seq.seq_id: item.seq.num_tokens for item in sched.scheduled}
+            t0 = time.perf_counter()
+            sampled = self.runner.execute(sched, self.kv.get_block_table, masks)
+            forward_ms = (time.perf_counter() - t0) * 1e3
+        finally:
+            self.kv.finish_swap_ins()  # the step synchronized: the host slots were read
+        if masks is not None:
+            self.structured.fork(sched.scheduled)  # before the samples' first tokens are appended
         touched = self.scheduler.update_from_output(sched, sampled)
+        self.service_tiers()  # blocks cached by this step start their copy to the host tier
         if spec is not None:
             spec.observe_step(sched, sampled, forward_ms,
                               whole_batch=self._whole_batch and self.scheduler.num_waiting == 0)
@@ -304,6 +326,7 @@ class LLMEngine:
             req = self._requests[seq.request_id]
             # A forked child is new this step: its one token is the last.
             new = seq.token_ids[before.get(seq.seq_id, seq.num_tokens - 1):]
+            new = self.structured.follow(seq, new, self.scheduler)
             delta, new = self._append_run(req, seq, new)
             logprobs, tops = pick_logprobs(seq, sampled, len(new))
             by_request.setdefault(seq.request_id, []).append(
@@ -350,6 +373,7 @@ class LLMEngine:
     def _finish_request(self, req: RequestState) -> None:
         req.times.finished_time = time.monotonic()
         self._forget_speculation(req.request_id)
+        self.structured.forget(*(seq.seq_id for seq in self.scheduler.sequences(req.request_id)))
         self.scheduler.forget(req.request_id)
         self._requests.pop(req.request_id, None)
 
@@ -417,5 +441,8 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "prefix_cache_query_tokens": pool.prefix_query_tokens,
             "prefix_cache_hit_tokens": pool.prefix_hit_tokens,
+            "cached_blocks": len(pool.cached),
+            "device_hit_blocks": self.kv.device_hit_blocks,
+            "tiers": self.tiers.snapshot() if self.tiers is not None else None,
             "speculative": self.spec.snapshot() if self.spec is not None else None,
         }

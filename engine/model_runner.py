@@ -32,6 +32,7 @@ from engine.sampler import (
 from engine.scheduler import SampledTokens, ScheduledSeq, SchedulerOutput
 from engine.speculative.proposer import TargetStates
 from engine.speculative.rejection_sampler import verify_by_target_samples, verify_drafts
+from engine.structured.mask import StepMasks
 
 # (seq id, first position, [n, hidden] states): how a proposer receives target states
 StateSink = Callable[[str, int, torch.Tensor], None]
@@ -131,6 +132,14 @@ class ModelRunner:
         self._states: TargetStates | None = None  # what a proposer asked for (send_target_states)
         self._state_sink: StateSink | None = None
         self.kv_layer_listener: KVLayerListener | None = None  # see KVLayerListener
+        # The KV tiers' tensors (engine/kv_tiers/build.py TierCopies), None without tiers.
+        self.tier_copies = None
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy blocks brought back from the host tier into the pool: ``(host slot, block id)``
+        pairs (KVCacheManager.take_swap_ins), before the forward pass that reads them."""
+        if pairs:
+            self.tier_copies.copy_in(pairs)
 
     def send_target_states(self, states: TargetStates, sink: StateSink) -> None:
         """After every step, hand ``sink`` the target states a proposer declared it needs."""
@@ -173,9 +182,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, block_table_of: Callable[[str], list[int]]
+        self, out: SchedulerOutput, block_table_of: Callable[[str], list[int]], masks: StepMasks | None = None
     ) -> dict[str, SampledTokens]:
-        """One step: prepare the batch, run the model, then verify and sample."""
+        """One step: prepare the batch, run the model, then verify and sample. ``masks``:
+        constrained sequences' token bitmasks, applied to their logits rows before anything
+        reads them (engine/structured/), so sampling, verification and logprobs all see the
+        masked distribution."""
         if out.block_copies:
             copy_blocks(self.kv_cache, out.block_copies)
         batch = prepare_batch(out.scheduled, block_table_of)
@@ -188,6 +200,9 @@ class ModelRunner:
                     for j in range(len(item.draft_token_ids) + 1)]
         idx = torch.tensor(batch.sample_rows + verified, dtype=torch.long, device=self.device)  # [S + R]
         all_logits = self.model.compute_logits(hidden.index_select(0, idx))  # [S + R, V] fp32
+        if masks is not None:
+            masks.apply(all_logits, [it for it in out.scheduled if it.sample and not it.draft_token_ids],
+                        batch.verifying)
         num_sampled = len(batch.sample_rows)
         results: dict[str, SampledTokens] = {}
         # Verify, then sample: unseeded draws of both come from one default generator.

@@ -276,7 +276,10 @@ class Sampler:
         # [N, max_n]; the order among exactly tied logprobs is whatever topk returns.
         vals, ids = logp.topk(min(max_n, logp.shape[1]), dim=1)
         vals_l, ids_l = vals.tolist(), ids.tolist()
+        # Tokens masked to -inf (a grammar's refusals, banned EOS) are no alternatives: a
+        # choice between two tokens lists at most two, and -inf never reaches JSON.
         top = [
-            list(zip(ids_l[i][: a or 0], vals_l[i][: a or 0])) for i, a in enumerate(asked)
+            [(t, v) for t, v in zip(ids_l[i][: a or 0], vals_l[i][: a or 0]) if v != -math.inf]
+            for i, a in enumerate(asked)
         ]
         return chosen, top

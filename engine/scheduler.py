@@ -60,6 +60,9 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    # (host slot, block): prefix blocks brought back from the host or disk tier, copied in by
+    # the model runner before the step's forward pass (KVCacheManager.take_swap_ins)
+    swap_ins: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -161,6 +164,7 @@ class Scheduler:
             budget = self._admit_waiting(out, budget, now)
 
         out.block_copies = self.kv.take_copies()
+        out.swap_ins = self.kv.take_swap_ins()
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> int:

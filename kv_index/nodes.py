@@ -17,6 +17,35 @@ class Role(enum.StrEnum):
     DECODE = "decode"  # receives KV (or prefills short prompts itself) and streams tokens
 
 
+class OnboardTotals(NamedTuple):
+    """KV a node brought back from one lower tier into its device pool, cumulative: bytes,
+    seconds spent and the number of separate copies (runs). The registry holds it as
+    "bytes,seconds,runs"."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    runs: int = 0
+
+    @staticmethod
+    def parse(text: str) -> OnboardTotals:
+        """From the registry's "bytes,seconds,runs" ("" or a malformed value: none)."""
+        try:
+            b, s, n = text.split(",")
+            return OnboardTotals(int(b), float(s), int(n))
+        except ValueError:
+            return OnboardTotals()
+
+    def wire(self) -> str:
+        return f"{self.bytes},{self.seconds:.6f},{self.runs}"
+
+    def since(self, before: OnboardTotals) -> OnboardTotals:
+        """What was onboarded after ``before`` was read: the difference, or all of it when the
+        totals went down (the node restarted and counts from zero again)."""
+        if self.runs < before.runs or self.bytes < before.bytes:
+            return self
+        return OnboardTotals(self.bytes - before.bytes, self.seconds - before.seconds, self.runs - before.runs)
+
+
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
     node_id: str
@@ -45,6 +74,10 @@ class NodeInfo:
     # index bookkeeping: last applied event batch and when the node published it (-1/0: none)
     index_seq: int = -1
     event_at: float = 0.0
+    # KV brought back from its host and disk tiers to its device since the node started
+    # (cumulative; a restart starts them again at zero)
+    onboard_host: OnboardTotals = OnboardTotals()
+    onboard_disk: OnboardTotals = OnboardTotals()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # "decode" from a test or a hash -> Role.DECODE
@@ -72,6 +105,8 @@ class NodeInfo:
             updated_at=float(g.get("updated_at", 0.0)),
             index_seq=int(g.get("seq", -1)),
             event_at=float(g.get("event_at", 0.0)),
+            onboard_host=OnboardTotals.parse(g.get("onboard_host", "")),
+            onboard_disk=OnboardTotals.parse(g.get("onboard_disk", "")),
         )
 
 

@@ -29,7 +29,11 @@ from kv_index.schema import (
     node_key,
     nodes_key,
     steps_key,
+    tier_bit,
 )
+
+# Block hashes of one tier (the publisher's), or tier -> hashes.
+TierHashes = Iterable[int] | Mapping[int, Iterable[int]]
 
 
 class NodePublisher:
@@ -39,6 +43,7 @@ class NodePublisher:
 
     def __init__(self, client: redis.Redis, info: NodeInfo, ns: str = DEFAULT_NS, lease_s: float = 3.0,
                  tier: int = TIER_DEVICE) -> None:
+        """``tier``: what plain lists of hashes given to ``publish`` and ``resync`` mean."""
         self.r = client
         self.info = info
         self.ns = ns
@@ -76,22 +81,27 @@ class NodePublisher:
         intact = p.execute()[0]
         return bool(intact)
 
-    def publish(self, stored: Iterable[int] = (), removed: Iterable[int] = (), cleared: bool = False) -> bool:
+    def publish(self, stored: TierHashes = (), removed: TierHashes = (), cleared: bool = False) -> bool:
         """Apply one batch of block events (chained hashes) in one round trip, as batch
-        ``seq + 1``. Returns False on a gap (nothing applied): call ``resync``."""
-        stored, removed = list(stored), list(removed)
+        ``seq + 1``: ``cleared`` first, then the removals, then the stores. ``stored`` and
+        ``removed`` are hashes of this publisher's ``tier``, or tier -> hashes. Returns False
+        on a gap (nothing applied): call ``resync``."""
+        stored, removed = self._by_tier(stored), self._by_tier(removed)
         if not (stored or removed or cleared):
             return True
         nid = self.info.node_id
-        args = [self.ns, nid, self.seq + 1, time.time(), "1" if cleared else "0", len(removed),
-                *[f"{h:016x}" for h in removed], self.tier, *[f"{h:016x}" for h in stored]]
+        args: list = [self.ns, nid, self.seq + 1, time.time(), "1" if cleared else "0"]
+        for op, groups in (("-", removed), ("+", stored)):
+            for tier, hashes in groups.items():
+                args += [op, tier, len(hashes), *[f"{h:016x}" for h in hashes]]
         ok, _ = self._apply(keys=[self._key, node_blocks_key(self.ns, nid)], args=args)
         if ok:
             self.seq += 1
         return bool(ok)
 
-    def resync(self, held: Iterable[int]) -> None:
-        """Replace every entry of this node with ``held`` (its snapshot), re-registering it if
+    def resync(self, held: Iterable[int] | Mapping[int, int]) -> None:
+        """Replace every entry of this node with ``held`` (its snapshot: hashes of this
+        publisher's ``tier``, or hash -> tier mask, ``schema.tier_bit``), re-registering it if
         its lease had lapsed; one round trip plus the registry refresh."""
         nid = self.info.node_id
         p = self.r.pipeline(transaction=True)
@@ -100,9 +110,25 @@ class NodePublisher:
         p.sadd(nodes_key(self.ns), nid)
         p.execute()
         seq = self.seq + 1
-        self._resync(keys=[self._key, node_blocks_key(self.ns, nid)],
-                     args=[self.ns, nid, seq, time.time(), self.tier, *[f"{h:016x}" for h in held]])
+        masks: dict[int, list[str]] = {}
+        if isinstance(held, Mapping):
+            for h, mask in held.items():
+                if mask:
+                    masks.setdefault(mask, []).append(f"{h:016x}")
+        else:
+            masks[tier_bit(self.tier)] = [f"{h:016x}" for h in held]
+        args: list = [self.ns, nid, seq, time.time()]
+        for mask, hexes in masks.items():
+            if hexes:
+                args += [mask, len(hexes), *hexes]
+        self._resync(keys=[self._key, node_blocks_key(self.ns, nid)], args=args)
         self.seq = seq
+
+    def _by_tier(self, hashes: TierHashes) -> dict[int, list[int]]:
+        if isinstance(hashes, Mapping):
+            return {t: list(hs) for t, hs in hashes.items() if hs}
+        hashes = list(hashes)
+        return {self.tier: hashes} if hashes else {}
 
     def report_steps(self, steps: Iterable[StepReport]) -> None:
         """Append step reports to the node's capped stream (one round trip)."""

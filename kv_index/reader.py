@@ -2,8 +2,9 @@
 holds. Any number of routers read the same keys.
 
 A lookup is one script call (``schema.MATCH``): it walks the prompt's block keys in Redis and
-returns, per live node, its leading matched blocks, so a 4k-token prompt costs one round trip
-whatever its block count. Entries of dead nodes are ignored (lookups only count live ones) and
+returns, per live node, its leading matched blocks and how many of them sit only in its host
+memory or on its disk (``PrefixMatch``), so a 4k-token prompt costs one round trip whatever
+its block count. Entries of dead nodes are ignored (lookups only count live ones) and
 removed by ``prune_dead``.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import redis
 
-from kv_index.nodes import NodeInfo, StepReport
+from kv_index.nodes import NodeInfo, PrefixMatch, StepReport
 from kv_index.schema import (
     DEFAULT_NS,
     MATCH,
@@ -26,6 +27,7 @@ from kv_index.schema import (
 )
 
 log = logging.getLogger(__name__)
+NO_MATCH = PrefixMatch(0)
 
 
 class IndexReader:
@@ -38,7 +40,6 @@ class IndexReader:
         self.ns = ns
         self.round_trips = 0
         self._match = client.register_script(MATCH)
-        self.last_tiers: dict[str, int] = {}  # worst tier of each node's match, from the last match
 
     def live_nodes(self) -> dict[str, NodeInfo]:
         ids = sorted(x.decode() for x in self.r.smembers(nodes_key(self.ns)))
@@ -56,19 +57,17 @@ class IndexReader:
                 log.warning("node %s skipped: registry entry not understood (%s)", nid, e)
         return out
 
-    def match(self, block_hashes: Sequence[int], node_ids: Sequence[str]) -> dict[str, int]:
-        """Leading blocks of ``block_hashes`` each of ``node_ids`` holds: one script call, one
-        round trip, whatever the number of blocks."""
-        out = {n: 0 for n in node_ids}
-        self.last_tiers = {}
+    def match(self, block_hashes: Sequence[int], node_ids: Sequence[str]) -> dict[str, PrefixMatch]:
+        """Leading blocks of ``block_hashes`` each of ``node_ids`` holds, in any tier, each
+        counted in the fastest tier the node holds it in: one script call, one round trip,
+        whatever the number of blocks. Every id is in the result (``PrefixMatch(0)``: none)."""
+        out = {n: NO_MATCH for n in node_ids}
         if not block_hashes or not node_ids:
             return out
         flat = self._match(keys=[block_key(self.ns, h) for h in block_hashes], args=list(node_ids))
         self.round_trips += 1
-        for i in range(0, len(flat), 3):
-            nid = flat[i].decode()
-            out[nid] = int(flat[i + 1])
-            self.last_tiers[nid] = int(flat[i + 2])
+        for i in range(0, len(flat), 4):
+            out[flat[i].decode()] = PrefixMatch(int(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3]))
         return out
 
     def read_steps(self, after: Mapping[str, str]) -> dict[str, tuple[list[StepReport], str]]:

@@ -11,7 +11,9 @@ the loop thread runs between steps, and they read their request's outputs from i
 
 The loop steps while the engine has work and sleeps on a condition otherwise (no busy spin),
 including when waiting requests cannot be admitted: only a command (abort, release) can free
-the blocks they need, and every command wakes the loop.
+the blocks they need, and every command wakes the loop. The engine's KV tiers (host and disk,
+engine/kv_tiers/) wake it too when a copy or a file write finished, so an idle loop still takes
+their results (events, freed blocks) at once.
 
 A step that raises fails every open request (``RequestFailedError``, "engine step failed: ...";
 the servers answer INTERNAL and the router moves them once). ``max_step_failures`` failed steps
@@ -126,6 +128,8 @@ class AsyncEngine:
         # stream only while this moves (decode_node/server.py), so an engine wedged in a step
         # goes quiet and the router's progress deadline moves its requests.
         self.progress = 0
+        self._tiers_woke = False  # a tier worker finished something (loop thread resets it)
+        engine.set_tiers_notifier(self._wake_for_tiers)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -158,6 +162,9 @@ class AsyncEngine:
         ``stream_kv``: see ``LLMEngine.add_request`` (the engine's kv_layer_listener hears of
         its blocks layer by layer, on the loop thread)."""
 
+        # A constraint compiles here, on the caller's thread: a slow compile never stalls a step.
+        self.engine.structured.compile(params.structured)
+
         def add(eng: LLMEngine) -> OutputStream:
             rid = eng.add_request(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                   params=params, hold_kv=hold_kv, resumed_output_tokens=resumed_output_tokens,
@@ -176,6 +183,8 @@ class AsyncEngine:
         resumed_output_tokens: int = 0,
     ) -> OutputStream:
         """Decode role: continue a request whose prompt KV sits in its reserved blocks."""
+
+        self.engine.structured.compile(params.structured)  # as in add_request
 
         def add(eng: LLMEngine) -> OutputStream:
             eng.add_prefilled_request(request_id, prompt_token_ids, output_token_ids, params,
@@ -196,6 +205,23 @@ class AsyncEngine:
     def abort(self, request_id: str) -> bool:
         """Abort a running or waiting request; its stream ends with an abort output."""
         return self.run(lambda eng: eng.abort(request_id))
+
+    # ---- prefix export and import (a peer fetches a prefix: node/ and the role servers)
+    def held_prefix(self, block_hashes: Sequence[int], token_ids: Sequence[int]) -> list[int]:
+        """``LLMEngine.held_prefix`` on the loop thread: the tier of each leading block held."""
+        return self.run(lambda eng: eng.held_prefix(block_hashes, token_ids))
+
+    def export_prefix(self, export_id: str, block_hashes: Sequence[int], token_ids: Sequence[int]) -> list[int]:
+        """``LLMEngine.export_prefix``: the block ids, held until ``release_export``; send them
+        from ``engine.kv_cache`` with any transport. Always release, also after a failed send."""
+        return self.run(lambda eng: eng.export_prefix(export_id, block_hashes, token_ids))
+
+    def release_export(self, export_id: str) -> None:
+        self.run(lambda eng: eng.release_export(export_id))
+
+    def commit_kv(self, request_id: str, prompt_token_ids: Sequence[int]) -> int:
+        """``LLMEngine.commit_kv``: KV received into ``reserve_kv``'s blocks becomes cached."""
+        return self.run(lambda eng: eng.commit_kv(request_id, prompt_token_ids))
 
     @property
     def load(self) -> LoadSnapshot:
@@ -237,7 +263,8 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop after the step in progress; open streams and queued commands fail
-        with EngineStoppedError."""
+        with EngineStoppedError. Then the engine's tiers finish their queued file writes (the
+        disk tier is what a restarted node finds)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
@@ -245,6 +272,14 @@ class AsyncEngine:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.error("engine loop did not stop within %.1fs", timeout)
+                return
+            self.engine.close()
+
+    def _wake_for_tiers(self) -> None:
+        # Called on a tier worker thread.
+        with self._cond:
+            self._tiers_woke = True
+            self._cond.notify()
 
     # ------------------------------------------------------------------ loop thread
     def _open_stream(self, request_id: str) -> OutputStream:
@@ -258,10 +293,11 @@ class AsyncEngine:
 
     def _run(self) -> None:
         busy = False
+        self._publish_events()  # what the engine found at start (its disk tier's blocks)
         try:
             while True:
                 with self._cond:
-                    while not (self._commands or self._stopping or busy):
+                    while not (self._commands or self._stopping or busy or self._tiers_woke):
                         # A sleeping loop is idle, not wedged: a request waiting for blocks
                         # that only a command can free keeps its heartbeats.
                         self._cond.wait(IDLE_TICK_S)
@@ -269,6 +305,7 @@ class AsyncEngine:
                     if self._stopping:
                         break
                     commands, self._commands = self._commands, deque()
+                    self._tiers_woke = False
                 for cmd in commands:
                     self._run_command(cmd)
                 busy = self._step()
@@ -310,6 +347,8 @@ class AsyncEngine:
                     self._measured(time.monotonic() - t0)
                 if eng.num_steps != steps_before:  # it ran the model (not only handed out aborts)
                     self.health.succeeded()
+            else:
+                eng.service_tiers()  # an idle engine still takes its tiers' finished copies
         except Exception as err:
             log.exception("engine step failed; failing its %d open requests", len(self._streams))
             self._fail_requests(RequestFailedError(f"engine step failed: {err!r}"))

@@ -4,12 +4,12 @@ The engine loop hands block events over with ``submit_events`` (a queue put, nev
 round trip on the engine thread); this thread folds them and publishes each batch in one
 pipeline, and heartbeats the load every ``heartbeat_s`` (the heartbeat is the lease).
 
-The thread keeps the node's snapshot: the set of block hashes its published events leave
-held (the same set the prefix cache holds, folded from the same events). Every batch carries
-the next sequence number; when the index refuses one as a gap (a failed publish, a Redis
-restart, a lease that lapsed and was pruned) or a heartbeat finds the node's entry gone, the
-thread replaces the node's entries with that snapshot in one script call, so the index
-recovers without the node dropping its cache.
+The thread keeps the node's snapshot: the block hashes its published events leave held, each
+with the tiers it is held in (device, host, disk: the same set the node's cache holds, folded
+from the same events). Every batch carries the next sequence number; when the index refuses
+one as a gap (a failed publish, a Redis restart, a lease that lapsed and was pruned) or a
+heartbeat finds the node's entry gone, the thread replaces the node's entries with that
+snapshot in one script call, so the index recovers without the node dropping its cache.
 
 Redis trouble never stops serving: the index is a hint. Only this thread waits on Redis (each
 round trip bounded by the client's timeouts, kv_index/client.py); the engine loop and the gRPC
@@ -34,9 +34,10 @@ from collections.abc import Callable, Mapping
 
 import redis
 
-from kv_index.events import AllBlocksCleared, BlockRemoved, BlockStored, fold_kv_events
+from kv_index.events import AllBlocksCleared, BlockRemoved, BlockStored, fold_kv_events_by_tier
 from kv_index.nodes import StepReport
 from kv_index.publisher import NodePublisher
+from kv_index.schema import tier_bit
 from telemetry.log_limit import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,9 @@ class IndexPublisherThread:
         self._beat_now = False
         self._stop = threading.Event()
         self._needs_resync = False
-        self._held: set[int] = set()  # the snapshot; only the publisher thread touches it
+        # The snapshot, block hash -> tier mask (kv_index.schema.tier_bit); only the publisher
+        # thread touches it.
+        self._held: dict[int, int] = {}
         self._steps: deque[StepReport] = deque(maxlen=max_steps)
         self._thread = threading.Thread(target=self._run, name=f"index-{publisher.info.node_id}", daemon=True)
         self.num_coalesced = 0  # times the queued batches were folded into one (Redis slow or down)
@@ -122,12 +125,11 @@ class IndexPublisherThread:
     def _coalesce(self) -> None:
         """Fold every queued batch into one with the same net effect (lock held)."""
         stop = None in self._events
-        stored, removed, cleared = fold_kv_events(ev for b in self._events if b for ev in b)
+        stored, removed, cleared = fold_kv_events_by_tier(ev for b in self._events if b for ev in b)
         net: list = [AllBlocksCleared()] if cleared else []
-        if removed:
-            net.append(BlockRemoved(tuple(removed)))
-        if stored:
-            net.append(BlockStored(tuple(stored), None, ()))
+        # Per tier: a block's host copy and its device copy are separate entries.
+        net.extend(BlockRemoved(tuple(hs), tier) for tier, hs in removed.items())
+        net.extend(BlockStored(tuple(hs), None, (), tier) for tier, hs in stored.items())
         self._events.clear()
         self._events.append(net)
         if stop:
@@ -154,7 +156,7 @@ class IndexPublisherThread:
             batches = self._take_events(timeout=max(0.0, next_beat - time.monotonic()))
             try:
                 if batches:
-                    stored, removed, cleared = fold_kv_events(ev for b in batches for ev in b)
+                    stored, removed, cleared = fold_kv_events_by_tier(ev for b in batches for ev in b)
                     self._apply_to_snapshot(stored, removed, cleared)
                     if not self._needs_resync:
                         self._needs_resync = not self.publisher.publish(stored=stored, removed=removed,
@@ -177,11 +179,24 @@ class IndexPublisherThread:
                                           self.publisher.info.node_id, err)
                 next_beat = time.monotonic() + self._heartbeat_s
 
-    def _apply_to_snapshot(self, stored: list[int], removed: list[int], cleared: bool) -> None:
+    def _apply_to_snapshot(self, stored: Mapping[int, list[int]], removed: Mapping[int, list[int]],
+                           cleared: bool) -> None:
+        """The snapshot as the index applies the batch: cleared, removals, stores, per tier."""
+        held = self._held
         if cleared:
-            self._held.clear()
-        self._held.difference_update(removed)
-        self._held.update(stored)
+            held.clear()
+        for tier, hashes in removed.items():
+            keep = ~tier_bit(tier)
+            for h in hashes:
+                mask = held.get(h, 0) & keep
+                if mask:
+                    held[h] = mask
+                else:
+                    held.pop(h, None)
+        for tier, hashes in stored.items():
+            bit = tier_bit(tier)
+            for h in hashes:
+                held[h] = held.get(h, 0) | bit
 
     def _flush_steps(self) -> None:
         with self._lock:

@@ -43,20 +43,28 @@ from grpc_reflection.v1alpha import reflection
 from engine.engine import LLMEngine
 from kv_index.client import RedisTimeouts, redis_client
 from kv_index.health import SERVING, UNHEALTHY, HealthStore
-from kv_index.nodes import NodeInfo, Role
+from kv_index.nodes import NodeInfo, OnboardTotals, Role
 from kv_index.publisher import NodePublisher
-from kv_transfer.grpc_transport import KV_GRPC_OPTIONS
+from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, GrpcKVSender
+from kv_transfer.shm_transport import ShmKVSender
+from kv_transfer.tcp_transport import TcpKVSender
+from kv_transfer.transport import FallbackKVSender, KVSender
 from node.admission import InflightGate, LongRpcInterceptor, refuse_busy, refuse_draining
 from node.config import NodeConfig, host_port
 from node.engine_thread import AsyncEngine
+from node.prefix_holder import PrefixHolder
 from node.publisher import IndexPublisherThread
 from node.request_parsing import ParseRequestsInterceptor
 from protos.conventions import keepalive_ping_options
+from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 from security.tls import add_port
 from telemetry import tracing
 from telemetry.metrics import MetricsServer, NodeMetrics
 
 log = logging.getLogger(__name__)
+
+HOLDER_SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KVHolder"].full_name
+PUSH_PREFIX_PATH = f"/{HOLDER_SERVICE}/PushPrefix"
 
 
 class NodeServer:
@@ -69,11 +77,13 @@ class NodeServer:
 
     role: ClassVar[Role]
     services: ClassVar[tuple[str, ...]]
+    # What every node serves besides its role's services: PushPrefix (node/prefix_holder.py).
+    common_services: ClassVar[tuple[str, ...]] = (HOLDER_SERVICE,)
     # Full method names ("/pkg.Service/Method") of the calls that hold a worker thread for a
     # whole request: bounded by config.stream_limit (node/admission.py).
     long_methods: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, config: NodeConfig, engine: LLMEngine) -> None:
+    def __init__(self, config: NodeConfig, engine: LLMEngine, kv_sender: KVSender | None = None) -> None:
         if config.role is not self.role:
             raise ValueError(f"{type(self).__name__} needs a {self.role.value}-role config, "
                              f"got role={config.role.value!r}")
@@ -95,13 +105,21 @@ class NodeServer:
             options=KV_GRPC_OPTIONS + keepalive_ping_options(),
             # Outermost: a request it cannot parse is INVALID_ARGUMENT before it takes a slot.
             interceptors=(ParseRequestsInterceptor(),
-                          LongRpcInterceptor(self.gate, self.long_methods, config.node_id)),
+                          LongRpcInterceptor(self.gate, (*self.long_methods, PUSH_PREFIX_PATH), config.node_id)),
             maximum_concurrent_rpcs=config.rpc_limit,
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
-            (*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server)
+            (*self.served, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server)
+        # Every node sends KV: a prefill node its prompts' to decode nodes, any node a prefix it
+        # holds to a node that fetches it (PushPrefix). The receiver's advertised transports in
+        # its order (shared memory on the same host, then raw TCP; both plaintext, so only
+        # without TLS), then gRPC (docs/cluster.md, "KV data plane").
+        fast = [ShmKVSender(), TcpKVSender()] if config.tls is None else []
+        self.kv_sender: KVSender = kv_sender or FallbackKVSender(fast, GrpcKVSender(config.tls))
+        self.holder = PrefixHolder(self)
+        kv_pb2_grpc.add_KVHolderServicer_to_server(self.holder, self.grpc_server)
         self.aengine: AsyncEngine | None = None
         self.publisher: IndexPublisherThread | None = None
         self.address: str | None = None
@@ -146,7 +164,7 @@ class NodeServer:
                                    on_unhealthy=self._engine_unhealthy)
         try:
             self.grpc_server.start()
-            for name in ("", *self.services):
+            for name in ("", *self.served):
                 self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
             self.publisher.start()
             self.metrics.healthy.set(1)
@@ -158,6 +176,11 @@ class NodeServer:
             raise
         log.info("%s node %s serving on %s", cfg.role.value, cfg.node_id, self.address)
         return self.address
+
+    @property
+    def served(self) -> tuple[str, ...]:
+        """Full names of every gRPC service of this node (health and reflection list them)."""
+        return (*self.services, *self.common_services)
 
     def kv_endpoints(self) -> tuple[str, ...]:
         """KV data-plane endpoints this node receives on besides gRPC (the decode role's)."""
@@ -171,6 +194,7 @@ class NodeServer:
         if self.publisher is not None:
             self.publisher.stop(deregister=deregister)
         self.grpc_server.stop(grace_s).wait()
+        self.kv_sender.close()
         if self.aengine is not None:
             self.aengine.shutdown()
         if self.metrics_server is not None:
@@ -200,7 +224,7 @@ class NodeServer:
 
     def _become_unhealthy(self, reason: str) -> None:
         log.error("%s is unhealthy: %s; leaving the index", self.config.node_id, reason)
-        for name in ("", *self.services):
+        for name in ("", *self.served):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.metrics.healthy.set(0)
         if self.publisher is not None:
@@ -249,7 +273,7 @@ class NodeServer:
             if self._drained is not None:
                 return self._drained
             log.info("%s draining (up to %.0f s)", self.config.node_id, timeout_s)
-            for name in ("", *self.services):
+            for name in ("", *self.served):
                 self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
             if self.publisher is not None:
                 self.publisher.beat_now()
@@ -292,4 +316,17 @@ class NodeServer:
     def _load(self) -> dict:
         if self.aengine is None:
             return {}
-        return {**self.aengine.load.as_dict(), "draining": int(self.draining)}
+        return {**self.aengine.load.as_dict(), "draining": int(self.draining), **onboard_fields(self.aengine.stats)}
+
+
+def onboard_fields(stats: dict) -> dict[str, str]:
+    """The heartbeat's ``onboard_host`` / ``onboard_disk`` (kv_index.nodes.OnboardTotals) from the
+    engine's stats: what routers fit each tier's onboard cost on."""
+    tiers = stats.get("tiers") or {}
+    out = {}
+    for name in ("host", "disk"):
+        t = tiers.get(name)
+        if t:
+            secs = t["onboard_seconds"]
+            out[f"onboard_{name}"] = OnboardTotals(t["onboard_bytes"], secs["sum"], secs["count"]).wire()
+    return out

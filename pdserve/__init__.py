@@ -20,11 +20,11 @@ from pdserve.errors import (
                             StreamInterruptedError,
                             UnavailableError,
 )
-from pdserve.types import Chunk, Completion, ModelInfo, Timings, TokenLogprob, Usage
+from pdserve.types import Chunk, Completion, ModelInfo, Timings, TokenLogprob, ToolCall, Usage
 
 __all__ = [
     "AsyncClient", "AsyncStream", "AuthenticationError", "CancelledError", "Chunk", "Client", "Completion", "DeadlineExceededError",
     "InvalidRequestError", "ModelInfo", "NotFoundError", "PdServeError", "ResourceExhaustedError", "Stream",
     "StreamInterruptedError",
-    "TLS", "Timings", "TokenLogprob", "UnavailableError", "Usage",
+    "TLS", "Timings", "TokenLogprob", "ToolCall", "UnavailableError", "Usage",
 ]

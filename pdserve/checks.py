@@ -4,6 +4,10 @@ the wrong shape), refused with InvalidRequestError naming the field, instead of 
 "Value out of range: -1" or a UnicodeEncodeError. Limits that are the server's to set
 (n <= 16, max_tokens against the context, top_p in (0, 1], ...) stay with the server: it
 answers them with the same exception.
+
+Structured outputs and tools arrive in OpenAI's and vLLM's shapes and become wire messages
+through protos/openai_shapes.py, the module the router's HTTP API reads them with, so the SDK
+and HTTP refuse the same shapes with the same field names.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from typing import Any
 import grpc
 
 from pdserve.errors import InvalidRequestError
+from protos import openai_shapes as shapes
+from protos.pdserve.v1 import serving_pb2 as pb
 
 UINT32_MAX = (1 << 32) - 1
 INT32_MAX = (1 << 31) - 1
@@ -94,8 +100,9 @@ def check_token_ids(field: str, ids: Any) -> list[int]:
     return [check_int(f"{field}[{i}]", t, 0, UINT32_MAX) for i, t in enumerate(ids)]
 
 
-def check_messages(messages: Any) -> list[tuple[str, str]]:
-    """Chat messages -> (role, content) pairs."""
+def check_messages(messages: Any) -> list[pb.ChatMessage]:
+    """Chat messages (OpenAI's dicts: ``role``, ``content``; an assistant turn's ``tool_calls``
+    with or without content; a tool result's ``tool_call_id`` and ``name``) -> wire messages."""
     if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Sequence):
         raise invalid("messages", f"messages must be a list of {{'role', 'content'}} dicts, "
                                   f"got {type(messages).__name__}")
@@ -103,7 +110,50 @@ def check_messages(messages: Any) -> list[tuple[str, str]]:
         raise invalid("messages", "messages is empty: a chat prompt needs at least one message")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+        calls = m.get("tool_calls") if isinstance(m, Mapping) else None
+        if not isinstance(m, Mapping) or "role" not in m or ("content" not in m and not calls):
             raise invalid(f"messages[{i}]", f"messages[{i}] must be a dict with 'role' and 'content', got {m!r:.80}")
-        out.append((check_str(f"messages[{i}].role", m["role"]), check_str(f"messages[{i}].content", m["content"])))
+        content = m.get("content")
+        msg = pb.ChatMessage(role=check_str(f"messages[{i}].role", m["role"]),
+                             content="" if content is None and calls else check_str(f"messages[{i}].content", content))
+        for key in ("tool_call_id", "name"):
+            if m.get(key) is not None:
+                setattr(msg, key, check_str(f"messages[{i}].{key}", m[key]))
+        if calls:
+            msg.tool_calls.extend(shaped(shapes.tool_calls_from_openai, calls, f"messages[{i}].tool_calls"))
+        out.append(msg)
     return out
+
+
+def shaped(convert, *args):
+    """A protos/openai_shapes.py conversion, its ShapeError as InvalidRequestError."""
+    try:
+        return convert(*args)
+    except shapes.ShapeError as e:
+        raise invalid(e.field, str(e)) from None
+
+
+def structured_message(response_format: Any, structured: Any) -> pb.StructuredOutput | None:
+    """``response_format=`` (OpenAI's) or ``structured=`` (vLLM's structured_outputs) -> the
+    wire's constraint; both at once is refused naming them."""
+    sources = {"response_format": (shaped(shapes.from_response_format, response_format)
+                                   if response_format is not None else None),
+               "structured": (shaped(shapes.from_structured_outputs, structured, "structured")
+                              if structured is not None else None)}
+    return shaped(shapes.one_source, sources)
+
+
+def add_tools(req: pb.GenerateRequest, tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> None:
+    """``tools=``, ``tool_choice=``, ``parallel_tool_calls=`` onto a chat request."""
+    if req.WhichOneof("prompt") != "chat":
+        raise invalid("tools", "tools, tool_choice and parallel_tool_calls need a chat prompt (messages)")
+    if tools:
+        req.chat.tools.extend(shaped(shapes.tools_from_openai, tools))
+    choice = shaped(shapes.tool_choice_from_openai, tool_choice)
+    if choice is not None:
+        req.chat.tool_choice.CopyFrom(choice)
+    if parallel_tool_calls is not None:
+        if not isinstance(parallel_tool_calls, bool):
+            raise invalid("parallel_tool_calls", f"parallel_tool_calls must be true or false, "
+                                                 f"got {parallel_tool_calls!r}")
+        req.chat.parallel_tool_calls = parallel_tool_calls

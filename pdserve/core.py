@@ -31,7 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from pdserve import checks, errors
-from pdserve.types import Chunk, Completion, ModelInfo, Timings, TokenLogprob, Usage
+from pdserve.types import Chunk, Completion, ModelInfo, Timings, TokenLogprob, ToolCall, Usage
 from protos.conventions import MAX_MESSAGE_BYTES, grpc_options
 from protos.pdserve.v1 import serving_pb2 as pb
 from protos.pdserve.v1 import serving_pb2_grpc as pb_grpc
@@ -83,13 +83,24 @@ def _pem(value: bytes | str | Path | None) -> bytes | None:
 
 
 # ----------------------------------------------------------------------------- requests
-def build_request(prompt: Any = None, *, messages: Sequence[Mapping[str, str]] | None = None,
+def build_request(prompt: Any = None, *, messages: Sequence[Mapping[str, Any]] | None = None,
                   token_ids: Sequence[int] | None = None, model: str = "",
                   request_id: str | None = None, slo_class: str | None = None,
-                  session_id: str = "", **sampling: Any) -> pb.GenerateRequest:
+                  session_id: str = "", response_format: Mapping[str, Any] | None = None,
+                  structured: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+                  tool_choice: str | Mapping[str, Any] | None = None, parallel_tool_calls: bool | None = None,
+                  **sampling: Any) -> pb.GenerateRequest:
     """A GenerateRequest from one of: ``prompt`` (str: text; list of dicts: chat messages;
     list of ints: token ids), ``messages=`` or ``token_ids=``. Sampling keywords left None
     mean the server's default; so does ``slo_class=None`` (the router's default class).
+
+    Structured output, as over HTTP: ``response_format=`` OpenAI's (``{"type": "json_object"}``,
+    ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``) or ``structured=``
+    vLLM's ``structured_outputs`` object (``{"json": schema}``, ``{"regex": ...}``,
+    ``{"choice": [...]}``, ``{"grammar": ...}``, ``{"json_object": True}``); one of them.
+    Tools (chat prompts only): ``tools=`` OpenAI's function list, ``tool_choice=`` ("none",
+    "auto", "required" or ``{"type": "function", "function": {"name": ...}}``),
+    ``parallel_tool_calls=``; the calls come back parsed in ``Completion.tool_calls``.
     Raises InvalidRequestError naming the argument for what the wire cannot carry
     (pdserve/checks.py)."""
     if prompt is not None:
@@ -111,15 +122,20 @@ def build_request(prompt: Any = None, *, messages: Sequence[Mapping[str, str]] |
         session_id=checks.check_str("session_id", session_id),
         slo_class=pb.SloClass.Value(f"SLO_CLASS_{slo_class.upper()}") if slo_class else pb.SLO_CLASS_UNSPECIFIED,
         sampling=sampling_message(**sampling))
+    constraint = checks.structured_message(response_format, structured)
+    if constraint is not None:
+        req.sampling.structured.CopyFrom(constraint)
     if text is not None:
         req.text = checks.check_str("prompt", text)
     elif messages is not None:
-        req.chat.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in checks.check_messages(messages))
+        req.chat.messages.extend(checks.check_messages(messages))
     else:
         ids = checks.check_token_ids("token_ids", token_ids)
         if not ids:
             raise checks.invalid("token_ids", "token_ids is empty: a prompt needs at least one token")
         req.tokens.ids.extend(ids)
+    if tools is not None or tool_choice is not None or parallel_tool_calls is not None:
+        checks.add_tools(req, tools, tool_choice, parallel_tool_calls)
     return req
 
 
@@ -192,6 +208,7 @@ class ResponseAccumulator:
                             u.spec_mean_accepted_length),
                 timings=Timings(t.queue_s, t.prefill_s, t.transfer_s, t.first_token_s, t.total_s),
                 logprobs=tuple(self._lps.get(c.index, [])),
+                tool_calls=tuple(ToolCall(t.id, t.name, t.arguments) for t in c.tool_calls),
             )
             return None
         if kind == "error":

@@ -1,7 +1,9 @@
 """Plain result types of the SDK (no protobuf in user code)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,16 +48,30 @@ class Timings:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call the model made (the router parsed it from the text in the model's own format)."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI's function.arguments
+
+    def parsed_arguments(self) -> Any:
+        return json.loads(self.arguments)
+
+
+@dataclass(frozen=True, slots=True)
 class Completion:
     """One finished sample: its whole text and tokens, why it stopped, usage and timings."""
 
     index: int
     text: str
     token_ids: tuple[int, ...]
-    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    finish_reason: str  # "stop" | "length" | "abort" | "error" | "tool_calls"
     usage: Usage = field(default_factory=Usage)
     timings: Timings = field(default_factory=Timings)
     logprobs: tuple[TokenLogprob, ...] = ()
+    # Requests with tools: the calls parsed from ``text`` (which stays the model's raw text).
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,13 +32,12 @@ from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from kv_index.nodes import Role, StepReport
-from kv_transfer.grpc_transport import GrpcKVSender
 from kv_transfer.layout import PoolLayout
-from kv_transfer.shm_transport import ShmKVSender
-from kv_transfer.tcp_transport import TcpKVSender
-from kv_transfer.transport import FallbackKVSender, KVSender, PushResult, TransferError
+from kv_transfer.transport import KVSender, PushResult, TransferError
 from node.config import NodeConfig
 from node.engine_thread import EngineStoppedError, OutputStream, RequestFailedError
+from node.kv_inbox import InboxReceiver, KVInbox
+from node.prefix_fetch import PrefixFetcher
 from node.rpc_trace import child_span, prefill_phases, traced_rpc
 from node.server import NodeServer
 from prefill_node.inflight import InflightPrefills
@@ -64,18 +63,23 @@ KV_STREAM_MIN_PUSH_BYTES = 1 << 20
 
 class PrefillServer(NodeServer):
     role = Role.PREFILL
-    services = (kv_pb2.DESCRIPTOR.services_by_name["PrefillNode"].full_name,)
-    long_methods = ("/pdserve.v1.PrefillNode/Prefill",)
+    # KVTransfer: only PushBlocks, the prefixes this node fetches (node/prefix_fetch.py).
+    services = tuple(kv_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("PrefillNode", "KVTransfer"))
+    long_methods = ("/pdserve.v1.PrefillNode/Prefill", "/pdserve.v1.KVTransfer/PushBlocks")
 
     def __init__(self, config: NodeConfig, engine: LLMEngine | None = None,
                  kv_sender: KVSender | None = None) -> None:
-        # Prefill nodes never detokenize: the decode node streams the text.
-        super().__init__(config, engine or LLMEngine(config.engine, load_tokenizer=False))
-        # The decode node's advertised transports in its order (shared memory on the same host,
-        # then raw TCP; both plaintext, so only without TLS), then gRPC (docs/cluster.md,
-        # "KV data plane").
-        fast = [ShmKVSender(), TcpKVSender()] if config.tls is None else []
-        self.kv_sender = kv_sender or FallbackKVSender(fast, GrpcKVSender(config.tls))
+        # Prefill nodes never detokenize (the decode node streams the text), but a structured
+        # output's first token is sampled here under its grammar, which is built from the
+        # tokenizer's vocabulary. The KV sender (to decode nodes, and to peers fetching a prefix
+        # from here) is the node base's.
+        super().__init__(config, engine or LLMEngine(config.engine, load_tokenizer=config.load_tokenizer),
+                         kv_sender)
+        # Where the prefixes it fetches land (node/kv_inbox.py), and the fetches themselves.
+        self.inbox = KVInbox(config, self.engine.kv_cache, self.engine.fingerprint, self.engine.model_config.num_layers,
+                             release=lambda rid: self.aengine.release_kv(rid))
+        self.fetcher = PrefixFetcher(self)
+        kv_pb2_grpc.add_KVTransferServicer_to_server(InboxReceiver(self.inbox), self.grpc_server)
         self._healthy_sender: KVSender | None = None  # kept while a KV fault is injected
         self._kv_fault_senders: list = []  # every damaging sender so far, for its counts
         # Layer-wise KV streaming (docs/cluster.md, "KV data plane"): on unless configured off;
@@ -109,10 +113,15 @@ class PrefillServer(NodeServer):
         advertised = getattr(self.kv_sender, "advertised", None)
         return tuple(advertised()) if advertised is not None else ()
 
+    def start(self) -> str:
+        self.inbox.start()
+        return super().start()
+
     def stop(self, deregister: bool = True, grace_s: float = 1.0) -> None:
+        self.set_kv_fault(None)  # the node base closes the healthy sender
         super().stop(deregister=deregister, grace_s=grace_s)
-        self.set_kv_fault(None)
-        self.kv_sender.close()
+        self.inbox.stop()
+        self.fetcher.close()
 
     def set_kv_fault(self, mode: str | None) -> None:
         """Fault injection (prefill_node/faults.py): damage every KV push from now on ("flip",
@@ -219,27 +228,33 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
         # This node's part of the request: arrival -> first token (ttft) -> KV pushed (e2e).
         rec = RequestRecorder(node.metrics.requests, arrival=t0)
         res = request.reservation
-        # Layer-wise streaming: the KV leaves while the prefill computes (prefill_node/kv_streamer.py).
-        streamer = self._streamer(rid, prompt, request, context) if res.block_ids and node.kv_streaming else None
-        stream = self._start(rid, prompt, params, request, streamer, context)
-        context.add_callback(stream.cancel)  # the router gave up: stop computing
+        # The prefix another node holds, first (node/prefix_fetch.py): a failed fetch is computed.
+        fetched = node.fetcher.fetch(rid, prompt, request.fetch) if request.HasField("fetch") else None
         try:
-            outcome = self._compute(stream, rid, prompt, request, streamer, context, t0, rec)
-            if res.block_ids:
-                outcome = self._send_kv(outcome, rid, prompt, request, streamer, context)
-        finally:
-            if streamer is not None:  # before the blocks go: it may still read them
-                self._stop_streamer(rid, streamer)
-            # Always: the blocks stay in this node's prefix cache either way, unpinned.
+            # Layer-wise streaming: the KV leaves while the prefill computes (prefill_node/kv_streamer.py).
+            streamer = self._streamer(rid, prompt, request, context) if res.block_ids and node.kv_streaming else None
+            stream = self._start(rid, prompt, params, request, streamer, context)
+            context.add_callback(stream.cancel)  # the router gave up: stop computing
             try:
-                node.aengine.release_kv(rid)
-            except EngineStoppedError:
-                pass  # the engine and its blocks are gone with it
+                outcome = self._compute(stream, rid, prompt, request, streamer, context, t0, rec)
+                if res.block_ids:
+                    outcome = self._send_kv(outcome, rid, prompt, request, streamer, context)
+            finally:
+                if streamer is not None:  # before the blocks go: it may still read them
+                    self._stop_streamer(rid, streamer)
+                # Always: the blocks stay in this node's prefix cache either way, unpinned.
+                _release(node.aengine.release_kv, rid)
+        finally:
+            if fetched is not None:
+                _release(node.fetcher.done, rid)
         node.num_prefills += 1
         # The request leaves this node here: "prefilled", whatever the decode node makes of it.
         rec.sample(0, 0, "prefilled")
         rec.finish(len(prompt))
-        return outcome.response(request.resumed_output_tokens)
+        resp = outcome.response(request.resumed_output_tokens)
+        if fetched is not None:
+            fetched.fill(resp)
+        return resp
 
     def _start(self, rid: str, prompt: list[int], params: SamplingParams, request: kv_pb2.PrefillRequest,
                streamer: KVStreamer | None, context) -> OutputStream:
@@ -389,6 +404,13 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reservation: {err}")
         except TransferError as err:
             self._transfer_failed(rid, request, err, context)
+
+
+def _release(release, rid: str) -> None:
+    try:
+        release(rid)
+    except EngineStoppedError:
+        pass  # the engine and its blocks are gone with it
 
 
 def _prefill_problem(rid: str, prompt: list[int], params: SamplingParams, request, eng: LLMEngine) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from protos.pdserve.v1 import serving_pb2 as pb
-from tokens.sampling_params import SamplingParams
+from tokens.sampling_params import SamplingParams, StructuredOutput
 from tokens.stop import FinishReason
 
 _DEFAULTS = SamplingParams()
@@ -45,6 +45,25 @@ def _f(x: float) -> float:
     return float(f"{x:.7g}")
 
 
+def structured_from_proto(m: pb.StructuredOutput) -> StructuredOutput:
+    """``STRUCTURED_KIND_JSON_SCHEMA`` -> kind "json_schema". UNSPECIFIED and values this build
+    does not know become a kind that StructuredOutput.validate refuses by name."""
+    if m.kind == pb.STRUCTURED_KIND_UNSPECIFIED:
+        kind = "unspecified"
+    elif m.kind in pb.StructuredKind.values():
+        kind = pb.StructuredKind.Name(m.kind).removeprefix("STRUCTURED_KIND_").lower()
+    else:
+        kind = f"unknown ({m.kind})"
+    return StructuredOutput(kind=kind, spec=m.spec, strict=m.strict if m.HasField("strict") else True)
+
+
+def structured_to_proto(o: StructuredOutput) -> pb.StructuredOutput:
+    msg = pb.StructuredOutput(kind=pb.StructuredKind.Value(f"STRUCTURED_KIND_{o.kind.upper()}"), spec=o.spec)
+    if not o.strict:
+        msg.strict = False
+    return msg
+
+
 def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
     """Build engine SamplingParams (not yet validated: call ``.validate(vocab)``)."""
     return SamplingParams(
@@ -65,6 +84,7 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
         include_stop_str_in_output=s.include_stop_str_in_output,
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
+        structured=structured_from_proto(s.structured) if s.HasField("structured") else None,
     )
 
 
@@ -89,4 +109,6 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.structured is not None:
+        msg.structured.CopyFrom(structured_to_proto(p.structured))
     return msg

@@ -39,14 +39,24 @@ class Estimate:
     """What placement predicts for the chosen (prefill, decode) pair, in seconds."""
 
     queue_s: float = 0.0  # wait on the prefill node before this request starts
-    prefill_s: float = 0.0  # compute of the uncached tokens (+ fetching replicated blocks)
+    # compute of the uncached tokens, plus whatever loading the queue wait did not hide
+    prefill_s: float = 0.0
     transfer_s: float = 0.0  # KV prefill -> decode
     decode_wait_s: float = 0.0  # wait for a decode slot
     tbt_s: float = 0.0  # predicted time between tokens on the decode node with this request
+    # bringing the prompt's held blocks to the device (onboarding the node's host or disk
+    # hits, fetching a peer's): it starts on arrival, so only what outlasts queue_s shows
+    load_s: float = 0.0
 
     @property
     def ttft_s(self) -> float:
         return self.queue_s + self.prefill_s + self.transfer_s + self.decode_wait_s
+
+    @property
+    def compute_s(self) -> float:
+        """The node's compute for this request: what it adds to the node's queue (the
+        ledger), loading aside (bytes move while the node computes other requests)."""
+        return max(0.0, self.prefill_s - max(0.0, self.load_s - self.queue_s))
 
 
 @dataclass(frozen=True, slots=True)

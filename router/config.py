@@ -89,10 +89,15 @@ class RouterConfig:
     # router.admission.SLO_CLASSES. "relaxed" so slow hardware (CPU nodes) is not rejected by
     # budgets meant for accelerators; deployments on GPUs set "standard".
     default_slo_class: str = "relaxed"
-    # TtftPolicy: weight of a request's compute seconds on top of its predicted TTFT. 4.0 was
-    # chosen on the tuning split of the trace replay (docs/benchmarks.md, router section): the
-    # live router runs the value the benchmark reports.
-    compute_weight: float = 4.0
+    # TtftPolicy: weight of a request's remaining compute (at the cluster's typical node speed)
+    # on top of its predicted TTFT. 2.0 was chosen for pdserve with prefix fetch on the tuning
+    # split of the trace replay (docs/benchmarks.md, router section): the live router runs the
+    # value the benchmark reports.
+    compute_weight: float = 2.0
+    # TtftPolicy: a prefill node may fetch the leading blocks another node (prefill or decode,
+    # any tier) holds instead of computing them, when the cost model says the fetch is faster
+    # (docs/cluster.md, "Prefix fetch"). A failed fetch is computed; False: never fetch.
+    prefix_fetch: bool = True
     # KV bytes per prompt token (transfer-time prior until transfers are measured); 0 = CostBook's default.
     kv_bytes_per_token: int = 0
     # Migration (router/migration.py): a request whose node fails is placed again at most this

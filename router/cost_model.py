@@ -1,6 +1,6 @@
 """Cost models the placement policy predicts time with, fitted online from the nodes' reports.
 
-Pure: plain numbers in, seconds out; no sockets. Three models:
+Pure: plain numbers in, seconds out; no sockets. The models:
 
 * ``PrefillCost``: seconds to prefill ``new`` tokens on top of ``cached`` ones::
 
@@ -10,11 +10,12 @@ Pure: plain numbers in, seconds out; no sockets. Three models:
   ``cached + new/2`` tokens, so long prompts cost more per token than short ones.
 * ``DecodeCost``: seconds per decode step for a batch: ``fixed_s + per_seq_s * batch +
   per_ctx_token_s * context tokens in the batch`` (weights read once per step, KV per token).
-* ``TransferCost``: seconds to move KV between a (source, destination) pair over one
-  transport (shm, tcp, grpc): ``fixed_s`` per push + bytes / ``bandwidth``, fitted per pair and
-  transport by ``TransferFit`` from whole pushes (a push after the prefill, alone on its
-  cores); with layer-wise streaming the request waits only for the exposed part, which
-  ``CostBook.transfer_s`` predicts from the streamed transfers' exposed share.
+* ``TransferCost`` (router/transfer_cost.py): ``fixed_s`` per push + bytes / ``bandwidth``, for
+  two kinds of moves: KV between a (source, destination) pair over one transport (shm, tcp,
+  grpc), fitted per pair and transport from whole pushes (with layer-wise streaming the
+  request waits only for the exposed part, which ``CostBook.transfer_s`` predicts from the
+  streamed transfers' exposed share); and a node's host-memory or disk blocks brought back to
+  its device (onboarding), fitted per (node, tier).
 
 ``OnlineFit`` fits any such linear model by least squares over an exponentially forgotten
 window, started from a prior: the prior enters as a few pseudo-observations at representative
@@ -26,9 +27,29 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 from kv_index.nodes import StepReport
+from router.transfer_cost import (
+    MAX_BANDWIDTH,
+    ONBOARD_PRIORS,
+    TIER_NAMES,
+    TRANSPORT_PRIORS,
+    OnboardFitView,
+    PairTransfers,
+    TransferCost,
+    TransferFit,
+    TransferFitView,
+    first_transport,
+    tier_name,
+)
+
+# Re-exported: callers and tests name the transfer models through this module, as before the split.
+__all__ = [
+    "CostBook", "DecodeCost", "MAX_BANDWIDTH", "ONBOARD_PRIORS", "OnboardFitView", "OnlineFit", "PrefillCost",
+    "PrefillCostFit", "TIER_NAMES", "TRANSPORT_PRIORS", "TransferCost", "TransferFit", "TransferFitView",
+    "first_transport", "prefill_features", "prefill_from_coef", "solve", "tier_name",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,213 +194,37 @@ class PrefillCostFit:
     def num_reports(self) -> int:
         return self._data.n
 
-
-@dataclass(frozen=True, slots=True)
-class TransferCost:
-    """Seconds to move KV between two nodes over one transport: ``fixed_s`` per push (a stream
-    set up, a header validated, a reply awaited) plus the bytes at ``bandwidth`` (bytes/s)."""
-    fixed_s: float
-    bandwidth: float
-
-    def seconds(self, num_bytes: float, pushes: int = 1) -> float:
-        return self.fixed_s * max(1, pushes) + max(num_bytes, 0.0) / self.bandwidth
-
-
-# Priors per transport: docs/benchmarks.md "Figures behind constants", the quiet-VM run of 2026-12-01 (grpc 1.12
-# GB/s and 1.30 ms fixed; tcp 3.19 GB/s, 0.41 ms; shm 4.18 GB/s, 0.20 ms). A pair's own
-# measurements replace them within a few transfers; they matter for the first requests and for
-# the split between fixed cost and bandwidth while a pair has only seen one size of prompt.
-TRANSPORT_PRIORS: dict[str, TransferCost] = {
-    "grpc": TransferCost(1.3e-3, 1.1e9),
-    "tcp": TransferCost(0.41e-3, 3.2e9),
-    "shm": TransferCost(0.20e-3, 4.2e9),
-}
-# A report implying more than this is a clock or accounting error, not a transport (HBM itself
-# copies at a few TB/s).
-MAX_BANDWIDTH = 1e13
-# Where the prior is pinned (bytes): one small block of a small model, where a transfer is all
-# fixed cost, and 64 MiB, where it is all bandwidth.
-_PRIOR_BYTES = (256 * 1024, 64 * 1024 * 1024)
-_MB = 1e6  # features in MB: seconds-per-MB and seconds-per-push are both ~1e-3
-
-
-class TransferFit:
-    """One (source, destination, transport)'s ``TransferCost``, fitted online from measured
-    transfers ``(bytes, pushes, seconds)`` as ``seconds = fixed_s * pushes + bytes / bandwidth``.
-
-    Why this fit and not an EWMA of bytes/seconds: a 1-block transfer on gRPC is ~75% fixed
-    cost (1.3 of 1.78 ms, docs/benchmarks.md), so bytes/seconds over chat-sized prompts reads
-    as a bandwidth almost 3x too low, and then charges a long prompt almost 3x too much. Two coefficients need two kinds of evidence, and the
-    choices below keep each honest when the evidence is thin:
-
-    * Least squares in *relative* error (each point weighted by 1/predicted^2, predicted by the
-      prior's shape): in absolute seconds one 64 MiB transfer outweighs a hundred small ones,
-      and the fixed cost, which only small transfers show, would be lost in its noise.
-    * The prior enters at its shape, scaled by how much slower than predicted the pair has been
-      (``scale``, as ``PrefillCostFit``): reports of one size (every chat prompt 1-3 blocks)
-      fix the level and say nothing about the split; the scaled prior supplies the split
-      without pulling the level back towards its own. It is not forgotten, so a long run of
-      one size cannot let noise decide the split; data of spread sizes outweighs it.
-    * Exponential forgetting (``forget``): a pair's path changes (a neighbour's traffic, a
-      pod moved to another host).
-    * Each report is clipped to ``clip`` times the current prediction either way before it is
-      used (``clip`` squared for a fit's first two reports, against a prior that may be far
-      off): one absurd figure (a clock step, a transfer that waited behind a GC pause) moves
-      the fit by a bounded amount, while a real change still arrives in a few reports.
-    * The solution is kept physical: fixed_s >= 0 and bandwidth <= MAX_BANDWIDTH (a negative
-      intercept from noise is refitted as a pure bandwidth line, and vice versa).
-    """
-
-    def __init__(self, prior: TransferCost, prior_weight: float = 2.0, forget: float = 0.97,
-                 clip: float = 20.0) -> None:
-        self.prior = prior
-        self.forget = forget
-        self.clip = clip
-        # The prior's normal equations at scale 1 (relative weights: each point counts 1).
-        self._pA = [[0.0, 0.0], [0.0, 0.0]]
-        self._pb = [0.0, 0.0]
-        for nb in _PRIOR_BYTES:
-            x, y = (1.0, nb / _MB), prior.seconds(nb)
-            w = prior_weight / len(_PRIOR_BYTES) / y ** 2
-            _accumulate(self._pA, self._pb, x, y, w)
-        self._A = [[0.0, 0.0], [0.0, 0.0]]
-        self._b = [0.0, 0.0]
-        self._observed = self._predicted = 0.0  # forgotten sums: seconds reported, prior's seconds
-        self._model = prior
-        self.n = 0
-
-    @property
-    def scale(self) -> float:
-        return self._observed / self._predicted if self._predicted > 0 else 1.0
-
-    @property
-    def model(self) -> TransferCost:
-        return self._model
-
-    def add(self, num_bytes: float, seconds: float, pushes: int = 1) -> bool:
-        """One measured transfer; False (and nothing learned) when the report is unusable."""
-        if not (num_bytes > 0 and seconds > 0 and math.isfinite(num_bytes) and math.isfinite(seconds)):
-            return False
-        pushes = max(1, pushes)
-        now = self._model.seconds(num_bytes, pushes)
-        # Looser for the first two: a prior can be far off (a loaded VM, a 100 Gb NIC).
-        bound = self.clip if self.n >= 2 else self.clip ** 2
-        seconds = min(max(seconds, now / bound), now * bound)
-        p = self.prior.seconds(num_bytes, pushes)
-        f = self.forget
-        for i in range(2):
-            self._b[i] *= f
-            for j in range(2):
-                self._A[i][j] *= f
-        _accumulate(self._A, self._b, (float(pushes), num_bytes / _MB), seconds, 1.0 / p ** 2)
-        self._observed = f * self._observed + seconds
-        self._predicted = f * self._predicted + p
-        s = self.scale
-        A = [[self._pA[i][j] + self._A[i][j] for j in range(2)] for i in range(2)]
-        b = [s * self._pb[i] + self._b[i] for i in range(2)]
-        fixed, per_mb = _solve_physical(A, b)
-        self._model = TransferCost(fixed, _MB / per_mb)
-        self.n += 1
-        return True
-
-
-def _accumulate(A: list[list[float]], b: list[float], x: Sequence[float], y: float, w: float) -> None:
-    for i in range(2):
-        b[i] += w * x[i] * y
-        for j in range(2):
-            A[i][j] += w * x[i] * x[j]
-
-
-def _solve_physical(A: list[list[float]], b: list[float]) -> tuple[float, float]:
-    """Least squares for (fixed_s, seconds per MB) from the normal equations, constrained to
-    fixed_s >= 0 and seconds per MB >= 1/MAX_BANDWIDTH: the unconstrained solution when it is
-    physical, else the better of the two one-coefficient fits on the boundary."""
-    min_per_mb = _MB / MAX_BANDWIDTH
-    det = A[0][0] * A[1][1] - A[0][1] * A[1][0]
-    if abs(det) > 1e-12 * A[0][0] * A[1][1]:
-        fixed = (b[0] * A[1][1] - A[0][1] * b[1]) / det
-        per_mb = (A[0][0] * b[1] - A[1][0] * b[0]) / det
-        if fixed >= 0 and per_mb >= min_per_mb:
-            return fixed, per_mb
-
-    def loss(c0: float, c1: float) -> float:  # up to a constant: c^T A c - 2 b^T c
-        return A[0][0] * c0 * c0 + 2 * A[0][1] * c0 * c1 + A[1][1] * c1 * c1 - 2 * (b[0] * c0 + b[1] * c1)
-
-    no_fixed = (0.0, max(b[1] / A[1][1], min_per_mb))
-    fastest = (max((b[0] - A[0][1] * min_per_mb) / A[0][0], 0.0), min_per_mb)
-    return min(no_fixed, fastest, key=lambda c: loss(*c))
-
-
-def first_transport(sender: Sequence[str], receiver: Sequence[str]) -> str:
-    """The transport a prefill node tries first towards a decode node, from what each
-    advertises in the index (``NodeInfo.kv_endpoints``), as its ``FallbackKVSender`` walks them
-    (kv_transfer/transport.py): the receiver's endpoints in its order, each one the sender has
-    a transport for; a shared-memory one only on the sender's own host (same host key); gRPC
-    when none is left (also with TLS, where neither end advertises a fast transport).
-
-        sender   (prefill): "shm://<host key>/", "tcp://"      what it sends over, no address
-        receiver (decode):  "shm://<host key>/host:port", "tcp://host:port"
-
-    A guess until the pair's first transfer says which one carried it: the receiver may still
-    refuse to map the sender's shared memory (another /dev/shm on the same kernel)."""
-    sends: dict[str, str] = {}  # scheme -> the sender's host key ("" for tcp)
-    for e in sender:
-        scheme, _, rest = e.partition("://")
-        sends[scheme] = rest.partition("/")[0]
-    for e in receiver:
-        scheme, sep, rest = e.partition("://")
-        if not sep or scheme not in sends:
-            continue
-        if scheme == "shm":
-            key, _, address = rest.partition("/")
-            if key and address and key == sends["shm"]:
-                return scheme
-            continue
-        if rest:  # an address to send to
-            return scheme
-    return "grpc"
-
-
-@dataclass(slots=True)
-class PairTransfers:
-    """What the book knows of one directed (source, destination) pair: a fit per transport it
-    has pushed whole KV over, the transport of its last successful transfer (a fast transport
-    that fell back to gRPC shows as "grpc", and is predicted as such until it works again), and
-    how much of a transfer the request waits for when the KV is streamed layer by layer during
-    the prefill. A transport the pair has only streamed over has no fit of its own: it is
-    predicted by that transport's pooled fit."""
-    fits: dict[str, TransferFit]
-    transport: str
-    # exposed seconds / the fit's one-push seconds for the same bytes, over streamed transfers
-    exposed_fraction: float = 1.0
-    # share of recent transfers that were streamed (1.0: all, 0.0: none)
-    streamed_share: float = 0.0
-    transfers: int = 0
-    streamed_seen: bool = False
-
-    def exposed_factor(self) -> float:
-        """Expected exposed seconds per second of an unstreamed transfer."""
-        s = self.streamed_share
-        return s * self.exposed_fraction + (1.0 - s)
-
-
 class CostBook:
-    """Per-node prefill fits plus per-pair transfer fits: what a policy consults. A node with
-    fewer than ``min_reports`` reports gets the pooled fit of all nodes' reports (the prior before
-    any): judging it by the prior while its peers are judged by their measurements would make a
-    node that never reported look faster (or slower) than it is and draw (or lose) all traffic.
-    Transfers follow the same idea: a pair that never transferred is predicted by the pooled fit
-    of the transport the router last saw used, and a pair's fit for a transport starts from that
-    transport's pooled fit.
-    Step reports come from the router's refresher thread and transfer measurements from its
-    event loop; readers get immutable ``PrefillCost`` / ``TransferCost`` values and
-    single-attribute reads, so a lookup never sees a half-updated fit."""
+    """Per-node prefill fits, per-pair transfer fits and per-(node, tier) onboard fits: what a
+    policy consults. A node with fewer than ``min_reports`` reports gets the pooled fit of all
+    nodes' reports (the prior before any): judging it by the prior while its peers are judged by
+    their measurements would make a node that never reported look faster (or slower) than it is
+    and draw (or lose) all traffic. Transfers follow the same idea: a pair that never
+    transferred is predicted by the pooled fit of the transport the router last saw used, and a
+    pair's fit for a transport starts from that transport's pooled fit; so do onboards, per tier.
+
+    What feeds it (the router's refresher thread and its event loop):
+
+    * ``add_step(node, StepReport)``: a prefill's compute alone (new tokens over a context);
+    * ``add_transfer(src, dst, bytes, seconds, ...)``: a KV push that landed, prefill -> decode,
+      and also a fetch: a prefill node that pulled a prefix from the node holding it reports
+      it as a transfer from the holder to itself (``src`` = holder), over the transport used,
+      unstreamed; ``raw_transfer_s(holder, node, tokens)`` is then what placement charges;
+    * ``add_onboard(node, tier, bytes, seconds, runs)``: blocks a node brought back from its
+      host memory ("host" / ``TIER_HOST``) or disk ("disk" / ``TIER_DISK``) into its device
+      pool, ``runs`` separate reads (files, or contiguous runs of blocks) in ``seconds``
+      summed; fitted like a transport (``TransferFit``: a fixed cost per run plus bytes at a
+      bandwidth) from ``ONBOARD_PRIORS``; ``onboard_s(node, tier, tokens)`` predicts.
+
+    Readers get immutable ``PrefillCost`` / ``TransferCost`` values and single-attribute reads,
+    so a lookup never sees a half-updated fit."""
 
     def __init__(self, prior: PrefillCost = PrefillCost(), decode: DecodeCost = DecodeCost(),
                  default_bandwidth: float = 25e9, kv_bytes_per_token: int = 131072,
                  min_reports: int = 8, default_fixed_s: float = 0.0,
                  transport_priors: Mapping[str, TransferCost] | None = None,
-                 transfer_forget: float = 0.97, exposed_alpha: float = 0.2) -> None:
+                 transfer_forget: float = 0.97, exposed_alpha: float = 0.2,
+                 onboard_priors: Mapping[str, TransferCost] | None = None) -> None:
         self.prior = prior
         self.min_reports = min_reports
         self._pooled = PrefillCostFit(prior)
@@ -399,6 +244,9 @@ class CostBook:
         self._last_transport: str | None = None
         # node id -> NodeInfo.kv_endpoints of the live nodes (note_endpoints); replaced whole.
         self._endpoints: Mapping[str, Sequence[str]] = {}
+        self.onboard_priors = dict(ONBOARD_PRIORS if onboard_priors is None else onboard_priors)
+        self._onboard: dict[tuple[str, str], TransferFit] = {}  # (node, tier) -> its fit
+        self._pooled_onboard: dict[str, TransferFit] = {}  # tier -> all nodes' fit
 
     def add_step(self, node_id: str, report: StepReport) -> None:
         fit = self._fits.get(node_id)
@@ -411,6 +259,47 @@ class CostBook:
 
     def prefill(self, node_id: str) -> PrefillCost:
         return self._models.get(node_id) or self._pooled.model
+
+    def reference_prefill(self) -> PrefillCost:
+        """The pooled fit of every node's reports: the cluster's typical node."""
+        return self._pooled.model
+
+    # -- onboarding: a node's lower tiers back to its device -------------------------------------
+    def add_onboard(self, node_id: str, tier: int | str, num_bytes: float, seconds: float, runs: int = 1) -> None:
+        """``num_bytes`` of KV brought from ``tier`` ("host"/"disk" or ``TIER_HOST``/``TIER_DISK``)
+        into ``node_id``'s device pool in ``seconds``, as ``runs`` separate reads. Unusable
+        reports (zero, negative or non-finite) teach nothing; outliers move the fit a bounded
+        step (``TransferFit``'s clipping). ValueError for a tier without an onboard cost."""
+        name = tier_name(tier)
+        if not (num_bytes > 0 and seconds > 0 and math.isfinite(num_bytes) and math.isfinite(seconds)):
+            return
+        pooled = self._pooled_onboard.get(name)
+        if pooled is None:
+            pooled = self._pooled_onboard[name] = TransferFit(self.onboard_priors[name], forget=self.transfer_forget)
+        fit = self._onboard.get((node_id, name))
+        if fit is None:
+            # A node's first fit starts from what the other nodes showed, as a pair's does.
+            fit = self._onboard[(node_id, name)] = TransferFit(pooled.model, forget=self.transfer_forget)
+        if fit.add(num_bytes, seconds, runs):
+            pooled.add(num_bytes, seconds, runs)
+
+    def onboard_model(self, node_id: str, tier: int | str) -> TransferCost:
+        """The node's own fit for the tier, else the tier's pooled fit, else its prior."""
+        name = tier_name(tier)
+        fit = self._onboard.get((node_id, name)) or self._pooled_onboard.get(name)
+        return fit.model if fit is not None else self.onboard_priors[name]
+
+    def onboard_s(self, node_id: str, tier: int | str, tokens: int) -> float:
+        """Seconds ``node_id`` takes to bring ``tokens`` tokens' KV back from ``tier`` (one run)."""
+        if tokens <= 0:
+            return 0.0
+        return self.onboard_model(node_id, tier).seconds(tokens * self.kv_bytes_per_token)
+
+    def onboard_fits(self) -> list[OnboardFitView]:
+        """Every fit, pooled ones under node "" (plain data for ``stats()`` and metrics)."""
+        rows = [(("", t), f) for t, f in list(self._pooled_onboard.items())] + list(self._onboard.items())
+        return sorted((OnboardFitView(nid, t, f.model.bandwidth, f.model.fixed_s, f.n)
+                       for (nid, t), f in rows), key=lambda v: (v.node_id, v.tier))
 
     # -- transfers -------------------------------------------------------------------------------
     def _transfer_fit(self, fits: dict[str, TransferFit], transport: str, prior: TransferCost) -> TransferFit:
@@ -531,12 +420,3 @@ class CostBook:
         return out
 
 
-class TransferFitView(NamedTuple):
-    src: str
-    dst: str
-    transport: str
-    bandwidth: float
-    fixed_s: float
-    transfers: int  # unstreamed transfers fitted (0: the transport's pooled fit or prior)
-    current: bool  # the transport the pair's predictions use now
-    exposed_factor: float  # expected exposed seconds per raw second (1.0 unless streamed)

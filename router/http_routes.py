@@ -1,7 +1,8 @@
 """The routes of the HTTP API, on one ``APIRouter`` that ``build_app`` includes:
 
     GET  /v1/models                 the served model
-    POST /v1/chat/completions       chat, streaming (SSE, ends with ``data: [DONE]``) or not
+    POST /v1/chat/completions       chat, streaming (SSE, ends with ``data: [DONE]``) or not;
+                                    structured outputs, tool calls parsed into OpenAI's shape
     POST /v1/completions            text or token prompts, batched prompts too
     GET  /health                    200 while the process runs
     GET  /ready                     200 once a decode node (and ready_min_prefill prefill nodes)
@@ -204,12 +205,14 @@ async def chat_completions(req: oai.ChatCompletionRequest, request: Request, ser
     first = await _first_response(stream)
     headers = {"x-request-id": rid}
     model_name = served.config.model_name
+    # Tools given (and tool_choice not "none"): the answer is read for calls in the model's format.
+    tool_format = served.orch.tokenizer.tool_format if req.parses_tool_calls else None
     if not req.stream:
         collected = await _collect_unless_disconnected(served, request, [rid], _drain(stream, first))
         _raise_stream_error(collected)
-        return JSONResponse(oresp.chat_completion_json(rid, model_name, collected, req.logprobs, served.token_text),
-                            headers=headers)
-    chat = oresp.ChatStream(rid, model_name, req.logprobs, req.include_usage, served.token_text)
+        return JSONResponse(oresp.chat_completion_json(rid, model_name, collected, req.logprobs, served.token_text,
+                                                       tool_format), headers=headers)
+    chat = oresp.ChatStream(rid, model_name, req.logprobs, req.include_usage, served.token_text, tool_format)
     return StreamingResponse(_chat_events(served, rid, chat, stream, first), media_type="text/event-stream",
                              headers=headers)
 

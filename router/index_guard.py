@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import redis
 
+from kv_index.nodes import PrefixMatch
 from kv_index.reader import IndexReader
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class GuardedLookup:
         self.failures = 0  # lookups that failed (timed out, refused, errored)
         self.skipped = 0  # lookups not made because the breaker was open
 
-    def match(self, block_hashes: Sequence[int], node_ids: Sequence[str]) -> dict[str, int]:
+    def match(self, block_hashes: Sequence[int], node_ids: Sequence[str]) -> dict[str, PrefixMatch]:
         with self._lock:
             allowed = self._breaker.allow()
             if not allowed:

@@ -16,6 +16,8 @@ whichever sign comes first::
     step error          the node's engine step raised (INTERNAL): retried elsewhere once
     prefill deadline    a Prefill call ran past its deadline, derived from the cost model's
                         prediction: the decode node recomputes the prompt
+    fetch bound         a prefill node's fetch of a prefix from its holder ran past its bound
+                        (``fetch_timeout_s``): the prefill node computes the prefix
 
 The progress deadline scales with the node's own step time (``NodeInfo.step_s``, the average
 its engine heartbeats): a stream on a node whose steps take 100 ms waits ``factor`` x 100 ms,
@@ -81,6 +83,24 @@ def prefill_deadline_s(estimate: Estimate | None, factor: float, floor_s: float,
     if estimate is None:
         return ceiling_s
     predicted = estimate.queue_s + estimate.prefill_s + estimate.transfer_s
+    return min(ceiling_s, max(floor_s, factor * predicted))
+
+
+# A prefix fetch's bound (PrefillRequest.fetch.timeout_s): this many times the placement's
+# predicted load, within [floor, ceiling] seconds. The floor covers a healthy holder on a busy
+# machine (a fetch there is a few RPCs and one push); past the ceiling computing would have
+# been faster for any prompt this cluster serves. The node clamps it too (node/prefix_fetch.py).
+FETCH_TIMEOUT_FACTOR = 4.0
+FETCH_TIMEOUT_FLOOR_S = 1.0
+FETCH_TIMEOUT_CEILING_S = 10.0
+
+
+def fetch_timeout_s(estimate: Estimate | None, factor: float = FETCH_TIMEOUT_FACTOR,
+                    floor_s: float = FETCH_TIMEOUT_FLOOR_S, ceiling_s: float = FETCH_TIMEOUT_CEILING_S) -> float:
+    """How long a prefill node waits for the prefix it fetches before computing it instead:
+    ``factor`` times the predicted load (``Estimate.load_s``: the fetch and any onboarding),
+    clamped to [floor_s, ceiling_s]."""
+    predicted = estimate.load_s if estimate is not None else 0.0
     return min(ceiling_s, max(floor_s, factor * predicted))
 
 

@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from kv_index.nodes import NodeInfo, Role
+from kv_index.nodes import NodeInfo, OnboardTotals, Role
 from kv_index.reader import IndexReader
 from router.cost_model import CostBook
 from router.index_guard import GuardedLookup
@@ -97,6 +97,7 @@ class NodeRefresher:
         # Each decode node's own step times: NodeInfo.step_best_s for placement's straggler check.
         self.steps = StepHistory()
         self._step_cursor: dict[str, str] = {}  # node id -> last step report id read
+        self._onboards: dict[tuple[str, str], OnboardTotals] = {}  # (node id, tier) -> totals last read
         self._refresh_s = refresh_s
         self._prune_every_s = prune_every_s
         self._view = NodeView()
@@ -138,6 +139,7 @@ class NodeRefresher:
         if self._costs is not None:  # a pair's transport before its first transfer
             self._costs.note_endpoints({n.node_id: n.kv_endpoints for n in view.nodes})
             self._read_steps()
+            self._learn_onboards(read)
         return self._view
 
     def _settle(self, read: dict[str, NodeInfo], now: float) -> tuple[dict[str, NodeInfo], str | None]:
@@ -175,6 +177,17 @@ class NodeRefresher:
             self._step_cursor[nid] = last
             for rep in reports:
                 self._costs.add_step(nid, rep)
+
+    def _learn_onboards(self, read: dict[str, NodeInfo]) -> None:
+        """Each node's host and disk onboards since the last refresh, from its heartbeat's
+        cumulative totals, into the cost book's per (node, tier) fit."""
+        for nid, node in read.items():
+            for tier in ("host", "disk"):
+                now = getattr(node, f"onboard_{tier}")
+                done = now.since(self._onboards.get((nid, tier), OnboardTotals()))
+                self._onboards[nid, tier] = now
+                if done.runs > 0 and done.bytes > 0 and done.seconds > 0:
+                    self._costs.add_onboard(nid, tier, done.bytes, done.seconds, done.runs)
 
     def start(self) -> None:
         self._thread.start()

@@ -3,10 +3,17 @@ OpenAI's error body. No I/O: ``router/http_routes.py`` serves them; the response
 ``router/openai_responses.py``.
 
 Requests are pydantic models so that a malformed body is refused with a 400 naming the field,
-as OpenAI does. Fields OpenAI defines but pdserve cannot honour (tools, logit_bias, echo, ...)
-are refused by name instead of silently ignored: a client that sends them expects an effect.
+as OpenAI does. Fields OpenAI defines but pdserve cannot honour (logit_bias, echo, ...) are
+refused by name instead of silently ignored: a client that sends them expects an effect.
 pdserve's own knobs arrive as extra body fields, the way vLLM takes its extras
 (``extra_body={"slo_class": "interactive", "top_k": 20}`` in the official client).
+
+Structured outputs come from exactly one of OpenAI's ``response_format``, vLLM's
+``structured_outputs`` object or its older ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar`` extras (two at once is a 400 naming both); tools, the
+tool choice and the tool turns of the history travel in the chat prompt, and the router turns
+them into the template's input and, for ``required`` or a named function, a constraint
+(router/validation.py). The shapes are read by protos/openai_shapes.py, which the SDK shares.
 
 What is kept from OpenAI's defaults on purpose: a chat completion without ``max_tokens`` may
 use the rest of the context (the router fills it in once it knows the prompt's length), a text
@@ -19,6 +26,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from protos import openai_shapes as shapes
 from protos.pdserve.v1 import serving_pb2 as pb
 from tokens.sampling_params import SamplingParams
 
@@ -90,6 +98,14 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     slo_class: Literal["interactive", "standard", "batch", "relaxed"] | None = None
     session_id: Text | None = None
+    # Structured outputs: OpenAI's, vLLM's object, vLLM's older extras (one at a time).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -105,6 +121,18 @@ class _Common(BaseModel):
     def _refuse_unsupported(self) -> None:
         if self.logit_bias:
             raise UnsupportedError("logit_bias", "logit_bias is not supported by pdserve")
+
+    def _structured(self) -> pb.StructuredOutput | None:
+        """The one structured-output constraint the body asks for (None: none)."""
+        try:
+            sources = {"response_format": (shapes.from_response_format(self.response_format)
+                                           if self.response_format is not None else None),
+                       "structured_outputs": (shapes.from_structured_outputs(self.structured_outputs)
+                                              if self.structured_outputs is not None else None),
+                       **shapes.from_guided(self.model_dump(include=set(shapes.GUIDED) | set(shapes.GUIDED_REFUSED)))}
+            return shapes.one_source(sources)
+        except shapes.ShapeError as e:
+            raise UnsupportedError(e.field, str(e)) from None
 
     @property
     def stop_list(self) -> list[str]:
@@ -134,6 +162,9 @@ class _Common(BaseModel):
             s.seed = self.seed
         if logprobs is not None:
             s.logprobs = logprobs
+        structured = self._structured()
+        if structured is not None:
+            s.structured.CopyFrom(structured)
         return s
 
     def _request(self, sampling: pb.SamplingParams, request_id: str) -> pb.GenerateRequest:
@@ -150,8 +181,8 @@ class ContentPart(BaseModel):
     text: Text | None = None
 
 
-# The roles OpenAI's chat API takes (its deprecated "function" role aside: pdserve has no
-# function calling). Chat templates render any role name verbatim, so an unknown one would be
+# The roles OpenAI's chat API takes (its deprecated "function" role aside: tool results come
+# as role "tool"). Chat templates render any role name verbatim, so an unknown one would be
 # text the model never saw in training rather than an error: refuse it by name.
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -167,6 +198,8 @@ class ChatMessage(BaseModel):
     role: Annotated[str, AfterValidator(_role)]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls (multi-turn tool use)
+    tool_call_id: Text | None = None  # role "tool": the call it answers
 
     def text(self, i: int) -> str:
         if self.content is None:
@@ -181,6 +214,16 @@ class ChatMessage(BaseModel):
             out.append(part.text or "")
         return "".join(out)
 
+    def to_proto(self, i: int) -> pb.ChatMessage:
+        msg = pb.ChatMessage(role=self.role, content=self.text(i), tool_call_id=self.tool_call_id or "",
+                             name=self.name or "")
+        if self.tool_calls:
+            try:
+                msg.tool_calls.extend(shapes.tool_calls_from_openai(self.tool_calls, f"messages[{i}].tool_calls"))
+            except shapes.ShapeError as e:
+                raise UnsupportedError(e.field, str(e)) from None
+        return msg
+
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -189,20 +232,31 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """The answer is read for tool calls: tools given and tool_choice not "none"."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def to_generate(self, request_id: str) -> pb.GenerateRequest:
         self._refuse_unsupported()
-        if self.tools:
-            raise UnsupportedError("tools", "tools / function calling are not supported by pdserve")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise UnsupportedError("response_format", "only response_format {\"type\": \"text\"} is supported")
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedError("top_logprobs", "top_logprobs needs logprobs: true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         req = self._request(self._sampling(max_tokens, logprobs), request_id)
-        req.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.text(i)) for i, m in enumerate(self.messages))
+        req.chat.messages.extend(m.to_proto(i) for i, m in enumerate(self.messages))
+        try:
+            if self.tools:
+                req.chat.tools.extend(shapes.tools_from_openai(self.tools))
+            choice = shapes.tool_choice_from_openai(self.tool_choice)
+        except shapes.ShapeError as e:
+            raise UnsupportedError(e.field, str(e)) from None
+        if choice is not None:
+            req.chat.tool_choice.CopyFrom(choice)
+        if self.parallel_tool_calls is not None:
+            req.chat.parallel_tool_calls = self.parallel_tool_calls
         return req
 
 

@@ -2,15 +2,22 @@
 (``chat_completion_json``, ``completion_json``) or a stream of chunks (``ChatStream``,
 ``CompletionStream``), usage and logprobs as OpenAI spells them. No I/O:
 ``router/http_routes.py`` serves them; the requests are ``router/openai_protocol.py``.
+
+A chat request with tools (tool_choice not "none") has its text read for tool calls in the
+model's format (router/tool_calls.py): a whole answer's message gets ``tool_calls`` and the text
+around them as ``content``; a stream sends OpenAI's deltas, the first of each call with its id,
+type and name, then fragments of its arguments. A sample that stopped after calling tools ends
+with finish_reason "tool_calls".
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from protos.pdserve.v1 import serving_pb2 as pb
+from router.tool_calls import ArgsDelta, CallStart, Event, ParsedCall, TextDelta, ToolCallParser, parse_all
+from router.tool_formats import ToolFormat
 
 # OpenAI's finish reasons, from ours. "abort" and "error" are not OpenAI's but vLLM returns
 # "abort" too: a client that cancelled sees why its text stopped.
@@ -104,15 +111,38 @@ def _now() -> int:
     return int(time.time())
 
 
+def tool_calls_json(calls: Sequence[ParsedCall]) -> list[dict]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_text}}
+            for c in calls]
+
+
+def _finish(reason: str | None, calls: bool) -> str | None:
+    # OpenAI's "tool_calls": the sample stopped by itself after calling; one cut by max_tokens
+    # stays "length" (its last call may be incomplete).
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def chat_message(text: str, tool_format: ToolFormat | None) -> tuple[dict, bool]:
+    """The assistant message of one answer, and whether it called tools."""
+    if tool_format is None:
+        return {"role": "assistant", "content": text}, False
+    content, calls = parse_all(tool_format, text)
+    if not calls:
+        return {"role": "assistant", "content": content}, False
+    return {"role": "assistant", "content": content or None, "tool_calls": tool_calls_json(calls)}, True
+
+
 def chat_completion_json(rid: str, model: str, collected: Collected, want_logprobs: bool,
-                         token_text: TokenText) -> dict:
+                         token_text: TokenText, tool_format: ToolFormat | None = None) -> dict:
+    """``tool_format``: read the answers for tool calls in that format (None: plain text)."""
     choices = []
     for i in sorted(collected.choices):
         c = collected.choices[i]
+        message, called = chat_message("".join(c.text), tool_format)
         choices.append({
-            "index": i, "message": {"role": "assistant", "content": "".join(c.text)},
+            "index": i, "message": message,
             "logprobs": {"content": chat_logprobs(c.logprobs, token_text)} if want_logprobs else None,
-            "finish_reason": c.finish_reason,
+            "finish_reason": _finish(c.finish_reason, called),
         })
     return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": _now(), "model": model,
             "choices": choices,
@@ -149,21 +179,57 @@ class ChatStream:
     """GenerateResponses -> chat.completion.chunk objects (dicts), in OpenAI's order: each
     choice's first chunk carries the role, content deltas follow, a last chunk per choice
     carries its finish reason, and with include_usage a final chunk with no choices carries
-    the usage (every earlier chunk then has "usage": null)."""
+    the usage (every earlier chunk then has "usage": null). With ``tool_format``, each
+    choice's text goes through a tool-call parser: content deltas are the text around the
+    calls, and each call is a delta with its id, type and name, then deltas of its arguments."""
 
     def __init__(self, rid: str, model: str, want_logprobs: bool, include_usage: bool,
-                 token_text: TokenText) -> None:
+                 token_text: TokenText, tool_format: ToolFormat | None = None) -> None:
         self.id = f"chatcmpl-{rid}"
         self.model = model
         self.created = _now()
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
         self.token_text = token_text
+        self.tool_format = tool_format
         self.collected = Collected()
         self._started: set[int] = set()
+        self._parsers: dict[int, ToolCallParser] = {}
 
     def _chunk(self, choices: list[dict]) -> dict:
         return _stream_chunk(self.id, "chat.completion.chunk", self.created, self.model, choices, self.include_usage)
+
+    def _delta_chunk(self, index: int, delta: dict, logprobs: dict | None = None) -> dict:
+        if index not in self._started:
+            self._started.add(index)
+            delta = {"role": "assistant", **delta}
+        return self._chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
+
+    def _parser(self, index: int) -> ToolCallParser:
+        p = self._parsers.get(index)
+        if p is None:
+            p = self._parsers[index] = ToolCallParser(self.tool_format)
+        return p
+
+    def _event_chunks(self, index: int, events: list[Event], logprobs: dict | None) -> list[dict]:
+        """One chunk per content run and per call delta (clients read tool_calls[0] only)."""
+        out, text = [], []
+        for e in events + [None]:
+            if isinstance(e, TextDelta):
+                text.append(e.text)
+                continue
+            if text:
+                out.append(self._delta_chunk(index, {"content": "".join(text)}, logprobs))
+                text, logprobs = [], None
+            if isinstance(e, CallStart):
+                out.append(self._delta_chunk(index, {"tool_calls": [
+                    {"index": e.index, "id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}}]}))
+            elif isinstance(e, ArgsDelta):
+                out.append(self._delta_chunk(index, {"tool_calls": [
+                    {"index": e.index, "function": {"arguments": e.text}}]}))
+        if logprobs is not None:  # text held back (a tag may be starting): the logprobs still go out
+            out.append(self._delta_chunk(index, {"content": ""}, logprobs))
+        return out
 
     def feed(self, resp: pb.GenerateResponse) -> list[dict]:
         self.collected.feed(resp)
@@ -171,18 +237,22 @@ class ChatStream:
         out: list[dict] = []
         if kind == "chunk":
             ch = resp.chunk
-            delta: dict[str, Any] = {"content": ch.text}
-            if ch.index not in self._started:
-                self._started.add(ch.index)
-                delta = {"role": "assistant", **delta}
             lp = {"content": chat_logprobs(ch.logprobs, self.token_text)} if self.want_logprobs else None
-            out.append(self._chunk([{"index": ch.index, "delta": delta, "logprobs": lp, "finish_reason": None}]))
-        elif kind == "complete":
-            c = self.collected.choices[resp.complete.index]
-            delta = {} if resp.complete.index in self._started else {"role": "assistant", "content": ""}
-            self._started.add(resp.complete.index)
+            if self.tool_format is None:
+                return [self._delta_chunk(ch.index, {"content": ch.text}, lp)]
+            return self._event_chunks(ch.index, self._parser(ch.index).feed(ch.text), lp)
+        if kind == "complete":
+            index = resp.complete.index
+            c = self.collected.choices[index]
+            called = False
+            if self.tool_format is not None:
+                parser = self._parser(index)
+                out.extend(self._event_chunks(index, parser.finish(), None))
+                called = bool(parser.calls)
+            delta = {} if index in self._started else {"role": "assistant", "content": ""}
+            self._started.add(index)
             out.append(self._chunk([{"index": c.index, "delta": delta, "logprobs": None,
-                                     "finish_reason": c.finish_reason}]))
+                                     "finish_reason": _finish(c.finish_reason, called)}]))
         return out
 
     def usage_chunk(self) -> dict:

@@ -302,13 +302,15 @@ class Orchestrator:
             return prep, None
         est = prep.placement.estimate
         cfg = self.config
+        holder, fetch = self._fetch_spec(prep)
+        # A fetch past its bound is computed: the deadline leaves room for both.
         deadline_s = liveness.prefill_deadline_s(est, cfg.prefill_deadline_factor, cfg.prefill_deadline_floor_s,
-                                                 cfg.prefill_timeout_s)
+                                                 cfg.prefill_timeout_s) + (fetch.timeout_s if fetch else 0.0)
         started = time.monotonic()
         call = run.prefill_call = self.nodes.prefill(prefill.grpc_address, kv_pb2.PrefillRequest(
             request_id=prep.node_id, prompt_token_ids=prep.prompt, sampling=prep.sampling,
-            decode_address=decode.grpc_address, reservation=reservation, resumed_output_tokens=prep.resumed), md,
-            timeout_s=deadline_s)
+            decode_address=decode.grpc_address, reservation=reservation, resumed_output_tokens=prep.resumed,
+            fetch=fetch), md, timeout_s=deadline_s)
         self.ledger.add(prefill.node_id, prep.node_id, est.prefill_s if est is not None else 0.0)
         try:
             resp = await self.nodes.prefilled(call, decode.grpc_address, prep.node_id, reservation.lease_s)
@@ -341,10 +343,25 @@ class Orchestrator:
         self.accuracy.record(prep.client_id, prep.placement.predicted_cached_tokens, resp.cached_tokens)
         if self.costs is not None:
             learn_transfer(self.costs, prefill.node_id, decode.node_id, resp, prep.block_size)
+            if holder is not None:
+                learn_fetch(self.costs, holder.node_id, prefill.node_id, resp, prep.placement.fetch_tokens)
         run.prefill_s, run.transfer_s = resp.prefill_s, resp.transfer_s
         if not run.output_ids:  # a migrated request's first token reached the client long ago
             run.prefill_token_at = time.monotonic()
         return prep, resp
+
+    def _fetch_spec(self, prep: Prepared) -> tuple[NodeInfo | None, kv_pb2.KVFetch | None]:
+        """The holder placement chose to fetch the prompt's head from, and what the prefill node
+        is asked to fetch (None, None: nothing, or the holder left the view since)."""
+        pl = prep.placement
+        if pl.fetch_from is None or pl.fetch_tokens <= 0:
+            return None, None
+        holder = next((n for n in self.refresher.view.nodes if n.node_id == pl.fetch_from), None)
+        if holder is None:
+            return None, None
+        return holder, kv_pb2.KVFetch(holder_address=holder.grpc_address,
+                                      num_blocks=pl.predicted_cached_tokens // prep.block_size,
+                                      timeout_s=liveness.fetch_timeout_s(pl.estimate))
 
     def _first_token_finish(self, prep: Prepared, first: kv_pb2.PrefillResponse) -> FinishReason | None:
         """Whether the prefill node's token already ends the request, so no decode slot is
@@ -409,3 +426,23 @@ def learn_transfer(costs: CostBook, src: str, dst: str, resp: kv_pb2.PrefillResp
     costs.add_transfer(src, dst, resp.bytes_sent, resp.transfer_s, num_tokens=resp.blocks_sent * block_size,
                        transport=resp.transport or "grpc", exposed_s=resp.transfer_exposed_s,
                        streamed=resp.kv_streamed, pushes=resp.kv_pushes)
+
+
+def learn_fetch(costs: CostBook, holder: str, dst: str, resp: kv_pb2.PrefillResponse, fetch_tokens: int) -> None:
+    """Teach the cost book one prefix fetch from ``holder`` into prefill node ``dst``: what the
+    prefill waited for the blocks (``fetch_s``, less the holder's onboarding from its lower
+    tiers, which the book fits per node and tier) for the bytes that came. A fetch that ran out
+    its bound teaches the pair that the ``fetch_tokens`` it was sent for take at least that
+    long; a failed one teaches nothing (the holder may be gone: a failure is not a price)."""
+    if resp.fetch_outcome == "ok":
+        nbytes = resp.fetch_bytes
+    elif resp.fetch_outcome == "timeout":
+        nbytes = fetch_tokens * costs.kv_bytes_per_token
+    else:
+        return
+    costs.add_transfer(holder, dst, nbytes, max(resp.fetch_s - resp.fetch_onboard_s, 0.0),
+                       transport=resp.fetch_transport or "grpc", pushes=1)
+    host, disk = resp.fetch_onboarded_host_blocks, resp.fetch_onboarded_disk_blocks
+    if resp.fetch_onboard_s > 0 and bool(host) != bool(disk) and resp.fetch_blocks:
+        per_block = resp.fetch_bytes / resp.fetch_blocks
+        costs.add_onboard(holder, "host" if host else "disk", per_block * (host or disk), resp.fetch_onboard_s)

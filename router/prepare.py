@@ -90,7 +90,8 @@ class Preparer:
         hashes = hash_prompt_blocks(prompt, view.block_size, view.fingerprint.encode())
         # The index is a hint: {} (no prefix information) when it fails or is being skipped.
         matched = self.reader.match(hashes, [x.node_id for x in nodes]) if self.policy.uses_index else {}
-        tracing.event("index_matched", {"pdserve.index.longest_match_blocks": max(matched.values(), default=0)})
+        tracing.event("index_matched",
+                      {"pdserve.index.longest_match_blocks": max((m.blocks for m in matched.values()), default=0)})
         placement = self.policy.choose(PlacementRequest(len(prompt), view.block_size, n, max_tokens, slo_class),
                                        nodes, matched, self.ledger.backlog_s())
         tracing.event("placed")

@@ -39,6 +39,7 @@ from router.node_view import NodeRefresher
 from router.orchestrator import Orchestrator, RouterError
 from router.placement import PrefixLoadPolicy, TtftPolicy
 from router.tokenizer import PromptTokenizer
+from router.tool_requests import CallCollector, parses_calls
 from security import tls as tls_
 from security.api_keys import ApiKeyInterceptor, ApiKeys, keys_from
 from telemetry import tracing
@@ -54,10 +55,13 @@ class PdServeService(pb_grpc.PdServeServicer):
         self.orch = orchestrator
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        # Tools given: each sample's Complete carries the calls parsed from its text.
+        fmt = self.orch.tokenizer.tool_format
+        calls = CallCollector(fmt) if fmt is not None and parses_calls(request) else None
         try:
             parent = tracing.context_from_metadata(context.invocation_metadata())  # a client's traceparent
             async for resp in self.orch.generate(request, trace_context=parent):
-                yield resp
+                yield calls.feed(resp) if calls is not None else resp
         except RouterError as e:
             md = retry_after_metadata(e.retry_after_ms) if e.retry_after_ms is not None else ()
             await context.abort(e.code, e.message, trailing_metadata=md)
@@ -143,7 +147,7 @@ class RouterServer:
                                   lookup=lookup, settle_s=cfg.registry_settle_s)
         if cfg.policy == "ttft":
             policy = TtftPolicy(costs, cfg.short_prompt_tokens, cfg.max_n, compute_weight=cfg.compute_weight,
-                                slow_step_factor=cfg.straggler_factor)
+                                slow_step_factor=cfg.straggler_factor, replicate=cfg.prefix_fetch)
         else:
             policy = PrefixLoadPolicy(cfg.load_alpha, cfg.short_prompt_tokens, cfg.max_n,
                                       slow_step_factor=cfg.straggler_factor)
@@ -279,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most seconds a request waits for its prefix lookup in Redis; after a failure lookups "
                         "are skipped (placement by load) until Redis answers again")
     p.add_argument("--policy", choices=["ttft", "prefix_load"], default="ttft")
+    p.add_argument("--no-prefix-fetch", dest="prefix_fetch", action="store_false",
+                   help="never have a prefill node fetch a prefix another node holds (policy ttft); it computes "
+                        "what it lacks")
     p.add_argument("--default-slo-class", default="relaxed")
     p.add_argument("--max-migrations", type=int, default=2,
                    help="times a request whose node failed is placed again (0: the stream ends with the error)")
@@ -316,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         drain_timeout_s=args.drain_timeout_s,
         node_refresh_s=args.node_refresh_s, redis_connect_timeout_s=args.redis_connect_timeout_s,
         redis_timeout_s=args.redis_timeout_s, index_lookup_timeout_s=args.index_lookup_timeout_s,
-        policy=args.policy, default_slo_class=args.default_slo_class,
+        policy=args.policy, default_slo_class=args.default_slo_class, prefix_fetch=args.prefix_fetch,
         max_migrations=args.max_migrations, straggler_factor=args.straggler_factor,
         decode_progress_factor=args.decode_progress_factor, decode_progress_floor_s=args.decode_progress_floor_s,
         decode_progress_ceiling_s=args.decode_progress_ceiling_s,

@@ -22,6 +22,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from router.tool_formats import ToolFormat, detect_format, template_inputs, unsupported_message
+
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
                        "mask_token")
 
@@ -102,6 +104,9 @@ class PromptTokenizer:
         self.special_tokens = {k: t for k in _SPECIAL_TOKEN_KEYS
                                if (t := _token_text(config.get(k))) is not None}
         source = _load_template(directory, config)
+        # The tool-call format of the model, read from its template (router/tool_formats.py).
+        self.tool_format: ToolFormat | None = detect_format(source)
+        self.template_source = source
         self._template = None
         if source is not None:
             env = ImmutableSandboxedEnvironment(
@@ -134,6 +139,10 @@ class PromptTokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what llguidance builds its token trie from)."""
+        return self._tok.to_str()
+
     @property
     def has_chat_template(self) -> bool:
         return self._template is not None
@@ -142,18 +151,30 @@ class PromptTokenizer:
         """Like transformers' ``tokenizer.encode(text)``: special tokens added."""
         return self._tok.encode(text, add_special_tokens=True).ids
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]],
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """``tools``: plain {"name", "description", "parameters"} dicts, rendered by the template
+        in the model's own tool format (or written into the messages for a template that has
+        none: router/tool_formats.py); ``messages`` may carry tool calls and tool results."""
         if self._template is None:
             raise ChatTemplateError("this model's tokenizer has no chat template; send a text or token prompt")
+        # Tool turns without tools and without calls are plain messages, rendered as transformers would.
+        if tools or any(m.get("tool_calls") for m in messages):
+            if self.tool_format is None:
+                raise ChatTemplateError(unsupported_message(self.template_source))
+            messages, tools_arg = template_inputs(self.tool_format, messages, tools or [])
+        else:
+            messages, tools_arg = list(messages), None
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=True,
-                                         tools=None, documents=None, **self.special_tokens)
+            return self._template.render(messages=messages, add_generation_prompt=True,
+                                         tools=tools_arg, documents=None, **self.special_tokens)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Like ``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)``."""
-        return self._tok.encode(self.render_chat(messages), add_special_tokens=False).ids
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]],
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """Like ``apply_chat_template(messages, tools=..., add_generation_prompt=True, tokenize=True)``."""
+        return self._tok.encode(self.render_chat(messages, tools), add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

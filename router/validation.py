@@ -1,6 +1,12 @@
 """What the router refuses before it places a request: the served model, the prompt (its kind,
-its size before and after tokenizing, its token ids), the sampling parameters and the context
-limits of ``RouterConfig``. Every refusal is a ``RouterError`` naming the field at fault.
+its size before and after tokenizing, its token ids), the sampling parameters, the structured
+output and the tools (router/tool_requests.py), and the context limits of ``RouterConfig``.
+Every refusal is a ``RouterError`` naming the field at fault.
+
+Tools are rendered by the model's chat template; ``tool_choice`` "required" or a named function
+(and "auto" where the format has tags) becomes the request's structured output, so a call in
+the model's format always parses. One constraint per request: a response_format beside a tool
+choice that constrains is refused naming both.
 
 Runs on the orchestrator's worker thread (tokenizing blocks), before the node view is read:
 a request that could never run is refused without looking at the cluster.
@@ -13,7 +19,9 @@ import grpc
 
 from protos.convert import sampling_from_proto, slo_class_from_proto
 from protos.pdserve.v1 import serving_pb2 as pb
+from router import tool_requests
 from router.config import RouterConfig
+from router.structured import StructuredChecker, check_structured
 from router.tokenizer import ChatTemplateError, PromptTokenizer
 from telemetry import tracing
 from tokens.sampling_params import SamplingParams
@@ -62,6 +70,7 @@ class RequestValidator:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = config.vocab_size or tokenizer.vocab_size
+        self.structured = StructuredChecker(tokenizer, self.vocab_size)
 
     def validate(self, req: pb.GenerateRequest, max_tokens_to_context: bool = False) -> ValidRequest:
         """``max_tokens_to_context``: ignore the request's max_tokens and let it use the rest
@@ -71,14 +80,24 @@ class RequestValidator:
         if req.model and req.model != cfg.model_name:
             raise RouterError(grpc.StatusCode.NOT_FOUND,
                               f"model {req.model!r} is not served here; served models: [{cfg.model_name!r}]")
-        prompt = self._prompt_ids(req)
+        prompt, tools_constraint = self._prompt_ids(req)
         tracing.event("tokenized", {tracing.GEN_AI_USAGE_INPUT_TOKENS: len(prompt)})
         try:
             params = sampling_from_proto(req.sampling)
             if max_tokens_to_context:  # capped below, once the prompt's length is known
                 params = replace(params, max_tokens=cfg.max_model_len)
+            if tools_constraint is not None:
+                if params.structured is not None:
+                    raise invalid("a structured output (response_format, structured_outputs or guided_*) and "
+                                  "tools whose tool_choice constrains the answer cannot be combined: the output "
+                                  "follows one constraint; send tool_choice 'none' or no structured output",
+                                  "tool_choice")
+                params = replace(params, structured=tools_constraint)
             params.validate(self.vocab_size)
-        except ValueError as e:  # SamplingParamError names the field
+            # A constraint compiles here as on the nodes: an unsupported construct, a syntax
+            # error or a compile over the time bound is a 400 naming it (GrammarError).
+            check_structured(params.structured, self.structured)
+        except ValueError as e:  # SamplingParamError and GrammarError name the field
             raise invalid(str(e), getattr(e, "field", None)) from None
         n = len(prompt)
         if n == 0:
@@ -101,31 +120,41 @@ class RequestValidator:
                           f"{cfg.max_model_len} tokens (max_model_len)")
         return ValidRequest(prompt, params, slo_class)
 
-    def _prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
+    def _prompt_ids(self, req: pb.GenerateRequest):
+        """The prompt's token ids, and the constraint its tools ask for (None: none)."""
         kind = req.WhichOneof("prompt")
         if kind == "text":
             self._check_text_length(len(req.text), "text")
-            return self.tokenizer.encode(req.text)
+            return self.tokenizer.encode(req.text), None
         if kind == "chat":
-            if not req.chat.messages:
-                raise invalid("chat prompt has no messages", "chat.messages")
-            limit = self.config.effective_max_prompt_tokens
-            if len(req.chat.messages) > limit:  # chat templates write at least a role marker per message
-                raise invalid(f"chat prompt has {len(req.chat.messages)} messages; a prompt may use {limit} "
-                              f"tokens (max_prompt_tokens)", "chat.messages")
-            self._check_text_length(sum(len(m.content) + len(m.role) for m in req.chat.messages), "chat.messages")
-            try:
-                return self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in req.chat.messages])
-            except ChatTemplateError as e:
-                raise invalid(str(e)) from None
+            return self._chat_ids(req.chat)
         if kind == "tokens":
             ids = list(req.tokens.ids)
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise invalid(f"token ids must be in [0, {self.vocab_size}) (the vocab size); got {bad[:5]}",
                               "tokens.ids")
-            return ids
+            return ids, None
         raise invalid("no prompt: set one of text, chat or tokens", "prompt")
+
+    def _chat_ids(self, chat: pb.ChatPrompt):
+        if not chat.messages:
+            raise invalid("chat prompt has no messages", "chat.messages")
+        limit = self.config.effective_max_prompt_tokens
+        if len(chat.messages) > limit:  # chat templates write at least a role marker per message
+            raise invalid(f"chat prompt has {len(chat.messages)} messages; a prompt may use {limit} "
+                          f"tokens (max_prompt_tokens)", "chat.messages")
+        self._check_text_length(tool_requests.text_length(chat), "chat.messages")
+        tok = self.tokenizer
+        try:
+            messages = tool_requests.template_messages(chat)
+            tools = tool_requests.template_tools(chat)
+            constraint = tool_requests.tool_constraint(chat, tools, tok.tool_format, tok.template_source)
+            return tok.encode_chat(messages, tools=tools), constraint
+        except tool_requests.ToolRequestError as e:
+            raise invalid(str(e), e.field) from None
+        except ChatTemplateError as e:
+            raise invalid(str(e)) from None
 
     def _check_text_length(self, chars: int, param: str) -> None:
         """Refuse, before tokenizing it, text that cannot fit: every token covers at most

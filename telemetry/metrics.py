@@ -17,8 +17,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 PREFIX = "pdserve:"
 
@@ -210,6 +211,32 @@ class _TransferCollector(Collector):
         yield exposed
 
 
+# Why a prefix fetch ended as it did (PrefillResponse.fetch_outcome): "ok" and "held" reuse the
+# prefix, every other outcome computes it instead.
+FETCH_OUTCOMES = ("ok", "held", "failed", "timeout", "corrupt", "refused")
+
+
+class FetchMetrics:
+    """Prefix fetches of a node (node/prefix_fetch.py): the leading blocks of a prompt brought
+    from the node that holds them instead of being computed."""
+
+    def __init__(self, registry: CollectorRegistry, labels: Mapping[str, str]) -> None:
+        keys = list(labels)
+        total = Counter(name("kv_fetch"), "Prefix fetches by outcome: ok (fetched), held (already here), or "
+                        "computed instead: failed, timeout, corrupt, refused.", [*keys, "outcome"], registry=registry)
+        self.outcomes = {o: total.labels(**labels, outcome=o) for o in FETCH_OUTCOMES}
+        self.bytes = Counter(name("kv_fetch_bytes"), "KV bytes fetched from the nodes holding prefixes.", keys,
+                             registry=registry).labels(**labels)
+        self.seconds = Histogram(name("kv_fetch_seconds"), "Duration of one prefix fetch, reserve to registered, "
+                                 "whatever its outcome.", keys, buckets=TRANSFER_BUCKETS,
+                                 registry=registry).labels(**labels)
+
+    def record(self, outcome: str, num_bytes: int, seconds: float) -> None:
+        self.outcomes[outcome].inc()
+        self.bytes.inc(num_bytes)
+        self.seconds.observe(seconds)
+
+
 class NodeMetrics:
     """A node's metrics. ``engine_stats`` returns the engine's cumulative figures (see
     ``EngineCollector``); the node's servers record requests and transfers directly."""
@@ -231,6 +258,7 @@ class NodeMetrics:
                                           keys, buckets=TRANSFER_BUCKETS, registry=self.registry).labels(**labels)
         self.transfer_failures = Counter(name("kv_transfer_failures"), "KV transfers that failed (the request "
                                          "was then recomputed).", keys, registry=self.registry).labels(**labels)
+        self.fetch = FetchMetrics(self.registry, labels)
         # 0 once the node is unhealthy (failing engine steps, or its engine thread died): it left
         # the index; node/server.py sets it.
         self.healthy = Gauge(name("node_healthy"), "1 while the node's engine serves; 0 once it is unhealthy "
@@ -275,6 +303,44 @@ class EngineCollector(Collector):
         yield self._family(c, "spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.get("draft_tokens", 0))
         yield self._family(c, "spec_decode_num_accepted_tokens", "Draft tokens the target accepted.",
                            spec.get("accepted_tokens", 0))
+        yield from self._tiers(s)
+
+    def _tiers(self, s: Mapping):
+        """Per-tier KV cache figures (engine/kv_tiers/stats.py), labelled ``tier``: device,
+        host, disk. A node without tiers exports the device tier only."""
+        keys = [*self.keys, "tier"]
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        blocks = g(name("kv_tier_blocks"), "Cached KV blocks held per tier.", labels=keys)
+        usage = g(name("kv_tier_usage"), "Fraction of each lower tier's capacity holding blocks (device: "
+                  "kv_cache_usage_perc).", labels=keys)
+        capacity = g(name("kv_tier_capacity_bytes"), "Bytes each lower tier may hold.", labels=keys)
+        hits = c(name("kv_tier_hits"), "Prefix blocks reused from each tier (host and disk ones were brought "
+                 "back into the device pool).", labels=keys)
+        offload = c(name("kv_offload_bytes"), "KV bytes moved down into each tier (host: copied out of the "
+                    "device pool; disk: block files written).", labels=keys)
+        onboard = c(name("kv_onboard_bytes"), "KV bytes brought back out of each tier (host: into the device "
+                    "pool; disk: read into host memory).", labels=keys)
+        seconds = HistogramMetricFamily(name("kv_onboard_seconds"), "Time to bring KV back: host, one step's "
+                                        "copies into the device pool; disk, one block file read and checked.",
+                                        labels=keys)
+        errors = c(name("kv_tier_errors"), "Tier failures, each a miss and never a failed request: checksum, "
+                   "foreign (another model's or layout's file), no_space, io_error.", labels=[*keys, "reason"])
+        device = [*self.values, "device"]
+        blocks.add_metric(device, s.get("cached_blocks", 0))
+        hits.add_metric(device, s.get("device_hit_blocks", 0))
+        for tier, t in (s.get("tiers") or {}).items():
+            labels = [*self.values, tier]
+            blocks.add_metric(labels, t["blocks"])
+            usage.add_metric(labels, t["usage"])
+            capacity.add_metric(labels, t["capacity_bytes"])
+            hits.add_metric(labels, t["hits"])
+            offload.add_metric(labels, t["offload_bytes"])
+            onboard.add_metric(labels, t["onboard_bytes"])
+            h = t["onboard_seconds"]
+            seconds.add_metric(labels, [(floatToGoString(b), n) for b, n in h["buckets"]], h["sum"])
+            for reason, n in t["errors"].items():
+                errors.add_metric([*labels, reason], n)
+        yield from (blocks, usage, capacity, hits, offload, onboard, seconds, errors)
 
 
 class MetricsServer:

@@ -158,3 +158,57 @@ def test_llmd_prefix_lru_is_filled_at_routing_time_and_bounded():
     pol = LlmdWeighted(lru_blocks=6)
     send(pol, req(1, hashes=range(1, 11)), "p1")
     assert pol.match(req(2, hashes=range(1, 11)), ["p0", "p1"]) == {"p0": 0, "p1": 6}  # LRU kept the chain's head
+
+
+# -- tiers: the peers' published weights -------------------------------------------------------------
+def test_dynamo_credits_host_and_disk_hits_at_its_published_weights():
+    from kv_index.nodes import PrefixMatch
+
+    pol = DynamoKv(overlap_weight=1.0)  # host 0.75, disk 0.25: Dynamo's defaults
+    assert (pol.host_weight, pol.disk_weight) == (0.75, 0.25)
+    # 8 leading blocks: 2 on the device, 4 in host memory, 2 on disk -> 2 + 3 + 0.5 = 5.5 credited
+    tiered = {"p0": PrefixMatch(8, host=4, disk=2)}
+    assert pol.overlap(REQ, "p0", tiered) == 5.5
+    # (160 - 88) / 16 = 4.5 prefill blocks + 0 active + 10 new
+    assert pol.cost(REQ, "p0", tiered) == 14.5
+    assert pol.cost(REQ, "p0", {"p0": PrefixMatch(8)}) == pol.cost(REQ, "p0", {"p0": 8}) == 12
+    # what it books for the prefill is the prompt less the credited overlap
+    r = req(5)
+    pl = pol.choose(r, [node("p0"), node("p1")] + D, tiered)
+    assert pl.prefill_node.node_id == "p0" and pl.predicted_cached_tokens == 128  # the node reuses all 8
+    pol.routed(r, pl)
+    assert pol.cost(req(6, hashes=range(50, 60)), "p0", {}) == (72 + 160) / 16 + 10 + 10
+
+
+def test_llmd_precise_scorer_weighs_each_block_by_its_tier():
+    from kv_index.nodes import PrefixMatch
+    from router.replay.baselines import LLMD_TIER_WEIGHTS
+
+    approx = LlmdWeighted(lru_blocks=100)
+    assert not approx.uses_index and approx.match(REQ, ["p0"]) == {"p0": 0}
+    pol = LlmdWeighted(tier_weights=LLMD_TIER_WEIGHTS)  # gpu 1.0, cpu 0.8, storage 0.3
+    assert pol.uses_index and pol.match(REQ, ["p0"]) is None  # reads the KV-event index
+    matched = {"p0": PrefixMatch(10), "p1": PrefixMatch(10, host=10), "p2": PrefixMatch(10, disk=10)}
+    # raw 10, 8, 3 -> min-max over the pods that hold any; a pod holding none scores 0
+    scores = pol.prefix_scores(REQ, ["p0", "p1", "p2", "p3"], matched)
+    assert scores == pytest.approx({"p0": 1.0, "p1": 5 / 7, "p2": 0.0, "p3": 0.0})
+    assert pol.prefix_scores(REQ, ["p0", "p1"], {"p0": PrefixMatch(4), "p1": PrefixMatch(4)}) == {"p0": 1.0,
+                                                                                                   "p1": 1.0}
+    assert pol.prefix_scores(REQ, ["p0", "p1"], {}) == {"p0": 0.0, "p1": 0.0}
+    assert pick(pol, [node("p0"), node("p1"), node("p2")], matched) == "p0"
+    send(pol, REQ, "p2")  # the precise scorer keeps no tree of its own
+    assert pol._lru == {}
+
+
+def test_with_tiers_sglang_trees_span_the_hierarchy_and_llmd_turns_precise():
+    from router.replay.simulator import SimConfig
+
+    mod = pytest.importorskip("deploy.bench").benchmark_module("router")
+    flat = SimConfig(cache_tokens=5120, block_size=512)
+    tiered = SimConfig(cache_tokens=5120, host_cache_tokens=10240, disk_cache_tokens=20480, block_size=512)
+    assert mod.make_policy("sglang_cache_aware", flat, None).max_tree_blocks == 10
+    assert mod.make_policy("sglang_cache_aware", tiered, None).max_tree_blocks == 70
+    assert mod.make_policy("llmd_weighted", flat, None).tier_weights is None
+    assert mod.make_policy("llmd_weighted", tiered, None).tier_weights == {0: 1.0, 1: 0.8, 2: 0.3}
+    assert mod.make_policy("pdserve", tiered, None).replicate and not mod.make_policy("pdserve_no_fetch", flat,
+                                                                                         None).replicate

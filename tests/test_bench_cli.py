@@ -28,3 +28,12 @@ def test_verify_cost_bench_reports_a_ratio_per_batch_and_k():
     assert [(c["batch"], c["k"]) for c in out["cells"]] == [(1, 1), (1, 3), (2, 1), (2, 3)]
     assert all(c["ms"] > 0 and c["decode_ms"] > 0 and abs(c["ratio"] - c["ms"] / c["decode_ms"]) < 0.01
                for c in out["cells"])
+
+
+def test_kv_tiers_bench_reports_each_tier_against_its_baseline(tmp_path):
+    out = run_bench("kv-tiers", "--blocks", "8", "--repeats", "1", "--dir", str(tmp_path))
+    assert out["bit_exact"] is True and out["blocks"] == 8 and out["block_bytes"] == 737280
+    for tier in ("host", "disk"):
+        t = out["tiers"][tier]
+        assert t["offload_gbps"] > 0 and t["onboard_gbps"] > 0
+        assert t["ratio"] == min(t["offload_ratio"], t["onboard_ratio"])

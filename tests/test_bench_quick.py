@@ -65,3 +65,11 @@ def test_kv_memory_bench_reports_the_mean_and_the_max_tokens_reservation():
     for r in out["per_trace"].values():
         assert r["reserve_peak_concurrency"] >= r["contiguous_peak_concurrency"]
         assert r["reserve_waste"] < r["contiguous_waste"]
+
+
+def test_structured_bench_quick_reports_its_fields():
+    out = run_bench("structured", "--quick", "--threads", "1")
+    for key in ("overhead_batch1", "overhead_batch8"):
+        assert isinstance(out[key], float), key
+    assert out["valid"] == out["requests"] == 4 and out["engine"] == "llguidance"
+    assert 0 < out["compile_ms_p50"] <= out["compile_ms_p99"] and out["compiles"] >= 20

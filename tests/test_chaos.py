@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import json
 import random
-import shutil
 import signal
 import socket
 import subprocess
@@ -276,15 +275,10 @@ def cluster(tmp_path_factory):
     from deploy.chaos.cluster import ChaosCluster
     from deploy.launcher import ClusterConfig
     from engine.config import CacheConfig, EngineConfig
-    from engine.models.builtin import resolve_builtin
-    from engine.models.tiny import save_tiny_model
+    from engine.models.tiny import save_tiny_chat_model
 
     # SmolLM2's vocabulary, so the router and the decode nodes tokenize chat prompts for real.
-    model = save_tiny_model(tmp_path_factory.mktemp("tiny") / "chat", vocab_size=49152, seed=2)
-    tok = resolve_builtin("smollm2-135m")
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tok / name).exists():
-            shutil.copy(tok / name, model / name)
+    model = save_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "chat", seed=2)
     config = ClusterConfig(engine=EngineConfig(model=str(model), dtype="float32", cache=CacheConfig(num_blocks=256)),
                            prefill_nodes=1, decode_nodes=2, grpc_port=0, http_port=0, dashboard_port=0,
                            namespace="chaos-test", lease_s=2.0)

@@ -83,7 +83,7 @@ def test_repeated_prefix_goes_to_the_prefill_node_that_holds_it(local_cluster):
         prefill = [n for n in reader.live_nodes().values() if n.role == Role.PREFILL]
         ids = tok.encode_chat(chat("Say hello.", long_system))
         hashes = hash_prompt_blocks(ids, prefill[0].block_size, prefill[0].fingerprint.encode())
-        matched = reader.match(hashes, [n.node_id for n in prefill])
+        matched = {n: m.blocks for n, m in reader.match(hashes, [n.node_id for n in prefill]).items()}
         holder = max(matched, key=matched.get)
         assert matched[holder] >= 4 and min(matched.values()) == 0  # exactly one node holds it
         out = client.complete(chat("Say hello.", long_system), max_tokens=4, temperature=0.0)

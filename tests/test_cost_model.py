@@ -389,3 +389,45 @@ def test_the_node_view_tells_the_book_what_each_node_advertises():
     reg = Registry({"p": node("p", "prefill", PREFILL_SENDS), "d": node("d", "decode", DECODE_ELSEWHERE)})
     NodeRefresher(reg, refresh_s=1.0, prune_every_s=10.0, costs=book).refresh_once()
     assert book.transfer_model("p", "d") == TRANSPORT_PRIORS["tcp"]
+
+
+# -- onboarding: a node's host and disk tiers back to its device ----------------------------------
+def test_onboard_starts_from_the_tier_prior_and_learns_each_node():
+    from router.cost_model import ONBOARD_PRIORS
+
+    book = CostBook(kv_bytes_per_token=1000)
+    assert book.onboard_s("a", "host", 0) == 0.0
+    assert book.onboard_s("a", "host", 4000) == pytest.approx(ONBOARD_PRIORS["host"].seconds(4e6))
+    assert book.onboard_s("a", "disk", 4000) > book.onboard_s("a", "host", 4000)
+    # node a's disk reads at 5 GB/s with 1 ms per file, spread sizes: both coefficients fitted
+    rng = random.Random(3)
+    for _ in range(40):
+        nbytes = rng.choice((2e5, 2e6, 3e7))
+        book.add_onboard("a", "disk", nbytes, (1e-3 + nbytes / 5e9) * rng.uniform(0.97, 1.03))
+    fit = book.onboard_model("a", "disk")
+    assert fit.bandwidth == pytest.approx(5e9, rel=0.1) and fit.fixed_s == pytest.approx(1e-3, rel=0.2)
+    # a node without reports is predicted by the tier's pooled fit, not the prior; host untouched
+    assert book.onboard_model("b", "disk") == book.onboard_model("a", "disk")
+    assert book.onboard_model("a", "host") == ONBOARD_PRIORS["host"]
+    views = {(v.node_id, v.tier): v for v in book.onboard_fits()}
+    assert set(views) == {("", "disk"), ("a", "disk")} and views[("a", "disk")].onboards == 40
+
+
+def test_onboard_tiers_by_name_or_index_number_and_bad_reports_teach_nothing():
+    from kv_index.schema import TIER_DEVICE, TIER_DISK, TIER_HOST
+
+    book = CostBook()
+    for bad in ((0, 0.1), (1e6, 0.0), (-5, 0.1), (1e6, float("nan")), (float("inf"), 1.0)):
+        book.add_onboard("a", "host", *bad)
+    assert book.onboard_fits() == []
+    book.add_onboard("a", TIER_HOST, 1e8, 1e8 / 30e9)
+    book.add_onboard("a", TIER_DISK, 1e8, 1e8 / 3e9)
+    assert {(v.tier, v.onboards) for v in book.onboard_fits() if v.node_id == "a"} == {("host", 1), ("disk", 1)}
+    assert book.onboard_s("a", TIER_HOST, 1000) == book.onboard_s("a", "host", 1000)
+    for tier in (TIER_DEVICE, "device", "ssd"):
+        with pytest.raises(ValueError, match="no onboard cost"):
+            book.add_onboard("a", tier, 1e6, 0.1)
+    # one absurd report moves the fit a bounded step (the transfer fits' clipping)
+    before = book.onboard_s("a", "host", 1000)
+    book.add_onboard("a", "host", 1e8, 1e5)
+    assert book.onboard_s("a", "host", 1000) < 1000 * before

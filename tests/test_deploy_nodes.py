@@ -59,7 +59,7 @@ def test_template_gives_each_role_its_config():
     p, d = t.config(Role.PREFILL, 3), t.config(Role.DECODE, 0)
     assert (p.node_id, p.role, d.node_id, d.role) == ("prefill-3", Role.PREFILL, "decode-0", Role.DECODE)
     assert p.engine.speculative.method == "off" and d.engine.speculative.method == "ngram"
-    assert (p.load_tokenizer, d.load_tokenizer) == (False, True)
+    assert (p.load_tokenizer, d.load_tokenizer) == (True, True)  # a structured output's first token: on prefill
     assert (d.host, d.grpc_port, d.metrics_port, d.namespace, d.lease_s, d.heartbeat_s) == \
         ("0.0.0.0", 50061, 9400, "ns", 2.0, 0.5)
     assert t.config(Role.DECODE, 1, cpu_affinity=(1,)).cpu_affinity == (1,)

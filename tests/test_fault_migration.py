@@ -205,7 +205,7 @@ def test_redis_restart_keeps_serving_and_the_index_is_rebuilt(tok_dir, tiny_mode
 
             def cached_somewhere() -> bool:
                 try:
-                    return max(reader.match(hashes, list(nodes)).values()) > 0
+                    return max(m.blocks for m in reader.match(hashes, list(nodes)).values()) > 0
                 except redis.RedisError:
                     return False
 

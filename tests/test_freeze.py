@@ -7,7 +7,6 @@ decode steps slowed so the freeze lands mid-stream."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
 import time
@@ -34,14 +33,9 @@ REQUESTS = [  # (token ids, sampling): long prompts go through the prefill node,
 def cluster(tmp_path_factory):
     from deploy.launcher import ClusterConfig, LocalCluster
     from engine.config import CacheConfig, EngineConfig
-    from engine.models.builtin import resolve_builtin
-    from engine.models.tiny import save_tiny_model
+    from engine.models.tiny import save_tiny_chat_model
 
-    model = save_tiny_model(tmp_path_factory.mktemp("tiny") / "chat", vocab_size=49152, seed=3)
-    tok = resolve_builtin("smollm2-135m")
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tok / name).exists():
-            shutil.copy(tok / name, model / name)
+    model = save_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "chat", seed=3)
     config = ClusterConfig(engine=EngineConfig(model=str(model), dtype="float32", cache=CacheConfig(num_blocks=256)),
                            prefill_nodes=1, decode_nodes=2, grpc_port=0, http_port=None, dashboard_port=0,
                            namespace="freeze-test")

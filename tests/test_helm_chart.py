@@ -393,6 +393,37 @@ def test_engine_values_map_onto_pdserve_nodes_flags():
     assert a.served_model_name == router_args[router_args.index("--model-name") + 1] == values["model"]["name"]
 
 
+def test_kv_tier_values_reach_the_nodes_and_their_volume():
+    """engine.hostCacheMiB and engine.diskCache become the tier flags of `pdserve nodes`, and the
+    worker pods mount the disk tier's volume where --disk-cache-dir points (an emptyDir, or the
+    named claim); without them, neither flags nor volume."""
+    import argparse
+
+    from deploy import nodes
+    from deploy.cli import _add_engine_args, engine_config_from_args
+
+    def nodes_cache(values):
+        rc = one(render(values), "RayCluster")
+        head = rc["spec"]["headGroupSpec"]["template"]["spec"]
+        p = argparse.ArgumentParser()
+        _add_engine_args(p)
+        nodes.add_arguments(p)
+        a = p.parse_args(next(c for c in head["containers"] if c["name"] == "pdserve-nodes")["args"])
+        workers = [g["template"]["spec"] for g in rc["spec"]["workerGroupSpecs"]]
+        vols = [[v for v in w["volumes"] if v["name"] == "kv-cache"] for w in workers]
+        mounts = [[m["mountPath"] for m in w["containers"][0]["volumeMounts"] if m["name"] == "kv-cache"]
+                  for w in workers]
+        return engine_config_from_args(a).cache, vols, mounts
+
+    cache, vols, mounts = nodes_cache({})
+    assert (cache.host_cache_mib, cache.disk_cache_dir) == (0, None) and vols == [[], []] and mounts == [[], []]
+    cache, vols, mounts = nodes_cache({"engine": {"hostCacheMiB": 2048, "diskCache": {"mib": 10240}}})
+    assert (cache.host_cache_mib, cache.disk_cache_dir, cache.disk_cache_mib) == (2048, "/kv-cache", 10240)
+    assert vols == [[{"name": "kv-cache", "emptyDir": {"sizeLimit": "16Gi"}}]] * 2 and mounts == [["/kv-cache"]] * 2
+    _, vols, _ = nodes_cache({"engine": {"hostCacheMiB": 512, "diskCache": {"mib": 100, "claimName": "kv"}}})
+    assert vols[0] == [{"name": "kv-cache", "persistentVolumeClaim": {"claimName": "kv"}}]
+
+
 def test_router_values_map_onto_router_server_flags():
     """Every flag the chart gives the router exists in ``python -m router.server`` (its own
     parser reads the rendered args), and the reliability values arrive: max_migrations and the
@@ -408,6 +439,7 @@ def test_router_values_map_onto_router_server_flags():
     a = router_args({"router": {"maxMigrations": 0, "stragglerFactor": 2.5}})
     assert (a.max_migrations, a.straggler_factor) == (0, 2.5)
     assert router_args({"router": {"stragglerFactor": 0}}).straggler_factor == 0.0  # off
+    assert a.prefix_fetch is True and router_args({"router": {"prefixFetch": False}}).prefix_fetch is False
     # The HTTP front's bounds: the body limit from the model's context unless set.
     assert (a.max_body_bytes, a.max_buffered_bytes, a.http_header_timeout_s, a.http_body_timeout_s) == \
         (None, 128 << 20, 20.0, 30.0)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import shutil
 import time
 import uuid
 
@@ -31,15 +30,10 @@ TIMEOUT_S = 60.0
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
-    from engine.models.builtin import resolve_builtin
-    from engine.models.tiny import save_tiny_model
+    from engine.models.tiny import save_tiny_chat_model
 
     # SmolLM2's vocabulary, so the router tokenizes chat prompts for real (as tests/test_chaos.py).
-    model = save_tiny_model(tmp_path_factory.mktemp("tiny") / "chat", vocab_size=49152, seed=5)
-    tok = resolve_builtin("smollm2-135m")
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tok / name).exists():
-            shutil.copy(tok / name, model / name)
+    model = save_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "chat", seed=5)
     return model
 
 

@@ -6,7 +6,7 @@ import time
 import pytest
 import redis
 
-from kv_index.nodes import NodeInfo
+from kv_index.nodes import NodeInfo, PrefixMatch
 from kv_index.publisher import NodePublisher
 from kv_index.reader import IndexReader
 from tokens.block_hash import hash_prompt_blocks
@@ -18,6 +18,11 @@ def r(redis_url):
     c.flushall()
     yield c
     c.close()
+
+
+def blocks(matched):
+    """A match's leading blocks per node, whatever their tiers."""
+    return {nid: m.blocks for nid, m in matched.items()}
 
 
 def node(nid, role="prefill", port=1):
@@ -38,11 +43,11 @@ def test_register_heartbeat_and_longest_prefix_match(r):
     assert set(nodes) == {"a", "b"}
     assert nodes["a"].running == 5 and nodes["a"].kv_usage == pytest.approx(0.6)
     before = reader.round_trips
-    assert reader.match(hashes, ["a", "b"]) == {"a": 3, "b": 1}
+    assert blocks(reader.match(hashes, ["a", "b"])) == {"a": 3, "b": 1}
     assert reader.round_trips == before + 1
     # A gap in the chain ends the match even if later blocks are held.
     a.publish(removed=[hashes[1]])
-    assert reader.match(hashes, ["a"]) == {"a": 1}
+    assert blocks(reader.match(hashes, ["a"])) == {"a": 1}
 
 
 def test_lease_expiry_hides_a_dead_node_and_prune_removes_its_entries(r):
@@ -55,7 +60,7 @@ def test_lease_expiry_hides_a_dead_node_and_prune_removes_its_entries(r):
     time.sleep(0.5)
     assert "dead" not in reader.live_nodes()
     assert reader.prune_dead() == ["dead"]
-    assert reader.match(h, ["dead"]) == {"dead": 0}
+    assert blocks(reader.match(h, ["dead"])) == {"dead": 0}
     assert not r.keys("pdserve:blk:*")
 
 
@@ -65,10 +70,10 @@ def test_reregistration_drops_what_a_restarted_node_published(r):
     h = hash_prompt_blocks(list(range(32)), 16, b"fp")
     p.publish(stored=h)
     p.register()  # a restart: the new pool holds nothing
-    assert IndexReader(r).match(h, ["n"]) == {"n": 0}
+    assert blocks(IndexReader(r).match(h, ["n"])) == {"n": 0}
     p.publish(stored=h)
     p.publish(cleared=True)
-    assert IndexReader(r).match(h, ["n"]) == {"n": 0}
+    assert blocks(IndexReader(r).match(h, ["n"])) == {"n": 0}
     p.deregister()
     assert not r.keys("pdserve:*")
 
@@ -94,13 +99,13 @@ def test_a_4k_token_prompt_is_one_round_trip_and_tiers_are_reported(r):
     reader.match(hashes[:1], ["a"])  # the first call per Redis lifetime also loads the script
     before = reader.round_trips
     r.config_resetstat()
-    assert reader.match(hashes, ["a", "b", "c"]) == {"a": 200, "b": 256, "c": 0}
+    assert reader.match(hashes, ["a", "b", "c"]) == {"a": PrefixMatch(200), "b": PrefixMatch(256, host=256),
+                                                      "c": PrefixMatch(0)}
     assert reader.round_trips == before + 1
     # exactly one client command reached the server: the script call
     stats = r.info("commandstats")
     assert stats["cmdstat_evalsha"]["calls"] == 1
     assert "cmdstat_script" not in stats and "cmdstat_smembers" not in stats
-    assert reader.last_tiers == {"a": 0, "b": TIER_HOST}
 
 
 def test_concurrent_publishers_leave_each_node_exactly_its_blocks(r):
@@ -132,7 +137,7 @@ def test_concurrent_publishers_leave_each_node_exactly_its_blocks(r):
         # block -> holders agrees with node -> blocks
         for h in held:
             assert r.hget(f"pdserve:blk:{h:016x}", nid) is not None
-    assert reader.match(shared, ids) == {nid: 20 for nid in ids}
+    assert blocks(reader.match(shared, ids)) == {nid: 20 for nid in ids}
 
 
 def test_event_gap_is_refused_and_resync_restores_the_snapshot(r):
@@ -143,17 +148,17 @@ def test_event_gap_is_refused_and_resync_restores_the_snapshot(r):
     p.seq += 1  # a batch got lost on the way: the next one does not follow the last applied
     assert not p.publish(stored=h[4:6])
     reader = IndexReader(r)
-    assert reader.match(h, ["g"]) == {"g": 4}  # the refused batch changed nothing
+    assert blocks(reader.match(h, ["g"])) == {"g": 4}  # the refused batch changed nothing
     p.resync(held=h[:8])
-    assert reader.match(h, ["g"]) == {"g": 8}
+    assert blocks(reader.match(h, ["g"])) == {"g": 8}
     assert p.publish(removed=[h[7]])  # sequence continues after the resync
-    assert reader.match(h, ["g"]) == {"g": 7}
+    assert blocks(reader.match(h, ["g"])) == {"g": 7}
     # Redis lost everything (restart): the node's next batch is a gap, its heartbeat says so
     r.flushall()
     assert not p.publish(stored=h[8:9])
     assert p.heartbeat({"waiting": 0}) is False
     p.resync(held=h[:3])
-    assert reader.match(h, ["g"]) == {"g": 3} and "g" in reader.live_nodes()
+    assert blocks(reader.match(h, ["g"])) == {"g": 3} and "g" in reader.live_nodes()
 
 
 def test_publisher_thread_resyncs_from_its_snapshot_after_redis_loses_the_index(r):
@@ -164,14 +169,14 @@ def test_publisher_thread_resyncs_from_its_snapshot_after_redis_loses_the_index(
     thread.submit_events([BlockStored(tuple(h[:6]), None, ())])
     thread.submit_events([BlockRemoved(tuple(h[5:6]))])
     reader = IndexReader(r)
-    _eventually(lambda: reader.match(h, ["t"]) == {"t": 5})
+    _eventually(lambda: blocks(reader.match(h, ["t"])) == {"t": 5})
     r.flushall()  # a Redis restart
-    _eventually(lambda: reader.match(h, ["t"]) == {"t": 5} and "t" in reader.live_nodes())
+    _eventually(lambda: blocks(reader.match(h, ["t"])) == {"t": 5} and "t" in reader.live_nodes())
     assert thread.num_resyncs >= 1
     thread.submit_step(StepReport(100, 300, 0.05))
     _eventually(lambda: reader.read_steps({"t": "0-0"})["t"][0] == [StepReport(100, 300, 0.05)])
     thread.stop()
-    assert "t" not in reader.live_nodes() and reader.match(h, ["t"]) == {"t": 0}
+    assert "t" not in reader.live_nodes() and blocks(reader.match(h, ["t"])) == {"t": 0}
 
 
 def test_two_router_replicas_see_the_same_index_and_freshness(r):
@@ -181,7 +186,7 @@ def test_two_router_replicas_see_the_same_index_and_freshness(r):
     t0 = time.time()
     p.publish(stored=h)
     one, two = IndexReader(r), IndexReader(redis.Redis(connection_pool=r.connection_pool))
-    assert one.match(h, ["f"]) == two.match(h, ["f"]) == {"f": 4}
+    assert blocks(one.match(h, ["f"])) == blocks(two.match(h, ["f"])) == {"f": 4}
     info = one.live_nodes()["f"]
     assert info.index_seq == 1 and info.event_at >= t0 - 1
     age = index_freshness([info], time.time() + 2.0)["f"]
@@ -195,3 +200,93 @@ def _eventually(cond, timeout=5.0):
             return
         time.sleep(0.02)
     assert cond()
+
+
+# ----------------------------------------------------------------------------- tiers
+def test_a_block_in_several_tiers_is_added_and_removed_per_tier(r):
+    """A node may hold a block in device, host and disk at once; each tier comes and goes on its
+    own, and a lookup counts each block once, in the fastest tier the node holds it in."""
+    from kv_index.schema import TIER_DEVICE, TIER_DISK
+
+    p = NodePublisher(r, node("t"))
+    p.register()
+    h = hash_prompt_blocks(list(range(96)), 16, b"fp")  # 6 blocks
+    reader = IndexReader(r)
+    assert p.publish(stored={TIER_DEVICE: h[:2], TIER_HOST: h[:4], TIER_DISK: h})
+    assert reader.match(h, ["t"]) == {"t": PrefixMatch(6, host=2, disk=2)}
+    # The device copies go (evicted; the host tier kept its copies): host is now the fastest.
+    assert p.publish(removed={TIER_DEVICE: h[:2]})
+    assert reader.match(h, ["t"]) == {"t": PrefixMatch(6, host=4, disk=2)}
+    # Removing a tier a block is not in changes nothing; removing its last tier removes the entry.
+    assert p.publish(removed={TIER_DEVICE: h[4:5], TIER_HOST: h[3:4], TIER_DISK: h[3:4]})
+    assert reader.match(h, ["t"]) == {"t": PrefixMatch(3, host=3)}
+    assert r.hget(f"pdserve:blk:{h[3]:016x}", "t") is None
+    held = {int(x, 16) for x in r.smembers(node_blocks_key("pdserve", "t"))}
+    assert held == set(h) - {h[3]}
+    # A batch stores and removes in one round trip: removals first, then stores.
+    assert p.publish(stored={TIER_DEVICE: h[3:4]}, removed={TIER_HOST: h[3:4]})
+    assert reader.match(h, ["t"]) == {"t": PrefixMatch(6, host=3, disk=2)}
+    assert p.publish(cleared=True)
+    assert reader.match(h, ["t"]) == {"t": PrefixMatch(0)} and not r.smembers(node_blocks_key("pdserve", "t"))
+
+
+def test_resync_restores_every_tier_of_the_snapshot(r):
+    from kv_index.schema import TIER_DISK, tier_bit
+
+    p = NodePublisher(r, node("s"))
+    p.register()
+    h = hash_prompt_blocks(list(range(80)), 16, b"fp")  # 5 blocks
+    assert p.publish(stored={TIER_HOST: h})
+    dev, host, disk = tier_bit(0), tier_bit(TIER_HOST), tier_bit(TIER_DISK)
+    p.resync({h[0]: dev | host, h[1]: host, h[2]: disk | host, h[3]: disk, h[4]: 0})
+    reader = IndexReader(r)
+    assert reader.match(h, ["s"]) == {"s": PrefixMatch(4, host=2, disk=1)}
+    assert {int(x, 16) for x in r.smembers(node_blocks_key("pdserve", "s"))} == set(h[:4])
+    assert int(r.hget(f"pdserve:blk:{h[2]:016x}", "s")) == disk | host
+
+
+def test_publisher_thread_folds_tier_moves_and_resyncs_them(r):
+    """Offload (device -> host) and onboard events through the node's thread; a Redis that lost
+    everything gets every tier back from the thread's snapshot."""
+    from kv_index.schema import TIER_DISK
+
+    pub = NodePublisher(r, node("m"), lease_s=5.0)
+    thread = IndexPublisherThread(pub, lambda: {"waiting": 0}, heartbeat_s=0.05)
+    thread.start()
+    h = hash_prompt_blocks(list(range(64)), 16, b"fp")
+    thread.submit_events([BlockStored(tuple(h), None, ())])
+    thread.submit_events([BlockStored(tuple(h[2:]), None, (), tier=TIER_HOST), BlockRemoved(tuple(h[2:]))])
+    thread.submit_events([BlockStored(tuple(h[3:]), None, (), tier=TIER_DISK),
+                          BlockRemoved(tuple(h[3:]), tier=TIER_HOST)])
+    reader = IndexReader(r)
+    want = {"m": PrefixMatch(4, host=1, disk=1)}
+    _eventually(lambda: reader.match(h, ["m"]) == want)
+    r.flushall()
+    _eventually(lambda: reader.match(h, ["m"]) == want and "m" in reader.live_nodes())
+    thread.stop()
+
+
+def test_onboard_totals_reach_the_routers_cost_book(r):
+    """A node heartbeats what it brought back from its host and disk tiers (cumulative); the
+    router's node view feeds each refresh's difference into the cost book's (node, tier) fits,
+    and a node that restarted (totals down) counts from zero again."""
+    from kv_index.nodes import OnboardTotals
+    from router.cost_model import CostBook
+    from router.node_view import NodeRefresher
+
+    assert OnboardTotals.parse("") == OnboardTotals() and OnboardTotals.parse("x,1") == OnboardTotals()
+    t = OnboardTotals(8 << 20, 0.01, 4)
+    assert OnboardTotals.parse(t.wire()) == t
+    assert OnboardTotals(12 << 20, 0.02, 6).since(t) == OnboardTotals(4 << 20, 0.01, 2)
+    assert OnboardTotals(1 << 20, 0.001, 1).since(t) == OnboardTotals(1 << 20, 0.001, 1)  # a restart
+
+    p = NodePublisher(r, node("o"))
+    p.register()
+    costs = CostBook()
+    refresher = NodeRefresher(IndexReader(r), refresh_s=0.1, prune_every_s=60, costs=costs)
+    for host in (OnboardTotals(8 << 20, 0.01, 4), OnboardTotals(16 << 20, 0.02, 8)):
+        p.heartbeat({"waiting": 0, "onboard_host": host.wire(), "onboard_disk": OnboardTotals(1 << 20, 0.05, 1).wire()})
+        refresher.refresh_once()
+    fits = {(f.node_id, f.tier): f for f in costs.onboard_fits()}
+    assert fits["o", "host"].onboards == 2 and fits["o", "disk"].onboards == 1  # the disk total did not move
+    assert refresher.view.nodes[0].onboard_host == OnboardTotals(16 << 20, 0.02, 8)

@@ -11,12 +11,12 @@ import grpc
 import pytest
 import torch
 
-from decode_node.reservations import NotReadyError, ReservationTable
 from engine.model_runner import KV_PREEMPTED, final_blocks
 from kv_transfer.layout import PoolLayout
 from kv_transfer.transport import PushResult, TransferError
 from kv_transfer.validate import KVValidationError, Reservation, new_token, validate_header
 from kv_transfer.wire import build_header
+from node.reservations import NotReadyError, ReservationTable
 from prefill_node.kv_streamer import KVStreamer
 
 # ----------------------------------------------------------------------------- validation

@@ -67,7 +67,7 @@ def test_prefill_and_decode_actors_serve_a_request_and_register(tiny_dir, redis_
     assert {n: (i.role, i.grpc_address) for n, i in live.items()} == {
         "prefill-0": ("prefill", p_addr), "decode-0": ("decode", d_addr)}
     hashes = hash_prompt_blocks(prompt, BS, ref_engine.fingerprint.encode())
-    assert wait_for(lambda: reader.match(hashes, ["decode-0"])["decode-0"] == len(hashes), 5, every=0.1)
+    assert wait_for(lambda: reader.match(hashes, ["decode-0"])["decode-0"].blocks == len(hashes), 5, every=0.1)
     stats = ray.get(decode.stats.remote(), timeout=30)
     json.dumps(stats)  # plain data
     assert stats["free_blocks"] == stats["num_blocks"] == 64
@@ -88,7 +88,7 @@ def test_prefill_and_decode_actors_serve_a_request_and_register(tiny_dir, redis_
     new_addr = ray.get(decode.address.remote(), timeout=30)
     assert wait_for(lambda: reader.live_nodes().get("decode-0") is not None
                     and reader.live_nodes()["decode-0"].grpc_address == new_addr, 10, every=0.1)
-    assert reader.match(hashes, ["decode-0"])["decode-0"] == 0
+    assert reader.match(hashes, ["decode-0"])["decode-0"].blocks == 0
     assert run_request(p_addr, new_addr, ref_engine.fingerprint, "r2", prompt) == ref
 
     ray.get([prefill.stop.remote(), decode.stop.remote()], timeout=30)

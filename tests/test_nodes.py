@@ -12,7 +12,6 @@ import redis
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from decode_node.reservations import NotReadyError, ReservationTable
 from decode_node.server import DecodeServer
 from engine.engine import LLMEngine
 from kv_index.events import AllBlocksCleared, BlockRemoved, BlockStored, fold_kv_events
@@ -20,6 +19,7 @@ from kv_index.reader import IndexReader
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, push_blocks
 from kv_transfer.validate import Reservation
 from node.config import NodeConfig
+from node.reservations import NotReadyError, ReservationTable
 from protos.convert import sampling_to_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc, serving_pb2
 from tests.clusters import start_node
@@ -195,14 +195,14 @@ def test_kv_events_reach_redis_and_vanish_on_eviction(tiny_dir, redis_url):
         prompt = list(range(200, 222))  # 5 full blocks
         h = c.hashes(prompt)
         c.disaggregated("r1", prompt, GREEDY)
-        assert wait_for(lambda: c.reader.match(h, ["p0"])["p0"] == 5)
-        assert wait_for(lambda: c.reader.match(h, ["d0"])["d0"] == 5)
+        assert wait_for(lambda: c.reader.match(h, ["p0"])["p0"].blocks == 5)
+        assert wait_for(lambda: c.reader.match(h, ["d0"])["d0"].blocks == 5)
         # Two prompts that need every block of the prefill node evict the cached ones.
         for i, start in enumerate((300, 400)):
             c.prefill_rpc(f"evict{i}", list(range(start, start + 92)),
                           SamplingParams(temperature=0.0, max_tokens=1), kv_pb2.ReserveBlocksResponse())
-        assert wait_for(lambda: c.reader.match(h, ["p0"])["p0"] == 0)
-        assert c.reader.match(h, ["d0"])["d0"] == 5
+        assert wait_for(lambda: c.reader.match(h, ["p0"])["p0"].blocks == 0)
+        assert c.reader.match(h, ["d0"])["d0"].blocks == 5
         # Heartbeats carry the load.
         assert wait_for(lambda: c.reader.live_nodes()["p0"].free_blocks == 24)
     finally:
@@ -352,9 +352,10 @@ def test_health_and_lease_lapse_of_a_stopped_node(tiny_dir, redis_url):
         for service in ("", "pdserve.v1.DecodeNode", "pdserve.v1.KVTransfer"):
             resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        # KVHolder (PushPrefix) on every node; a prefill node's KVTransfer receives fetched prefixes.
         for channel, role_services in ((c.d_channel, {"pdserve.v1.DecodeNode", "pdserve.v1.KVTransfer"}),
-                                       (c.p_channel, {"pdserve.v1.PrefillNode"})):
-            assert _reflected_services(channel) == role_services | {"grpc.health.v1.Health",
+                                       (c.p_channel, {"pdserve.v1.PrefillNode", "pdserve.v1.KVTransfer"})):
+            assert _reflected_services(channel) == role_services | {"grpc.health.v1.Health", "pdserve.v1.KVHolder",
                                                                     "grpc.reflection.v1alpha.ServerReflection"}
         assert c.decode.stats()["role"] == "decode" and c.prefill.stats()["address"] == c.prefill.address
         assert set(c.reader.live_nodes()) == {"p0", "d0"}

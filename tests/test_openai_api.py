@@ -162,9 +162,10 @@ def test_errors_are_openai_shaped_and_name_the_limit(client, base_url):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o", messages=chat("hi"))
     assert e.value.body["code"] == "model_not_found"
-    with pytest.raises(openai.BadRequestError, match="tools"):
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
         client.chat.completions.create(model=MODEL, messages=chat("hi"), tools=[
-            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            tool_choice={"type": "function", "function": {"name": "g"}})
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model=MODEL, messages=chat("hi"), temperature=5)
 

@@ -50,11 +50,14 @@ def test_unset_fields_stay_unset():
 
 @pytest.mark.parametrize("body, param", [
     ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 5}}, "logit_bias"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-     "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "structural_tag"}},
+     "response_format.type"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"},
+      "guided_regex": "a+"}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "any"}, "tool_choice"),
 ])
 def test_unsupported_fields_are_refused_by_name(body, param):
     with pytest.raises(oai.UnsupportedError) as e:

@@ -86,7 +86,7 @@ def test_the_publisher_rides_out_a_frozen_redis_and_resyncs():
                 assert time.monotonic() - t0 < 1.0
                 assert wait_for(lambda: thread.num_failures >= 2, timeout=BOUND_S)
                 assert thread.queued_batches <= 9
-            assert wait_for(lambda: reader.match([100], ["decode-0"]) == {"decode-0": 1}, timeout=BOUND_S)
+            assert wait_for(lambda: reader.match([100], ["decode-0"])["decode-0"].blocks == 1, timeout=BOUND_S)
             assert "decode-0" in reader.live_nodes()
             assert sorted(int(x, 16) for x in client.smembers(f"{ns}:nodeblk:decode-0")) == list(range(1, 101))
             assert thread.num_resyncs >= 1
@@ -236,7 +236,7 @@ def test_a_redis_restarted_from_a_stale_append_only_file_costs_misses_not_answer
     hashes = {id(p): hash_prompt_blocks(p, view.block_size, view.fingerprint.encode()) for p in (kept, dropped)}
 
     def held_by_prefill(p) -> int:
-        return reader.match(hashes[id(p)], ["prefill-0"])["prefill-0"]
+        return reader.match(hashes[id(p)], ["prefill-0"])["prefill-0"].blocks
 
     assert wait_for(lambda: refresher.degraded is None, timeout=BOUND_S)
     for p in (kept, dropped):

@@ -208,5 +208,80 @@ def test_splits_and_tuning(redis_url):
     swept = _run(redis_url, CONV, 200, "--split", "tune", "--tune", "--policies", "pdserve", "round_robin")
     assert set(swept["chosen"]) == {"pdserve"}  # round robin has nothing to tune
     runs = swept["tuning"]["pdserve"]
-    assert [r["constants"]["compute_weight"] for r in runs] == [0.0, 0.5, 1.0, 2.0, 4.0]
+    assert [r["constants"]["compute_weight"] for r in runs] == [0.0, 1.0, 2.0, 4.0, 8.0]
     assert swept["chosen"]["pdserve"] in [r["constants"] for r in runs]
+
+
+# -- tiers ---------------------------------------------------------------------------------------------
+def test_tiered_cache_demotes_down_the_tiers_and_reports_each_move():
+    from kv_index.nodes import PrefixMatch
+    from router.replay.simulator import TieredCache
+
+    def insert(hashes):
+        stored, removed = c.insert(hashes)
+        return {t: sorted(hs) for t, hs in stored.items()}, {t: sorted(hs) for t, hs in removed.items()}
+
+    c = TieredCache(2, 2, 1)  # blocks: device 2, host 2, disk 1
+    assert insert([1, 2]) == ({0: [1, 2]}, {})
+    # 1, 2 move to host memory
+    assert insert([3, 4]) == ({0: [3, 4], 1: [1, 2]}, {0: [1, 2]})
+    # 3, 4 to host; host's least recent (the chain's tail 2, then 1) to disk, which keeps 1
+    assert insert([5, 6]) == ({0: [5, 6], 1: [3, 4], 2: [1]}, {0: [3, 4], 1: [1, 2]})
+    assert (c.match([1, 2]), c.match([3, 4]), c.match([5, 6])) == (PrefixMatch(1, 0, 1), PrefixMatch(2, 2, 0),
+                                                                   PrefixMatch(2, 0, 0))
+    # 1 back from disk (onboarded), 2 computed again; 5, 6 to host, 3 to disk, 4 dropped
+    assert insert([1, 2]) == ({0: [1, 2], 1: [5, 6], 2: [3]}, {0: [5, 6], 1: [3, 4], 2: [1]})
+    assert [c.tier_of(h) for h in range(1, 7)] == [0, 0, 2, None, 1, 1]
+
+
+def test_simulated_node_hits_each_tier_exactly_and_the_book_learns_the_onboards():
+    """One prefill node, device / host / disk of 2 / 2 / 4 blocks, two-block conversations A-D:
+
+        A B C D   misses            device D, host C, disk A B
+        A         disk hit (64)     device A, host D, disk B C
+        C         disk hit (64)     device C, host A, disk B D
+        A         host hit (64)     device A, host C, disk B D
+        A         device hit (64)
+    """
+    cfg = SimConfig(prefill_nodes=1, decode_nodes=1, block_size=32, cache_tokens=64, host_cache_tokens=64,
+                    disk_cache_tokens=128, speed_spread=0.0, step_noise=0.0)
+    chains = {"A": (1, 2), "B": (3, 4), "C": (5, 6), "D": (7, 8)}
+    order = "ABCDACAA"
+    reqs = [TraceRequest(10.0 * i, 64, 4, chains[k]) for i, k in enumerate(order)]
+    costs = CostBook()
+    res = simulate("rr", reqs, cfg, RoundRobin(), costs, None, admission="none", scale=1.0)
+    assert dict(res.hit_tokens) == {"device": 64, "host": 64, "disk": 128, "remote": 0}
+    assert res.cached_tokens == 256 and res.summary()["hit_ratio"] == pytest.approx(256 / 512)
+    # the disk hits waited for their onboard: the truth's fixed cost + bytes at its bandwidth
+    disk_s = cfg.tiers.disk_s(64 * cfg.kv_bytes_per_token)
+    assert res.ttft_s[4] - res.ttft_s[7] == pytest.approx(disk_s, rel=1e-6)
+    fits = {(v.node_id, v.tier): v.onboards for v in costs.onboard_fits()}
+    assert fits == {("", "host"): 1, ("", "disk"): 2, ("prefill-0", "host"): 1, ("prefill-0", "disk"): 2}
+
+
+def test_the_global_pool_gets_every_tier_of_every_node():
+    cfg = SimConfig(prefill_nodes=2, decode_nodes=1, block_size=32, cache_tokens=64, host_cache_tokens=64,
+                    disk_cache_tokens=0, speed_spread=0.0, step_noise=0.0)
+    reqs = [TraceRequest(10.0 * i, 64, 4, (2 * k + 1, 2 * k + 2)) for i, k in enumerate([0, 1, 2, 3, 0])]
+    res = simulate("pool", reqs, cfg, None, CostBook(), None, admission="none", scale=1.0, global_pool=True)
+    # 4 conversations of 2 blocks fill device 4 + host 4: the first is in host memory when it returns
+    assert dict(res.hit_tokens) == {"device": 0, "host": 64, "disk": 0, "remote": 0}
+
+
+@needs_traces
+def test_replay_with_tiers_reports_hits_per_tier(redis_url):
+    out = _run(redis_url, CONV, 300, "--cache-tokens", "100000", "--host-cache-tokens", "200000",
+               "--disk-cache-tokens", "800000", "--admission", "none", "--policies", "pdserve", "pdserve_no_fetch",
+               "dynamo_kv", "llmd_weighted", "global_pool")
+    assert out["config"]["host_cache_tokens"] == 200_000 and out["config"]["disk_cache_tokens"] == 800_000
+    pol = out["policies"]
+    for name, s in pol.items():
+        assert set(s["hit_tokens"]) == {"device", "host", "disk", "remote"}
+        assert sum(s["hit_tokens"].values()) == pytest.approx(s["hit_ratio"] * sum(
+            r.input_tokens for r in load_trace(CONV, 300)), abs=1), name
+        assert s["hit_vs_global_pool"] == pytest.approx(s["hit_ratio"] / out["global_pool_hit_ratio"])
+    lower = pol["pdserve_no_fetch"]["hit_tokens"]
+    assert lower["host"] > 0 and lower["disk"] > 0  # the small device pools spill into both tiers
+    assert pol["pdserve"]["hit_tokens"]["remote"] > 0 and pol["pdserve_no_fetch"]["hit_tokens"]["remote"] == 0
+    assert pol["llmd_weighted"]["redis_rtt_per_request"] == 1.0  # with tiers: the precise scorer, on the index
+    assert pol["pdserve"]["index_exact_fraction"] >= 0.95  # the index's tiers match the nodes'

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -98,15 +97,10 @@ def test_client_defaults_are_time_based():
 # ----------------------------------------------------------------------------- a real router restart
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory) -> Path:
-    from engine.models.builtin import resolve_builtin
-    from engine.models.tiny import save_tiny_model
+    from engine.models.tiny import save_tiny_chat_model
 
     # SmolLM2's vocabulary, so the router tokenizes chat prompts for real (as tests/test_chaos.py).
-    model = save_tiny_model(tmp_path_factory.mktemp("tiny") / "chat", vocab_size=49152, seed=3)
-    tok = resolve_builtin("smollm2-135m")
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tok / name).exists():
-            shutil.copy(tok / name, model / name)
+    model = save_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "chat", seed=3)
     return model
 
 

@@ -170,7 +170,7 @@ def _wait_for_blocks(cluster, ids, node_id, blocks):
     reader = IndexReader(redis.Redis.from_url(cluster["redis_url"]), cluster["ns"])
     hashes = hash_prompt_blocks(ids, 16, fp.encode())
     deadline = time.monotonic() + 10
-    while reader.match(hashes, [node_id])[node_id] < blocks:
+    while reader.match(hashes, [node_id])[node_id].blocks < blocks:
         assert time.monotonic() < deadline, "prefix blocks never appeared in the index"
         time.sleep(0.05)
     # The warm-up must also be gone from the node's reported load (heartbeats lag by up to

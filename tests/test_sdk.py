@@ -247,6 +247,46 @@ def test_bad_arguments():
         pdserve.client.build_request("x", slo_class="urgent")
 
 
+def test_structured_outputs_and_tools_as_the_http_api_takes_them():
+    build = pdserve.client.build_request
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    rf = build("x", response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema,
+                                                                            "strict": True}})
+    assert rf.sampling.structured.kind == pb.STRUCTURED_KIND_JSON_SCHEMA and rf.sampling.structured.strict
+    assert build("x", structured={"choice": ["a", "b"]}).sampling.structured.kind == pb.STRUCTURED_KIND_CHOICE
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                     "function": {"name": "f", "arguments": {"a": 1}}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    req = build(history, tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                tool_choice={"type": "function", "function": {"name": "f"}}, parallel_tool_calls=False)
+    assert [t.name for t in req.chat.tools] == ["f"] and req.chat.tool_choice.function == "f"
+    assert req.chat.messages[1].tool_calls[0].arguments == '{"a": 1}' and req.chat.messages[2].tool_call_id == "c1"
+    for kwargs, field in [(dict(response_format={"type": "json_object"}, structured={"regex": "a"}), "structured"),
+                          (dict(response_format={"type": "grammar"}), "response_format.type"),
+                          (dict(tools=[{"type": "function", "function": {"name": "f f"}}]), "tools"),
+                          (dict(tool_choice="sometimes"), "tool_choice")]:
+        with pytest.raises(pdserve.InvalidRequestError) as e:
+            build([{"role": "user", "content": "x"}], **kwargs)
+        assert e.value.field.startswith(field), (e.value.field, kwargs)
+    with pytest.raises(pdserve.InvalidRequestError, match="need a chat prompt"):
+        build("text prompt", tools=[{"type": "function", "function": {"name": "f"}}])
+
+
+def test_tool_calls_of_a_complete_reach_the_completion():
+    from pdserve.core import ResponseAccumulator
+
+    acc = ResponseAccumulator()
+    acc.feed(pb.GenerateResponse(chunk=pb.Chunk(index=0, text="<tool_call>...", token_ids=[1])))
+    acc.feed(pb.GenerateResponse(complete=pb.Complete(
+        index=0, finish_reason=pb.FINISH_REASON_TOOL_CALLS,
+        tool_calls=[pb.ToolCall(id="call_1", name="f", arguments='{"a": 1}')])))
+    done = acc.completions[0]
+    assert done.finish_reason == "tool_calls" and done.text == "<tool_call>..."
+    assert done.tool_calls == (pdserve.ToolCall("call_1", "f", '{"a": 1}'),)
+    assert done.tool_calls[0].parsed_arguments() == {"a": 1}
+
+
 def test_async_client(server):
     target, servicer = server
 

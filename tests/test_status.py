@@ -101,7 +101,8 @@ def test_report_and_table():
                "p0": Sample(2.0, parse_metrics(node_text("prefill", "p0", transfer_bytes=2048))),
                "p1": "URLError: refused"}
     router = Sample(2.0, {"index_accuracy": 0.9, "running": 1.0})
-    index = {"blocks": 12, "blocks_complete": True, "entries": {"d0": 5, "p0": 9}}
+    index = {"blocks": 12, "blocks_complete": True, "entries": {"d0": 5, "p0": 9}, "redis_bytes": 2800,
+             "bytes_per_entry": 200.0, "bytes_per_cached_token": 12.5}
     report = build_report(nodes, scrapes, now=now, index=index, router=router,
                           cluster={"grpc": "127.0.0.1:50051", "namespace": "ns"})
     json.dumps(report)  # all JSON
@@ -120,6 +121,7 @@ def test_report_and_table():
     assert "50.0%" in d0 and "25.0%" in d0 and "75.0%" in d0 and "2.0 KiB" in d0 and "300ms" in d0
     assert next(line for line in lines if line.startswith("p1 ")).endswith("registry")
     assert "index: 12 block keys; entries per node: d0 5, p0 9" in table
+    assert "index memory: 2.7 KiB in Redis, 200 B per (block, node) entry, 12.5 B per cached token" in table
     assert "accuracy: 0.900" in table and "recent errors:" in table
     # Without a router: accuracy unknown, and the table says how to get it.
     bare = render(build_report(nodes, scrapes, now=now, index=index))
@@ -205,6 +207,10 @@ def test_pdserve_status_json_against_live_nodes(live, capsys, tmp_path):
     assert p0["last_seen_s"] < 2.0
     idx = report["index"]
     assert idx["blocks"] > 0 and idx["blocks_complete"] and idx["entries"]["p0"] > 0
+    # What the index costs: Redis's memory per (block, node) entry and per cached token.
+    assert idx["redis_bytes"] > 0 and idx["bytes_per_entry"] > 0
+    assert idx["bytes_per_cached_token"] == pytest.approx(idx["redis_bytes"] / (4 * sum(idx["entries"].values())),
+                                                          rel=0.01)
     assert set(idx["freshness_s"]) >= {"p0"}
     assert idx["accuracy"] == 0.8
     assert report["errors"] == []

@@ -28,5 +28,5 @@ def test_length_is_max_tokens_or_the_context():
 
 
 def test_names_are_what_clients_see():
-    assert [r.value for r in FinishReason] == ["stop", "length", "abort", "error"]
+    assert [r.value for r in FinishReason] == ["stop", "length", "abort", "error", "tool_calls"]
     assert f"{FinishReason.STOP}" == "stop"

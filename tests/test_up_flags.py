@@ -35,6 +35,16 @@ def test_defaults_are_the_router_clis():
     rc = router_config(cluster_config_from_args(parse_up()), **BRING_UP)
     assert rc.max_migrations == router_defaults.max_migrations == 2
     assert rc.straggler_factor == router_defaults.straggler_factor == 3.0
+    assert rc.prefix_fetch is router_defaults.prefix_fetch is True
+
+
+def test_no_prefix_fetch_reaches_the_router_config():
+    from router.server import build_parser
+
+    assert router_config(cluster_config_from_args(parse_up("--no-prefix-fetch")), **BRING_UP).prefix_fetch is False
+    args = build_parser().parse_args(["--redis-url", "redis://x", "--tokenizer-dir", "/t", "--model-name", "m",
+                                      "--max-model-len", "64", "--no-prefix-fetch"])
+    assert args.prefix_fetch is False
 
 
 @pytest.mark.parametrize("argv", [("--max-migrations", "-1"), ("--straggler-factor", "nan"),

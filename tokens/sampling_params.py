@@ -1,6 +1,7 @@
 """Per-request sampling parameters (plain data, validated once at admission)."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -11,6 +12,98 @@ class SamplingParamError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the output's text, enforced token by token by the grammar engine
+    (engine/structured/; docs/structured.md). The wire carries it unchanged
+    (protos SamplingParams.structured) to the prefill and decode nodes.
+
+    ``kind`` and what ``spec`` holds:
+
+    - ``"json_schema"``: the JSON schema as JSON text (an object, or ``true``).
+    - ``"json_object"``: any JSON object; spec ``""``.
+    - ``"regex"``: a regular expression the whole output matches (Rust ``regex`` syntax).
+    - ``"choice"``: a JSON list of strings; the output is exactly one of them.
+    - ``"grammar"``: a context-free grammar in Lark syntax as llguidance reads it (``start:`` is
+      the start rule; docs/structured.md). A llama.cpp GBNF grammar (rules written ``::=``,
+      ``root`` the start rule, vLLM's ``guided_grammar`` for xgrammar) is accepted too and
+      converted.
+    - ``"structural_tag"`` (tool calls): a JSON object
+      ``{"structures": [{"begin": str, "schema": {...}, "end": str}, ...], "triggers": [str, ...],
+      "at_least_one": bool, "stop_after_first": bool}``. Each structure is ``begin`` + JSON
+      valid under ``schema`` + ``end``; every ``begin`` starts with one of the ``triggers``.
+      With ``at_least_one`` false (tool_choice "auto") the text is free until a trigger
+      appears, and from the trigger on it must complete one of the structures; free text may
+      follow. With ``at_least_one`` true (tool_choice "required" or a named function) there is
+      no free text: the output is one or more structures separated only by whitespace.
+      ``stop_after_first`` (parallel_tool_calls false) ends the output after the first
+      structure.
+
+    ``strict`` (OpenAI's json_schema ``strict``): true refuses a schema keyword the engine
+    cannot enforce (the 400 names it); false ignores such keywords and enforces the rest.
+    The generated text is always a complete match of the constraint unless max_tokens cuts it.
+    """
+
+    kind: str
+    spec: str = ""
+    strict: bool = True
+
+    KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+    # Characters per spec: a schema is compiled for every new spec, and this bounds the work
+    # (the compile has its own time bound on the node, engine/structured/).
+    MAX_SPEC_CHARS = 65536
+
+    def validate(self) -> None:
+        """Raise SamplingParamError on field ``structured`` for a malformed spec (plain data
+        checks; whether the engine supports every construct is checked by compiling it)."""
+        def bad(msg: str) -> SamplingParamError:
+            return SamplingParamError("structured", f"structured output ({self.kind}): {msg}")
+        if self.kind not in self.KINDS:
+            raise SamplingParamError("structured", f"structured output kind must be one of {list(self.KINDS)}, "
+                                                   f"got {self.kind!r}")
+        if len(self.spec) > self.MAX_SPEC_CHARS:
+            raise bad(f"spec may have at most {self.MAX_SPEC_CHARS} characters, got {len(self.spec)}")
+        if self.kind == "json_object":
+            if self.spec:
+                raise bad("spec must be empty")
+            return
+        if self.kind in ("regex", "grammar"):
+            if not self.spec.strip():
+                raise bad("spec must be non-empty")
+            return
+        try:
+            value = json.loads(self.spec)
+        except ValueError as e:
+            raise bad(f"spec is not valid JSON: {e}") from None
+        if self.kind == "json_schema" and not (isinstance(value, dict) or value is True):
+            raise bad(f"the schema must be a JSON object, got {type(value).__name__}")
+        if self.kind == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                raise bad("spec must be a non-empty JSON list of non-empty strings")
+        if self.kind == "structural_tag":
+            _validate_structural_tag(value, bad)
+
+
+def _validate_structural_tag(value: object, bad) -> None:
+    if not isinstance(value, dict):
+        raise bad("spec must be a JSON object")
+    structures, triggers = value.get("structures"), value.get("triggers")
+    if not isinstance(structures, list) or not structures:
+        raise bad("'structures' must be a non-empty list")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise bad("'triggers' must be a non-empty list of non-empty strings")
+    for i, st in enumerate(structures):
+        if not isinstance(st, dict) or not all(isinstance(st.get(k), str) for k in ("begin", "end")):
+            raise bad(f"structures[{i}] must have string 'begin' and 'end'")
+        if not (isinstance(st.get("schema"), dict) or st.get("schema") is True):
+            raise bad(f"structures[{i}].schema must be a JSON schema object")
+        if not any(st["begin"].startswith(t) for t in triggers):
+            raise bad(f"structures[{i}].begin {st['begin']!r} must start with one of the triggers")
+    for key in ("at_least_one", "stop_after_first"):
+        if not isinstance(value.get(key, False), bool):
+            raise bad(f"'{key}' must be a boolean")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +132,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (0 = only the chosen one)
+    structured: StructuredOutput | None = None  # constrained decoding (JSON schema, regex, grammar, ...)
 
     MAX_N = 16
     MAX_LOGPROBS = 20
@@ -101,3 +195,5 @@ class SamplingParams:
         if long:
             raise SamplingParamError("stop", f"stop strings may have at most {self.MAX_STOP_CHARS} characters; "
                                              f"stop[{long[0]}] has {len(self.stop[long[0]])}")
+        if self.structured is not None:
+            self.structured.validate()

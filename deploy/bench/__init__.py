@@ -19,6 +19,7 @@ import time
 BENCHMARKS: dict[str, str] = {
     "exactness": "exactness",
     "kv-memory": "kv_memory",
+    "kv-tiers": "kv_tiers",
     "engine": "engine_throughput",
     "transfer": "transfer",
     "router": "router_replay",
@@ -27,6 +28,8 @@ BENCHMARKS: dict[str, str] = {
     "serve": "serve",
     "load": "load",
     "redis-hang": "redis_hang",
+    "structured": "structured",
+    "kv-index": "kv_index",
 }
 
 

@@ -15,6 +15,17 @@ every policy in the run served; SLO attainment (TTFT and TBT; rejected requests 
 imbalance = max / mean prefill busy time; requests rejected; Redis round trips per request on
 the router's path (node-side publishes separately).
 
+Tiers: ``--host-cache-tokens N --disk-cache-tokens M`` give every prefill node a host-memory
+and a disk tier below its device pool (``--cache-tokens``), LRU demotion down the tiers; a hit
+there is onboarded at the tier's true cost (``--host-gbs``, ``--disk-gbs``), which pdserve's book
+learns from the nodes' reports. The peers whose real routers know tiers use their published
+tier weights (router/replay/baselines.py), SGLang's trees span a node's whole hierarchy, and the
+global pool gets the cluster's whole capacity, tier by tier. The JSON adds each policy's reused
+tokens per tier (``hit_tokens``: device, host, disk, and remote for fetched ones).
+
+``pdserve`` fetches a longer prefix from the node that holds it when that beats recomputing
+(``replicate``, on in the live router too); ``pdserve_no_fetch`` never fetches.
+
 Constants (pdserve's compute_weight, each peer's main knob) are chosen on a tuning split,
 ``TUNED_ON``, by ``--tune`` (the best goodput, then the lowest mean TTFT); every other trace and
 the held-out half are reported with them unchanged.
@@ -39,11 +50,20 @@ from kv_index.reader import IndexReader
 from router.admission import SLO_CLASSES
 from router.cost_model import CostBook
 from router.placement import PlacementPolicy, TtftPolicy
-from router.replay.baselines import BASELINES, LlmdWeighted, SglangCacheAware
-from router.replay.simulator import ADMISSION_MODES, IndexLink, PolicyResult, SimConfig, simulate, time_scale
+from router.replay.baselines import BASELINES, LLMD_TIER_WEIGHTS, LlmdWeighted, SglangCacheAware
+from router.replay.simulator import (
+    ADMISSION_MODES,
+    IndexLink,
+    PolicyResult,
+    SimConfig,
+    TierTruth,
+    simulate,
+    time_scale,
+)
 from router.replay.traces import TraceRequest, load_trace
 
-POLICIES = ("pdserve", "pdserve_replicate", *BASELINES, "global_pool")
+PDSERVE = ("pdserve", "pdserve_no_fetch")
+POLICIES = (*PDSERVE, *BASELINES, "global_pool")
 SPLITS = ("all", "tune", "holdout")
 
 # The tuning split: the first half of the Mooncake conversation trace, in arrival order
@@ -52,13 +72,27 @@ SPLITS = ("all", "tune", "holdout")
 # --tune` (docs/benchmarks.md has the sweep).
 TUNED_ON = "conversation_trace.jsonl:tune"
 # policy -> {constant: (the values --tune tries, the value chosen on TUNED_ON)}; the rest of
-# each peer's constants are its router's defaults. pdserve_replicate shares pdserve's.
+# each peer's constants are its router's defaults.
 KNOBS: dict[str, dict[str, tuple[tuple[float, ...], float]]] = {
-    "pdserve": {"compute_weight": ((0.0, 0.5, 1.0, 2.0, 4.0), 4.0)},
+    "pdserve": {"compute_weight": ((0.0, 1.0, 2.0, 4.0, 8.0), 2.0)},
+    "pdserve_no_fetch": {"compute_weight": ((0.0, 1.0, 2.0, 4.0, 8.0), 1.0)},
     "dynamo_kv": {"overlap_weight": ((0.5, 1.0, 2.0, 4.0), 4.0)},
     "sglang_cache_aware": {"cache_threshold": ((0.1, 0.3, 0.5), 0.5), "balance_abs": ((4, 16, 64), 4)},
     "llmd_weighted": {"prefix_weight": ((1.0, 3.0, 6.0, 12.0, 24.0), 24.0)},
 }
+# With tiers llm-d scores prefixes by its precise scorer, min-max normalised over the pods (every
+# conversation starts with the same block, so the pod holding one block more scores 1 and the
+# rest 0): its weight is tuned for that scorer, on the same split with tiers (--cache-tokens
+# 1000000 --host-cache-tokens 2000000 --disk-cache-tokens 8000000 --tune): 3 to 24 tie there,
+# the first wins (3, also its default profile's); at 24 the held-out half collapsed onto one pod.
+TIERED_KNOBS: dict[str, dict[str, tuple[tuple[float, ...], float]]] = {
+    "llmd_weighted": {"prefix_weight": ((1.0, 3.0, 6.0, 12.0, 24.0), 3.0)},
+}
+
+
+def knobs(name: str, tiered: bool = False) -> dict[str, tuple[tuple[float, ...], float]]:
+    """Policy ``name``'s tunable constants: (the values --tune tries, the value chosen)."""
+    return (TIERED_KNOBS.get(name) if tiered else None) or KNOBS.get(name, {})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +103,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     parser.add_argument("--prefill-nodes", type=int, default=8)
     parser.add_argument("--decode-nodes", type=int, default=4)
-    parser.add_argument("--cache-tokens", type=int, default=3_000_000, help="KV cache per prefill node")
+    parser.add_argument("--cache-tokens", type=int, default=3_000_000, help="device KV cache per prefill node")
+    parser.add_argument("--host-cache-tokens", type=int, default=0,
+                        help="host-memory tier per prefill node, in tokens (0: none)")
+    parser.add_argument("--disk-cache-tokens", type=int, default=0, help="disk tier per prefill node, in tokens (0: none)")
+    parser.add_argument("--host-gbs", type=float, default=TierTruth().host_bandwidth / 1e9,
+                        help="true onboard bandwidth from host memory, GB/s")
+    parser.add_argument("--disk-gbs", type=float, default=TierTruth().disk_bandwidth / 1e9,
+                        help="true onboard bandwidth from disk, GB/s")
     parser.add_argument("--block-size", type=int, default=512, help="tokens per hash block (Mooncake: 512)")
     parser.add_argument("--load", type=float, default=0.8,
                         help="offered prefill work without cache hits / prefill capacity (arrivals rescaled)")
@@ -98,22 +139,23 @@ def split_requests(requests: list[TraceRequest], split: str) -> list[TraceReques
     return {"all": requests, "tune": requests[:half], "holdout": requests[half:]}[split]
 
 
-def constants(name: str, override: dict | None = None) -> dict:
+def constants(name: str, override: dict | None = None, tiered: bool = False) -> dict:
     """The tuned constants of policy ``name``, with ``override`` on top."""
-    knobs = KNOBS.get("pdserve" if name == "pdserve_replicate" else name, {})
-    return {k: chosen for k, (_, chosen) in knobs.items()} | (override or {})
+    return {k: chosen for k, (_, chosen) in knobs(name, tiered).items()} | (override or {})
 
 
 def make_policy(name: str, cfg: SimConfig, costs: CostBook, override: dict | None = None) -> PlacementPolicy | None:
     """The policy ``name`` with its tuned constants (``override`` replaces some)."""
-    c = constants(name, override)
-    tree_blocks = cfg.cache_tokens // cfg.block_size  # peers' approximate trees are sized to the node cache
-    if name in ("pdserve", "pdserve_replicate"):
-        return TtftPolicy(costs, short_prompt_tokens=0, replicate=name == "pdserve_replicate", **c)
+    c = constants(name, override, cfg.tiered)
+    # Peers' approximate trees are sized to a node's cache: all of its tiers (HiCache's L1-L3).
+    tree_blocks = cfg.node_cache_tokens // cfg.block_size
+    if name in PDSERVE:
+        return TtftPolicy(costs, short_prompt_tokens=0, replicate=name == "pdserve", **c)
     if name == "sglang_cache_aware":
         return SglangCacheAware(max_tree_blocks=tree_blocks, **c)
     if name == "llmd_weighted":
-        return LlmdWeighted(lru_blocks=tree_blocks, **c)
+        # With tiers, llm-d's precise prefix-cache scorer: the KV-event index and its tier weights.
+        return LlmdWeighted(lru_blocks=tree_blocks, tier_weights=LLMD_TIER_WEIGHTS if cfg.tiered else None, **c)
     if name == "global_pool":
         return None
     return BASELINES[name](**c)
@@ -122,6 +164,8 @@ def make_policy(name: str, cfg: SimConfig, costs: CostBook, override: dict | Non
 def run(args: argparse.Namespace, report) -> dict:
     cfg = SimConfig(
         prefill_nodes=args.prefill_nodes, decode_nodes=args.decode_nodes, cache_tokens=args.cache_tokens,
+        host_cache_tokens=args.host_cache_tokens, disk_cache_tokens=args.disk_cache_tokens,
+        tiers=TierTruth(host_bandwidth=args.host_gbs * 1e9, disk_bandwidth=args.disk_gbs * 1e9),
         block_size=args.block_size, load=args.load, speed_spread=args.speed_spread, step_noise=args.step_noise,
         kv_bytes_per_token=args.kv_bytes_per_token, bandwidth=args.bandwidth_gbs * 1e9,
         decode_max_batch=args.decode_max_batch, slo_class=args.slo_class,
@@ -161,7 +205,7 @@ def run(args: argparse.Namespace, report) -> dict:
             out = _tune(args, replay, report)
         else:
             override = {"compute_weight": args.compute_weight} if args.compute_weight is not None else {}
-            overrides = {"pdserve": override, "pdserve_replicate": override}
+            overrides = {name: override for name in PDSERVE}
             results = [replay(name, overrides.get(name)) for name in args.policies]
             out = _compare(results, args, overrides, report)
     finally:
@@ -171,7 +215,9 @@ def run(args: argparse.Namespace, report) -> dict:
     out.update({"trace": args.trace, "split": args.split, "requests": len(requests), "time_scale": scale,
                 "admission": admission, "tuned_on": TUNED_ON,
                 "config": {"prefill_nodes": cfg.prefill_nodes, "decode_nodes": cfg.decode_nodes,
-                           "cache_tokens": cfg.cache_tokens, "load": cfg.load, "slo_class": cfg.slo_class,
+                           "cache_tokens": cfg.cache_tokens, "host_cache_tokens": cfg.host_cache_tokens,
+                           "disk_cache_tokens": cfg.disk_cache_tokens, "host_gbs": cfg.tiers.host_bandwidth / 1e9,
+                           "disk_gbs": cfg.tiers.disk_bandwidth / 1e9, "load": cfg.load, "slo_class": cfg.slo_class,
                            "speed_spread": cfg.speed_spread, "step_noise": cfg.step_noise}})
     return out
 
@@ -184,18 +230,24 @@ def _compare(results: list[PolicyResult], args, overrides: dict, report) -> dict
         s = r.summary(common)
         s["span_s"] = r.span_s
         if constants(r.name):
-            s["constant"] = constants(r.name, overrides.get(r.name))
+            s["constant"] = constants(r.name, overrides.get(r.name), _tiered(args))
         table[r.name] = s
     cols = ["hit_ratio", "goodput_rps", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "slo_attainment", "imbalance",
             "rejected", "redis_rtt_per_request", "index_exact_fraction"]
-    report.table(["policy", *cols], [[name, *[s[c] for c in cols]] for name, s in table.items()])
+    tiers = ("host", "disk", "remote")
+    report.table(["policy", *cols, *[f"{t}_hit_share" for t in tiers]],
+                 [[name, *[s[c] for c in cols],
+                   *[s["hit_tokens"][t] / max(1, sum(s["hit_tokens"].values())) for t in tiers]]
+                  for name, s in table.items()])
     report.progress(f"TTFT statistics over the {sum(common)} of {n} requests every policy served")
     if args.plot:
         _plot(args.plot, results, common)
         report.progress(f"TTFT CDF written to {args.plot}")
     out = {"policies": table, "ttft_requests": sum(common)}
     if "global_pool" in table:
-        out["global_pool_hit_ratio"] = table["global_pool"]["hit_ratio"]
+        pool = out["global_pool_hit_ratio"] = table["global_pool"]["hit_ratio"]
+        for s in table.values():
+            s["hit_vs_global_pool"] = s["hit_ratio"] / pool if pool > 0 else math.nan
     return out
 
 
@@ -204,11 +256,12 @@ def _tune(args, replay, report) -> dict:
     goodput wins, then the lowest mean TTFT over the requests it served."""
     sweep, chosen, rows = {}, {}, []
     for name in args.policies:
-        if name not in KNOBS:
+        space = knobs(name, _tiered(args))
+        if not space:
             continue
-        names = list(KNOBS[name])
+        names = list(space)
         runs = []
-        for combo in itertools.product(*(KNOBS[name][k][0] for k in names)):
+        for combo in itertools.product(*(space[k][0] for k in names)):
             c = dict(zip(names, combo))
             s = replay(name, c).summary()
             runs.append({"constants": c, "goodput_rps": s["goodput_rps"], "ttft_mean_s": s["ttft_mean_served_s"],
@@ -221,6 +274,10 @@ def _tune(args, replay, report) -> dict:
     report.table(["policy", "constants", "goodput_rps", "ttft_mean_s", "ttft_p99_s", "rejected", "hit_ratio"], rows)
     report.progress(f"chosen: {chosen}")
     return {"tuning": sweep, "chosen": chosen}
+
+
+def _tiered(args: argparse.Namespace) -> bool:
+    return args.host_cache_tokens > 0 or args.disk_cache_tokens > 0
 
 
 def _index(client: redis.Redis, cfg: SimConfig) -> IndexLink:

@@ -48,6 +48,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from deploy.bench import serve_tiers
 from deploy.bench import serve_workload as wl
 from deploy.bench.plotting import figure
 from deploy.bench.serve_client import run_load
@@ -60,8 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help="the router: gRPC HOST:PORT, or the HTTP base URL with --api openai")
     p.add_argument("--api", choices=["grpc", "openai"], default="grpc")
     p.add_argument("--model", default="smollm2-135m", help="the served model (the cluster's, for --compare)")
-    p.add_argument("--workload", choices=["mixed", "chat"], default="mixed",
-                   help="synthetic length mix (mixed: chat turns with long documents mixed in)")
+    p.add_argument("--workload", choices=["mixed", "chat", "multiturn"], default="mixed",
+                   help="synthetic length mix (mixed: chat turns with long documents mixed in); multiturn: "
+                        "conversations whose turns repeat their history (with --compare tiers)")
     p.add_argument("--long-share", type=float, default=wl.MIXED_LONG_SHARE,
                    help="mixed workload: the fraction of requests that are long documents")
     p.add_argument("--long-shares", default=None,
@@ -78,8 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=None,
                    help="closed loop: keep N requests in flight instead of arrivals at a rate")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compare", choices=["colocated"], default=None,
-                   help="start 1 prefill + 1 decode and 2 colocated nodes here, one after the other")
+    p.add_argument("--compare", choices=["colocated", "tiers"], default=None,
+                   help="colocated: start 1 prefill + 1 decode and 2 colocated nodes here, one after the other; "
+                        "tiers: the same 1 + 1 nodes with KV tiers and prefix fetch off, then on "
+                        "(deploy/bench/serve_tiers.py)")
     p.add_argument("--disagg-local-prefill-tokens", default="256",
                    help="--compare, disaggregated layout: prompts shorter than this are prefilled on the decode node "
                         "(conditional disaggregation); comma-separated candidates make a tuning run")
@@ -96,6 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-mib", type=int, default=256, help="per node, for --compare")
     p.add_argument("--records", default=None, help="write every request's record here (JSON lines)")
     p.add_argument("--plot", default=None, help="PNG prefix: PREFIX_cdf.png (TTFT, TPOT CDFs), PREFIX_goodput.png")
+    serve_tiers.add_arguments(p)
 
 
 def _workload(args, long_share: float | None = None) -> list[wl.LoadRequest]:
@@ -352,6 +357,8 @@ def _strip(unloaded_summary: dict, points: list[dict], k: dict, layout: Layout) 
 
 
 def run(args: argparse.Namespace, report) -> dict:
+    if args.compare == "tiers" or args.workload == "multiturn":
+        return serve_tiers.compare_tiers(args, report)
     if args.compare:
         return _compare(args, report)
     if not args.url:

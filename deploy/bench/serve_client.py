@@ -20,7 +20,10 @@ from deploy.bench.serve_workload import LoadRequest
 REQUEST_TIMEOUT_S = 600.0
 
 
-async def _send_grpc(client, req: LoadRequest, rec: Record, clock: Callable[[], float]) -> None:
+async def send_grpc(client, req: LoadRequest, rec: Record, clock: Callable[[], float],
+                    tokens: list[int] | None = None) -> None:
+    """One request through the SDK, greedy; ``rec`` filled as it streams (times on ``clock``),
+    its output token ids appended to ``tokens`` when given."""
     stream = client.generate(token_ids=list(req.prompt), max_tokens=req.max_tokens, temperature=0.0,
                              ignore_eos=True, timeout=REQUEST_TIMEOUT_S)
     last = None
@@ -28,6 +31,8 @@ async def _send_grpc(client, req: LoadRequest, rec: Record, clock: Callable[[], 
         now = clock()
         if not chunk.token_ids:
             continue
+        if tokens is not None:
+            tokens.extend(chunk.token_ids)
         if rec.first_token_s is None:
             rec.first_token_s = now
         elif last is not None:
@@ -82,7 +87,7 @@ async def run_load(workload: Sequence[LoadRequest], *, target: str, api: str = "
         import pdserve
 
         client = pdserve.AsyncClient(target, retries=0)
-        send = lambda req, rec: _send_grpc(client, req, rec, clock)  # noqa: E731
+        send = lambda req, rec: send_grpc(client, req, rec, clock)  # noqa: E731
     elif api == "openai":
         import openai
 

@@ -69,6 +69,21 @@ def save_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, **over
     return save_model(build_tiny_model(tiny_hf_config(arch, **overrides), seed), path)
 
 
+def save_tiny_chat_model(path: str | Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random model with SmolLM2's vocabulary, tokenizer and chat template beside it, so
+    that routers and nodes tokenize and render chat prompts for real (tests, quick benches)."""
+    import shutil
+
+    from engine.models.builtin import resolve_builtin
+
+    path = save_tiny_model(path, seed=seed, **{"vocab_size": 49152, **overrides})
+    tok = resolve_builtin("smollm2-135m")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tok / name).exists():
+            shutil.copy(tok / name, path / name)
+    return path
+
+
 def save_model(model, path: str | Path) -> Path:
     """Save a Hugging Face model as a local directory the engine's loader reads."""
     path = Path(path)

@@ -20,6 +20,17 @@ Each gets the information its real router has, no more and no less:
                                                               of the requests active on the worker
   llmd_weighted       its own approximate per-pod LRU of      the pods' metrics: waiting requests,
                       block hashes, inserted at routing time  KV-cache utilisation
+                      (with tiers: the KV-event index and
+                      its tier weights, the precise scorer)
+
+With host and disk tiers on the nodes, the peers whose real systems know tiers use them with
+their published defaults: Dynamo credits a host hit 0.75 and a disk hit 0.25 of a device hit
+(ai-dynamo/dynamo lib/kv-router/src/scheduling/config.rs, ``host_cache_hit_weight`` and
+``disk_cache_hit_weight``; overlap.rs adds them to the device overlap); llm-d weighs each
+block by the fastest tier a pod holds it in, gpu 1.0, cpu 0.8, storage 0.3 (llm-d/llm-d-router
+pkg/kvcache/backend.go, the longest-prefix scorer of kvblock_scorer.go), scored by its precise
+prefix-cache scorer; SGLang's router knows no tiers (HiCache is inside each worker), so its
+approximate trees are sized to a node's whole hierarchy, L1 + L2 + L3.
 
 The router-side state lives in the policy (``RouterSide``); the simulator tells it what was
 sent (``routed``) and what came back (``finished``). ``NodeInfo`` carries what a node's
@@ -32,16 +43,20 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kv_index.nodes import NodeInfo, Role
+from kv_index.schema import TIER_DEVICE, TIER_DISK, TIER_HOST
 from router.placement import (
+    Match,
     NoCapacityError,
     Placement,
     PlacementPolicy,
     PlacementRequest,
     cached_tokens,
     decode_load_key,
+    prefix_match,
 )
 from router.replay.lru import LruCache
 
@@ -61,7 +76,7 @@ class RouterSide:
     ``choose`` (None: the policy reads the shared KV-event index, if it reads one), ``routed``
     once the request is admitted and sent, ``finished`` when the prefill node's response is back."""
 
-    def match(self, request: ReplayRequest, node_ids: list[str]) -> dict[str, int] | None:
+    def match(self, request: ReplayRequest, node_ids: list[str]) -> dict[str, Match] | None:
         return None
 
     def routed(self, request: ReplayRequest, placement: Placement) -> None:
@@ -137,8 +152,9 @@ class LongestPrefix(PlacementPolicy):
 
     def choose(self, request, nodes, matched_blocks, backlog_s=None) -> Placement:
         prefillers, d = _split(nodes)
-        best = max(matched_blocks.get(n.node_id, 0) for n in prefillers)
-        tied = [n for n in prefillers if matched_blocks.get(n.node_id, 0) == best]
+        held = {n.node_id: prefix_match(matched_blocks, n.node_id).blocks for n in prefillers}
+        best = max(held.values())
+        tied = [n for n in prefillers if held[n.node_id] == best]
         p = tied[next(self._next) % len(tied)]
         return _place(request, matched_blocks, p, d, f"longest prefix ({best} blocks)")
 
@@ -224,27 +240,39 @@ class DynamoKv(PlacementPolicy, RouterSide):
                           + this prompt's tokens not covered by the worker's overlap) / block
         active_blocks  = unique KV blocks of the requests active on the worker, plus this
                          prompt's blocks not among them
+        overlap        = device blocks + host_weight * host blocks + disk_weight * disk blocks
 
-    Both terms are the router's own bookkeeping of what it routed (Dynamo's ActiveSequences):
-    added at routing, released when the prefill completes. A prompt without block hashes
-    (Azure traces) counts its blocks as unshared.
+    (``overlap_weight`` is today's ``prefill_load_scale``.) Both terms are the router's own
+    bookkeeping of what it routed (Dynamo's ActiveSequences): added at routing, released when
+    the prefill completes; a request's prefill tokens are booked net of its credited overlap.
+    A prompt without block hashes (Azure traces) counts its blocks as unshared.
     """
 
-    def __init__(self, overlap_weight: float = 1.0) -> None:
+    def __init__(self, overlap_weight: float = 1.0, host_weight: float = 0.75, disk_weight: float = 0.25) -> None:
         self.overlap_weight = overlap_weight
+        self.host_weight = host_weight
+        self.disk_weight = disk_weight
         self._blocks: dict[str, Counter[int]] = {}  # node -> refcount of each active block hash
         self._unhashed: Counter[str] = Counter()  # node -> active blocks without a hash
         self._prefill_tokens: Counter[str] = Counter()
         self._inflight: dict[int, tuple[str, tuple[int, ...], int, int]] = {}
+        # the last choose(): its request id, node -> overlap credit in tokens
+        self._credited: tuple[int, dict[str, int]] = (-1, {})
 
     def active_blocks(self, node_id: str) -> int:
         return len(self._blocks.get(node_id, ())) + self._unhashed[node_id]
 
-    def cost(self, request: PlacementRequest, node_id: str, matched_blocks: dict[str, int]) -> float:
+    def overlap(self, request: PlacementRequest, node_id: str, matched_blocks: Mapping[str, Match]) -> float:
+        """The credited overlap in blocks: device hits whole, lower tiers at their weights."""
+        m = prefix_match(matched_blocks, node_id)
+        credit = m.device + self.host_weight * m.host + self.disk_weight * m.disk
+        return min(credit, _blocks(request))
+
+    def cost(self, request: PlacementRequest, node_id: str, matched_blocks: Mapping[str, Match]) -> float:
         bs = request.block_size
         hashes = request.hashes if isinstance(request, ReplayRequest) else ()
-        overlap = min(matched_blocks.get(node_id, 0), _blocks(request))
-        new_tokens = max(0, request.num_prompt_tokens - overlap * bs)
+        credited = round(self.overlap(request, node_id, matched_blocks) * bs)
+        new_tokens = max(0, request.num_prompt_tokens - credited)
         active = self._blocks.get(node_id, {})
         added = sum(1 for h in hashes if h not in active) if hashes else _blocks(request)
         prefill_blocks = (self._prefill_tokens[node_id] + new_tokens) / bs
@@ -252,13 +280,18 @@ class DynamoKv(PlacementPolicy, RouterSide):
 
     def choose(self, request, nodes, matched_blocks, backlog_s=None) -> Placement:
         prefillers, d = _split(nodes)
+        self._credited = (getattr(request, "request_id", -1),
+                          {n.node_id: round(self.overlap(request, n.node_id, matched_blocks) * request.block_size)
+                           for n in prefillers})
         cost = {n.node_id: self.cost(request, n.node_id, matched_blocks) for n in prefillers}
         p = min(prefillers, key=lambda n: (cost[n.node_id], n.node_id))
         return _place(request, matched_blocks, p, d, f"dynamo cost {cost[p.node_id]:.1f} blocks")
 
     def routed(self, request: ReplayRequest, placement: Placement) -> None:
         nid = placement.prefill_node.node_id
-        new_tokens = request.num_prompt_tokens - placement.predicted_cached_tokens
+        rid, credits = self._credited
+        credited = credits.get(nid, 0) if rid == request.request_id else placement.predicted_cached_tokens
+        new_tokens = max(0, request.num_prompt_tokens - min(credited, request.num_prompt_tokens))
         unhashed = 0 if request.hashes else _blocks(request)
         self._blocks.setdefault(nid, Counter()).update(request.hashes)
         self._unhashed[nid] += unhashed
@@ -276,24 +309,32 @@ class DynamoKv(PlacementPolicy, RouterSide):
         self._prefill_tokens[nid] -= new_tokens
 
 
+# llm-d's default tier weights (llm-d/llm-d-router pkg/kvcache/backend.go): gpu, cpu, storage.
+LLMD_TIER_WEIGHTS: dict[int, float] = {TIER_DEVICE: 1.0, TIER_HOST: 0.8, TIER_DISK: 0.3}
+
+
 class LlmdWeighted(PlacementPolicy, RouterSide):
     """llm-d inference scheduler's weighted scorers (argmax of the weighted sum), each in [0, 1]:
       prefix:  leading blocks in the scheduler's approximate per-pod LRU / prompt blocks (the
                approximate prefix-cache scorer: the routed prompt's blocks are added to the
                chosen pod's LRU at routing time; capacity ``lru_blocks`` per pod, which the
-               scheduler's autoTune reads from the pod's KV capacity)
+               scheduler's autoTune reads from the pod's KV capacity);
+               with ``tier_weights`` the precise prefix-cache scorer instead: the KV-event index,
+               each leading block weighted by the fastest tier the pod holds it in, min-max
+               normalised over the pods that hold any (``indexedScoresToNormalizedScoredPods``:
+               1 for all when they tie, 0 for a pod that holds none)
       kv:      1 - KV usage (pod metrics)
       queue:   (max q - q) / (max q - min q) over the candidates, q = waiting requests (pod
                metrics; 1 if all equal)
     Weights: the default profile's prefix 3 and queue 2, plus kv-utilisation 2.
     """
 
-    uses_index = False
-
     def __init__(self, prefix_weight: float = 3.0, kv_weight: float = 2.0, queue_weight: float = 2.0,
-                 lru_blocks: int | None = None) -> None:
+                 lru_blocks: int | None = None, tier_weights: Mapping[int, float] | None = None) -> None:
         self.w = (prefix_weight, kv_weight, queue_weight)
         self.lru_blocks = lru_blocks
+        self.tier_weights = dict(tier_weights) if tier_weights is not None else None
+        self.uses_index = self.tier_weights is not None
         self._lru: dict[str, LruCache] = {}
 
     def _pod(self, node_id: str) -> LruCache:
@@ -301,25 +342,39 @@ class LlmdWeighted(PlacementPolicy, RouterSide):
             self._lru[node_id] = LruCache(self.lru_blocks)
         return self._lru[node_id]
 
-    def match(self, request: ReplayRequest, node_ids: list[str]) -> dict[str, int]:
+    def match(self, request: ReplayRequest, node_ids: list[str]) -> dict[str, int] | None:
+        if self.tier_weights is not None:
+            return None  # the precise scorer reads the KV-event index
         return {n: self._pod(n).match(request.hashes) for n in node_ids}
+
+    def prefix_scores(self, request: PlacementRequest, node_ids: list[str],
+                      matched_blocks: Mapping[str, Match]) -> dict[str, float]:
+        total = max(1, _blocks(request))
+        matches = {n: prefix_match(matched_blocks, n) for n in node_ids}
+        if self.tier_weights is None:
+            return {n: min(m.blocks, total) / total for n, m in matches.items()}
+        w = self.tier_weights
+        raw = {n: w[TIER_DEVICE] * m.device + w[TIER_HOST] * m.host + w[TIER_DISK] * m.disk
+               for n, m in matches.items() if m.blocks > 0}
+        lo, hi = min(raw.values(), default=0.0), max(raw.values(), default=0.0)
+        return {n: 0.0 if n not in raw else 1.0 if hi == lo else (raw[n] - lo) / (hi - lo) for n in node_ids}
 
     def choose(self, request, nodes, matched_blocks, backlog_s=None) -> Placement:
         prefillers, d = _split(nodes)
-        total = max(1, _blocks(request))
+        prefix = self.prefix_scores(request, [n.node_id for n in prefillers], matched_blocks)
         qs = [n.waiting for n in prefillers]
         lo, hi = min(qs), max(qs)
 
         def score(n: NodeInfo) -> float:
-            prefix = min(matched_blocks.get(n.node_id, 0), total) / total
             queue = 1.0 if hi == lo else (hi - n.waiting) / (hi - lo)
-            return self.w[0] * prefix + self.w[1] * (1.0 - n.kv_usage) + self.w[2] * queue
+            return self.w[0] * prefix[n.node_id] + self.w[1] * (1.0 - n.kv_usage) + self.w[2] * queue
 
         p = max(prefillers, key=lambda n: (score(n), -(n.running + n.waiting), _neg_id(n.node_id)))
         return _place(request, matched_blocks, p, d, f"llm-d score {score(p):.2f}")
 
     def routed(self, request: ReplayRequest, placement: Placement) -> None:
-        self._pod(placement.prefill_node.node_id).insert(request.hashes)
+        if self.tier_weights is None:
+            self._pod(placement.prefill_node.node_id).insert(request.hashes)
 
 
 def _neg_id(node_id: str) -> tuple[int, ...]:

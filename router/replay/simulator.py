@@ -4,24 +4,28 @@ equal terms.
 The policy under test and the index are the real ones: each request is placed by a
 ``PlacementPolicy`` (router.placement, router.replay.baselines) on what a router knows at that
 moment, with the prefix match read from the Redis index through ``IndexReader.match`` (one
-script call) after the simulated nodes published their block events through ``NodePublisher``.
-Only the nodes are simulated, in simulated time (no sleeping), and they have a truth of their
-own that no policy is given:
+script call, a ``PrefixMatch`` per node) after the simulated nodes published their block events
+through ``NodePublisher``. Only the nodes are simulated, in simulated time (no sleeping), and
+they have a truth of their own that no policy is given (router/replay/sim_config.py):
 
-  prefill node  one FIFO server. Service = ``NodeTruth`` (not the cost model's family: a floor
-                for short prompts, a step cost per chunk, other coefficients) x the node's
-                speed (``speed_spread``) x a log-normal step noise (``step_noise``), for the
-                tokens its LRU cache (``cache_tokens``) does not hold. When a prefill finishes
-                its blocks go to the index and its measured time goes out as a step report,
-                which reaches the router's ``CostBook`` one refresh later: the book starts from
-                the generic prior and fits each node online, as in production.
+  prefill node  one FIFO server with a tiered cache (``TieredCache``: device, host memory,
+                disk; LRU demotion down the tiers). Compute = ``NodeTruth`` (not the cost
+                model's family) x the node's speed (``speed_spread``) x a log-normal step noise
+                (``step_noise``), for the tokens it neither holds nor fetches. Its host and disk
+                hits are onboarded (``TierTruth``) and a fetch moves the holder's blocks at the
+                pair bandwidth (the holder reading its disk hits first); loading starts when
+                the request arrives and overlaps its queue wait, the compute starts when both
+                are done. When a prefill finishes its block events go to the index and its
+                measured compute goes out as a step report, its onboards and fetch as measured
+                moves, which reach the router's ``CostBook`` one refresh later: the book starts
+                from the generic prior and fits each node online, as in production.
   transfer      prompt KV bytes / pair bandwidth; the router measures it (``add_transfer``).
   decode node   ``decode_max_batch`` slots; a request holds one for output_tokens x step time.
 
 What the router sees is what the live one sees:
   * node heartbeats (``NodeInfo``): waiting requests, running ones and their tokens, the share
     of the KV pool running sequences hold; each request counted once;
-  * its ledger (``router.node_view.PrefillLedger``, the live class): the predicted prefill
+  * its ledger (``router.node_view.PrefillLedger``, the live class): the predicted compute
     seconds of every request it sent to a node whose response has not come back, the running
     one in full (a router does not know when a node started it);
   * no decode backlog (the live ledger has none), only the decode nodes' heartbeats.
@@ -34,60 +38,42 @@ Placement happens at arrival; a FIFO node whose service time is drawn at dispatc
 the request's start and finish at once, so the loop is one pass over the trace. What the router
 learns later (index events, step reports, responses) is queued as timed events.
 
-    TTFT = queue on p + prefill (+ fetch of replicated blocks) + transfer + wait for a decode slot
+    TTFT = max(queue on p, loading) + compute + transfer + wait for a decode slot
 """
 from __future__ import annotations
 
 import heapq
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kv_index.events import BlockRemoved, BlockStored, KVEvent, fold_kv_events
-from kv_index.nodes import NodeInfo, Role, StepReport
+from kv_index.events import BlockRemoved, BlockStored, KVEvent, fold_kv_events_by_tier
+from kv_index.nodes import NodeInfo, PrefixMatch, Role, StepReport
 from kv_index.publisher import NodePublisher
 from kv_index.reader import IndexReader
 from router.admission import SLO_CLASSES, Estimate, decide
-from router.cost_model import CostBook, DecodeCost
+from router.cost_model import CostBook
 from router.node_view import PrefillLedger
-from router.placement import Placement, PlacementPolicy, TtftPolicy
+from router.placement import Match, Placement, PlacementPolicy, TtftPolicy, holder_reads, tier_tokens
 from router.replay.baselines import ReplayRequest, RouterSide
-from router.replay.lru import LruCache
+from router.replay.lru import LruCache, TieredCache
+from router.replay.results import PolicyResult
+from router.replay.sim_config import NodeTruth, SimConfig, TierTruth, time_scale
 from router.replay.traces import TraceRequest
 
+# Names the benchmark and the tests import from here.
+__all__ = ["ADMISSION_MODES", "IndexLink", "LruCache", "NodeTruth", "PolicyResult", "SimConfig", "TierTruth",
+           "TieredCache", "simulate", "time_scale"]
+
 ADMISSION_MODES = ("same_for_all", "none")
-
-
-@dataclass(frozen=True, slots=True)
-class NodeTruth:
-    """What a prefill really costs a simulated node at speed 1. Deliberately outside the family
-    the router fits (``PrefillCost``: a + b*new + c*new*(cached + new/2)) and away from its
-    prior: a prompt shorter than ``min_tokens`` costs as much as ``min_tokens`` (an accelerator
-    step is not cheaper for fewer tokens), every ``chunk_tokens`` of chunked prefill adds a
-    step's overhead, the linear term is cheaper and attention dearer than the prior says (a 7k
-    prompt is 20% cheaper than the prior predicts, an 85k one 6% dearer)."""
-
-    fixed_s: float = 0.025
-    per_token_s: float = 6.0e-5
-    attn_s: float = 1.6e-9
-    min_tokens: int = 512
-    chunk_tokens: int = 8192
-    chunk_s: float = 0.008
-
-    def seconds(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        if new_tokens <= 0:
-            return 0.0
-        chunks = -(-new_tokens // self.chunk_tokens)
-        return (self.fixed_s + self.per_token_s * max(new_tokens, self.min_tokens) + self.chunk_s * chunks
-                + self.attn_s * new_tokens * (cached_tokens + new_tokens / 2))
 
 
 # ----------------------------------------------------------------------------- nodes
 @dataclass(slots=True)
 class _Prefill:
     node_id: str
-    cache: LruCache
+    cache: TieredCache
     speed: float  # multiplier on the true cost (1 = NodeTruth)
     free_at: float = 0.0
     busy_s: float = 0.0
@@ -100,100 +86,6 @@ class _Decode:
     active: list = field(default_factory=list)  # heap of (end, context_tokens)
 
 
-# ----------------------------------------------------------------------------- config/results
-@dataclass(frozen=True, slots=True)
-class SimConfig:
-    prefill_nodes: int = 8
-    decode_nodes: int = 4
-    cache_tokens: int = 3_000_000  # per prefill node
-    block_size: int = 512
-    load: float = 0.8  # offered prefill work without any cache hit / total prefill capacity
-    truth: NodeTruth = NodeTruth()
-    speed_spread: float = 0.4  # prefill node i's time x (1 + spread * (i / (N-1) - 1/2)): 0.8x-1.2x
-    step_noise: float = 0.1  # sigma of the log-normal factor on each prefill's time
-    decode_cost: DecodeCost = DecodeCost()
-    kv_bytes_per_token: int = 131072
-    bandwidth: float = 25e9  # bytes/s between any two nodes
-    decode_max_batch: int = 128
-    report_delay_s: float = 0.5  # a step report reaches the cost book one router refresh later
-    slo_class: str = "standard"
-    seed: int = 0
-
-    def speed(self, i: int) -> float:
-        n = self.prefill_nodes
-        return 1.0 + (self.speed_spread * (i / (n - 1) - 0.5) if n > 1 else 0.0)
-
-
-@dataclass(slots=True)
-class PolicyResult:
-    name: str
-    ttft_s: list[float] = field(default_factory=list)  # per request, trace order; nan = rejected
-    span_s: float = 0.0  # simulated seconds from the first arrival to the last
-    input_tokens: int = 0
-    cached_tokens: int = 0
-    rejected: int = 0
-    slo_met: int = 0  # TTFT within the class budget and TBT within its limit
-    ttft_met: int = 0  # TTFT within the class budget (goodput)
-    requests: int = 0
-    router_round_trips: int = 0
-    node_round_trips: int = 0
-    busy_s: dict[str, float] = field(default_factory=dict)
-    predicted_exact: int = 0  # requests whose predicted cached tokens == actually reused
-    predicted_abs_err: int = 0
-    fetched_tokens: int = 0
-    freshness_s: list[float] = field(default_factory=list)  # age of the index at each lookup
-
-    def summary(self, common: Sequence[bool] | None = None) -> dict:
-        """``common[i]``: request i counts in the TTFT statistics (the requests every compared
-        policy served); None: every request this policy served."""
-        served = [x for x in self.ttft_s if not math.isnan(x)]
-        t = sorted(served if common is None else [x for x, c in zip(self.ttft_s, common) if c])
-        s = sorted(served)
-        n_served = max(1, len(served))
-        busy = list(self.busy_s.values()) or [0.0]
-        mean_busy = sum(busy) / len(busy)
-        return {
-            "hit_ratio": self.cached_tokens / max(1, self.input_tokens),
-            "goodput_rps": self.ttft_met / self.span_s if self.span_s > 0 else math.nan,
-            "ttft_mean_s": sum(t) / len(t) if t else math.nan,
-            "ttft_p50_s": _pct(t, 0.50),
-            "ttft_p99_s": _pct(t, 0.99),
-            "ttft_requests": len(t),
-            "ttft_mean_served_s": sum(s) / len(s) if s else math.nan,
-            "ttft_p99_served_s": _pct(s, 0.99),
-            "slo_attainment": self.slo_met / max(1, self.requests),
-            "ttft_slo_attainment": self.ttft_met / max(1, self.requests),
-            "imbalance": max(busy) / mean_busy if mean_busy > 0 else 1.0,
-            "rejected": self.rejected,
-            "redis_rtt_per_request": self.router_round_trips / max(1, self.requests),
-            "node_rtt_per_request": self.node_round_trips / max(1, self.requests),
-            "index_exact_fraction": self.predicted_exact / n_served,
-            "index_mean_abs_err_tokens": self.predicted_abs_err / n_served,
-            "index_age_mean_s": sum(self.freshness_s) / len(self.freshness_s) if self.freshness_s else 0.0,
-            "fetched_tokens": self.fetched_tokens,
-        }
-
-
-def _pct(sorted_vals: list[float], q: float) -> float:
-    if not sorted_vals:
-        return math.nan
-    return sorted_vals[min(len(sorted_vals) - 1, int(q * len(sorted_vals)))]
-
-
-def time_scale(requests: Sequence[TraceRequest], cfg: SimConfig) -> float:
-    """Factor on arrival times that makes the offered load ``cfg.load``: the trace's prefill
-    work without any cache hit (true cost at speed 1, the nodes' mean), over the span, per
-    node, equals ``load`` of a node's time."""
-    if len(requests) < 2:
-        return 1.0
-    work = sum(cfg.truth.seconds(r.input_tokens) for r in requests)
-    span = requests[-1].arrival_s - requests[0].arrival_s
-    if span <= 0:
-        return 1.0
-    return work / (cfg.prefill_nodes * cfg.load * span)
-
-
-# ----------------------------------------------------------------------------- the run
 class IndexLink:
     """The simulated nodes' publishers and the router's reader over one Redis namespace."""
 
@@ -202,7 +94,8 @@ class IndexLink:
         self.publishers = publishers
         self.node_round_trips = 0
 
-    def publish(self, node_id: str, stored: list[int], removed: list[int]) -> None:
+    def publish(self, node_id: str, stored: Mapping[int, list[int]], removed: Mapping[int, list[int]]) -> None:
+        """One batch of a node's block events: tier -> hashes stored, tier -> hashes removed."""
         pub = self.publishers[node_id]
         if not pub.publish(stored=stored, removed=removed):
             raise RuntimeError(f"index gap for {node_id}: the simulator publishes every batch in order")
@@ -213,127 +106,187 @@ class IndexLink:
 _INDEX, _REPORT, _RESPONSE = 0, 1, 2
 
 
-def simulate(name: str, requests: Sequence[TraceRequest], cfg: SimConfig, policy: PlacementPolicy | None,
-             costs: CostBook, index: IndexLink | None, *, admission: str = "same_for_all",
-             global_pool: bool = False, scale: float | None = None) -> PolicyResult:
-    """Replay ``requests`` under ``policy``. ``global_pool``: one shared cache of all nodes'
-    capacity and least-backlog placement on the true queues (the upper bound: no policy, no
-    index). ``costs`` is the router's cost book: pass a fresh one (generic prior) per run."""
-    if admission not in ADMISSION_MODES:
-        raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {admission!r}")
-    rng = random.Random(cfg.seed)  # one draw per request in trace order: the same noise for every policy
-    scale = time_scale(requests, cfg) if scale is None else scale
-    bs = cfg.block_size
-    cap_blocks = max(1, cfg.cache_tokens // bs)
-    prefill = [_Prefill(f"prefill-{i}", LruCache(cap_blocks), cfg.speed(i)) for i in range(cfg.prefill_nodes)]
-    prefill_ids = [p.node_id for p in prefill]
-    shared = LruCache(cap_blocks * cfg.prefill_nodes) if global_pool else None
-    decode = [_Decode(f"decode-{i}") for i in range(cfg.decode_nodes)]
-    by_id = {p.node_id: p for p in prefill}
-    decode_by_id = {d.node_id: d for d in decode}
-    side = policy if isinstance(policy, RouterSide) else None
-    ledger = PrefillLedger()
-    gate = TtftPolicy(costs, short_prompt_tokens=0, compute_weight=0.0)  # estimates a chosen pair
-    events: list[tuple] = []  # heap of (at, seq, kind, payload)
-    last_event_at: dict[str, float] = {p.node_id: 0.0 for p in prefill}
-    seq = 0
-    res = PolicyResult(name)
-    slo = SLO_CLASSES[cfg.slo_class]
-    rt0 = index.reader.round_trips if index else 0
-    t_first = requests[0].arrival_s if requests else 0.0
-    res.span_s = (requests[-1].arrival_s - t_first) * scale if requests else 0.0
+@dataclass(frozen=True, slots=True)
+class _Served:
+    """What serving one request really cost its prefill node."""
 
-    def deliver(t: float) -> None:
+    tokens: tuple[int, int, int]  # prompt tokens reused from p's device, host, disk
+    fetch_tokens: int
+    onboard_s: tuple[float, float]  # host, disk
+    fetch_s: float  # the transfer from the holder
+    # what the holder first brought back for the fetch: (tokens, seconds) from host, from disk
+    holder: tuple[tuple[int, float], tuple[int, float]]
+
+    @property
+    def reused(self) -> int:
+        return sum(self.tokens) + self.fetch_tokens
+
+    @property
+    def load_s(self) -> float:
+        return sum(self.onboard_s) + self.fetch_s + self.holder[0][1] + self.holder[1][1]
+
+
+class _Run:
+    """One policy over one trace: the nodes, the router's state and the timed events."""
+
+    def __init__(self, name: str, cfg: SimConfig, policy: PlacementPolicy | None, costs: CostBook,
+                 index: IndexLink | None, admission: str, global_pool: bool) -> None:
+        self.cfg, self.policy, self.costs, self.index = cfg, policy, costs, index
+        self.admission, self.global_pool = admission, global_pool
+        dev, host, disk = cfg.blocks(cfg.cache_tokens), cfg.blocks(cfg.host_cache_tokens), cfg.blocks(
+            cfg.disk_cache_tokens)
+        self.prefill = [_Prefill(f"prefill-{i}", TieredCache(max(1, dev), host, disk), cfg.speed(i))
+                        for i in range(cfg.prefill_nodes)]
+        n = cfg.prefill_nodes
+        self.shared = TieredCache(max(1, dev) * n, host * n, disk * n) if global_pool else None
+        self.decode = [_Decode(f"decode-{i}") for i in range(cfg.decode_nodes)]
+        self.by_id = {p.node_id: p for p in self.prefill}
+        self.decode_by_id = {d.node_id: d for d in self.decode}
+        self.side = policy if isinstance(policy, RouterSide) else None
+        self.ledger = PrefillLedger()
+        self.gate = TtftPolicy(costs, short_prompt_tokens=0, compute_weight=0.0)  # estimates a chosen pair
+        self.events: list[tuple] = []  # heap of (at, seq, kind, payload)
+        self.seq = 0
+        self.last_event_at = {p.node_id: 0.0 for p in self.prefill}
+        self.res = PolicyResult(name)
+        self.slo = SLO_CLASSES[cfg.slo_class]
+
+    def push(self, at: float, kind: int, payload) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (at, self.seq, kind, payload))
+
+    def deliver(self, t: float) -> None:
         """Everything the router and the index learn by ``t``: one publish per node."""
         batch: dict[str, list[KVEvent]] = {}
-        while events and events[0][0] <= t:
-            at, _, kind, payload = heapq.heappop(events)
+        while self.events and self.events[0][0] <= t:
+            at, _, kind, payload = heapq.heappop(self.events)
             if kind == _INDEX:
-                nid, st, rm = payload
-                # An eviction and an insertion of one prefill: the insertion wins, as in a node.
-                batch.setdefault(nid, []).extend((BlockRemoved(tuple(rm)), BlockStored(tuple(st), None, ())))
-                last_event_at[nid] = at
+                nid, stored, removed = payload
+                evs = batch.setdefault(nid, [])
+                # Removals first: a block that left one tier and entered another ends in the other.
+                evs.extend(BlockRemoved(tuple(hs), tier) for tier, hs in removed.items())
+                evs.extend(BlockStored(tuple(hs), None, (), tier) for tier, hs in stored.items())
+                self.last_event_at[nid] = at
             elif kind == _REPORT:
-                costs.add_step(*payload)
+                self.report(*payload)
             else:
                 rid, pid, did, tokens, xfer_s = payload
-                ledger.done(pid, rid)
-                if side is not None:
-                    side.finished(int(rid), pid)
-                costs.add_transfer(pid, did, tokens * cfg.kv_bytes_per_token, xfer_s, num_tokens=tokens)
+                self.ledger.done(pid, rid)
+                if self.side is not None:
+                    self.side.finished(int(rid), pid)
+                self.costs.add_transfer(pid, did, tokens * self.cfg.kv_bytes_per_token, xfer_s, num_tokens=tokens)
         for nid, evs in batch.items():
-            stored, removed, _ = fold_kv_events(evs)
-            index.publish(nid, stored, removed)
+            stored, removed, _ = fold_kv_events_by_tier(evs)
+            self.index.publish(nid, stored, removed)
 
-    for i, req in enumerate(requests):
-        t = (req.arrival_s - t_first) * scale
-        noise = math.exp(rng.gauss(0.0, cfg.step_noise)) if cfg.step_noise > 0 else 1.0
-        res.requests += 1
-        prompt = req.input_tokens
-        hashes = req.hash_ids
-        # 1. What the router knows at t.
-        deliver(t)
-        infos = _views(prefill, decode, t, cfg)
-        backlog = ledger.backlog_s()
-        rreq = ReplayRequest(prompt, bs, 1, req.output_tokens, cfg.slo_class, request_id=i, hashes=hashes, now=t)
-        # 2. Placement.
-        if global_pool:
-            p = min(prefill, key=lambda x: (max(0.0, x.free_at - t), x.node_id))
-            d = min(decode, key=lambda x: (len(x.active), x.node_id))
+    def report(self, node_id: str, step: StepReport | None, served: _Served, holder: str | None) -> None:
+        """A prefill's measurements reach the cost book: compute, onboards, the fetch."""
+        kvb = self.cfg.kv_bytes_per_token
+        if step is not None:
+            self.costs.add_step(node_id, step)
+        for tier, tokens, secs in (("host", served.tokens[1], served.onboard_s[0]),
+                                   ("disk", served.tokens[2], served.onboard_s[1])):
+            if tokens > 0:
+                self.costs.add_onboard(node_id, tier, tokens * kvb, secs)
+        if holder is not None and served.fetch_tokens > 0:
+            self.costs.add_transfer(holder, node_id, served.fetch_tokens * kvb, served.fetch_s,
+                                    num_tokens=served.fetch_tokens)
+            for tier, (tokens, secs) in zip(("host", "disk"), served.holder):
+                if tokens > 0:
+                    self.costs.add_onboard(holder, tier, tokens * kvb, secs)
+
+    def place(self, i: int, rreq: ReplayRequest, infos: list[NodeInfo], backlog: dict[str, float]
+              ) -> tuple[Placement, Mapping[str, Match]]:
+        t, hashes, prompt, bs = rreq.now, rreq.hashes, rreq.num_prompt_tokens, rreq.block_size
+        if self.global_pool:
+            p = min(self.prefill, key=lambda x: (max(0.0, x.free_at - t), x.node_id))
+            d = min(self.decode, key=lambda x: (len(x.active), x.node_id))
             info = {x.node_id: x for x in infos}
-            pl = Placement(info[p.node_id], info[d.node_id], min(shared.match(hashes) * bs, prompt), "global pool")
-        else:
-            matched = side.match(rreq, prefill_ids) if side is not None else None
-            if matched is None:
-                matched = {}
-                if policy.uses_index and index is not None and hashes:
-                    matched = index.reader.match(hashes, prefill_ids)
-                    res.freshness_s.extend(t - last_event_at[x] for x in prefill_ids)
-            pl = policy.choose(rreq, infos, matched, backlog)
-            p = by_id[pl.prefill_node.node_id]
-            d = decode_by_id[pl.decode_node.node_id]
+            m = self.shared.match(hashes)
+            return Placement(info[p.node_id], info[d.node_id], min(m.blocks * bs, prompt), "global pool"), \
+                {p.node_id: m}
+        ids = [p.node_id for p in self.prefill]
+        matched = self.side.match(rreq, ids) if self.side is not None else None
+        if matched is None:
+            matched = {}
+            if self.policy.uses_index and self.index is not None and hashes:
+                matched = self.index.reader.match(hashes, ids)
+                self.res.freshness_s.extend(t - self.last_event_at[x] for x in ids)
+        return self.policy.choose(rreq, infos, matched, backlog), matched
+
+    def serve(self, p: _Prefill, pl: Placement, hashes: Sequence[int], prompt: int) -> _Served:
+        """What the nodes really hold and move for this request (nothing changes yet)."""
+        cfg, bs, kvb = self.cfg, self.cfg.block_size, self.cfg.kv_bytes_per_token
+        shape = ReplayRequest(prompt, bs)
+        m = (self.shared if self.global_pool else p.cache).match(hashes)
+        tokens = tier_tokens(shape, m)
+        onboard = (cfg.tiers.host_s(tokens[1] * kvb), cfg.tiers.disk_s(tokens[2] * kvb))
+        fetch_tokens, fetch_s, holder = 0, 0.0, ((0, 0.0), (0, 0.0))
+        if pl.fetch_from is not None and not self.global_pool:
+            mq = self.by_id[pl.fetch_from].cache.match(hashes)
+            fetch_tokens = max(0, min(mq.blocks * bs, prompt) - sum(tokens))
+            if fetch_tokens:
+                on_host, on_disk = holder_reads(shape, mq, sum(tokens))
+                fetch_s = fetch_tokens * kvb / cfg.bandwidth
+                holder = ((on_host, cfg.tiers.host_s(on_host * kvb)), (on_disk, cfg.tiers.disk_s(on_disk * kvb)))
+        return _Served(tokens, fetch_tokens, onboard, fetch_s, holder)
+
+    def step(self, i: int, req: TraceRequest, t: float, noise: float) -> None:
+        cfg, res = self.cfg, self.res
+        res.requests += 1
+        prompt, hashes = req.input_tokens, req.hash_ids
+        # 1. What the router knows at t.
+        self.deliver(t)
+        infos = _views(self.prefill, self.decode, t, cfg)
+        backlog = self.ledger.backlog_s()
+        rreq = ReplayRequest(prompt, cfg.block_size, 1, req.output_tokens, cfg.slo_class, request_id=i,
+                             hashes=hashes, now=t)
+        # 2. Placement.
+        pl, matched = self.place(i, rreq, infos, backlog)
+        p, d = self.by_id[pl.prefill_node.node_id], self.decode_by_id[pl.decode_node.node_id]
         # 3. Admission: one gate for every policy.
-        est = pl.estimate if pl.estimate is not None else _estimate(gate, rreq, pl, backlog)
-        if admission == "same_for_all" and not decide(est, slo, prompt).admit:
+        est = pl.estimate if pl.estimate is not None else _estimate(self.gate, rreq, pl, backlog, matched)
+        if self.admission == "same_for_all" and not decide(est, self.slo, prompt).admit:
             res.rejected += 1
             res.ttft_s.append(math.nan)
-            continue
-        if side is not None:
-            side.routed(rreq, pl)
-        ledger.add(p.node_id, str(i), est.prefill_s)
-        # 4. What the nodes really do: prefill on p (FIFO), transfer, a decode slot.
-        if global_pool:
-            cached, fetch_tokens = pl.predicted_cached_tokens, 0
-        else:
-            cached = min(p.cache.match(hashes) * bs, prompt)
-            fetch_tokens = 0
-            if pl.fetch_from is not None:
-                have = min(by_id[pl.fetch_from].cache.match(hashes) * bs, prompt)
-                fetch_tokens = max(0, have - cached)
-        fetch_s = fetch_tokens * cfg.kv_bytes_per_token / cfg.bandwidth
-        reused = cached + fetch_tokens
-        new = prompt - reused
-        compute = cfg.truth.seconds(new, reused) * p.speed * noise
-        start = max(t, p.free_at)
-        finish = start + compute + fetch_s
+            return
+        if self.side is not None:
+            self.side.routed(rreq, pl)
+        self.ledger.add(p.node_id, str(i), est.compute_s)
+        # 4. What the nodes really do: load and prefill on p (FIFO), transfer, a decode slot.
+        served = self.serve(p, pl, hashes, prompt)
+        reused = served.reused
+        compute = cfg.truth.seconds(prompt - reused, reused) * p.speed * noise
+        start = max(t + served.load_s, p.free_at)
+        finish = start + compute
         p.free_at = finish
-        p.busy_s += compute + fetch_s
+        p.busy_s += compute
+        res.node_requests[p.node_id] += 1
+        res.node_wait_s[p.node_id] += start - t
         heapq.heappush(p.inflight, (finish, start, prompt))
         xfer = prompt * cfg.kv_bytes_per_token / cfg.bandwidth
-        if new > 0:
-            seq += 1
-            heapq.heappush(events, (finish + cfg.report_delay_s, seq, _REPORT,
-                                    (p.node_id, StepReport(new, prompt, compute))))
-        seq += 1
-        heapq.heappush(events, (finish + xfer, seq, _RESPONSE, (str(i), p.node_id, d.node_id, prompt, xfer)))
-        if global_pool:
-            shared.insert(hashes)
+        step = StepReport(prompt - reused, prompt, compute) if prompt > reused else None
+        self.push(finish + cfg.report_delay_s, _REPORT, (p.node_id, step, served, pl.fetch_from))
+        self.push(finish + xfer, _RESPONSE, (str(i), p.node_id, d.node_id, prompt, xfer))
+        if self.global_pool:
+            self.shared.insert(hashes)
         else:
             stored, removed = p.cache.insert(hashes)
-            if index is not None and (stored or removed):
-                seq += 1
-                heapq.heappush(events, (finish, seq, _INDEX, (p.node_id, stored, removed)))
-        ready = finish + xfer
+            if self.index is not None and (stored or removed):
+                self.push(finish, _INDEX, (p.node_id, stored, removed))
+        self.decode_slot(d, req, prompt, t, finish + xfer, tbt_budget=self.slo.tbt_s)
+        for key, n in zip(("device", "host", "disk", "remote"), (*served.tokens, served.fetch_tokens)):
+            res.hit_tokens[key] += n
+        res.input_tokens += prompt
+        res.cached_tokens += reused
+        res.fetched_tokens += served.fetch_tokens
+        res.predicted_exact += pl.predicted_cached_tokens == reused
+        res.predicted_abs_err += abs(pl.predicted_cached_tokens - reused)
+
+    def decode_slot(self, d: _Decode, req: TraceRequest, prompt: int, t: float, ready: float,
+                    tbt_budget: float) -> None:
+        """The request joins d's batch when its KV is there and a slot is free; records TTFT."""
+        cfg, res = self.cfg, self.res
         while d.active and d.active[0][0] <= ready:
             heapq.heappop(d.active)
         slot = ready
@@ -344,28 +297,48 @@ def simulate(name: str, requests: Sequence[TraceRequest], cfg: SimConfig, policy
         heapq.heappush(d.active, (slot + req.output_tokens * tbt, prompt + req.output_tokens))
         ttft = slot - t
         res.ttft_s.append(ttft)
-        res.input_tokens += prompt
-        res.cached_tokens += reused
-        res.fetched_tokens += fetch_tokens
-        predicted = pl.predicted_cached_tokens
-        res.predicted_exact += predicted == reused
-        res.predicted_abs_err += abs(predicted - reused)
-        within = ttft <= slo.ttft_budget_s(prompt)
+        within = ttft <= self.slo.ttft_budget_s(prompt)
         res.ttft_met += within
-        res.slo_met += within and tbt <= slo.tbt_s
-    res.busy_s = {p.node_id: p.busy_s for p in prefill}
+        res.slo_met += within and tbt <= tbt_budget
+
+
+def simulate(name: str, requests: Sequence[TraceRequest], cfg: SimConfig, policy: PlacementPolicy | None,
+             costs: CostBook, index: IndexLink | None, *, admission: str = "same_for_all",
+             global_pool: bool = False, scale: float | None = None) -> PolicyResult:
+    """Replay ``requests`` under ``policy``. ``global_pool``: one shared cache of all nodes'
+    capacity, tier by tier, and least-backlog placement on the true queues (the upper bound on
+    the hit ratio: no policy, no index). ``costs`` is the router's cost book: pass a fresh one
+    (generic prior) per run."""
+    if admission not in ADMISSION_MODES:
+        raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {admission!r}")
+    rng = random.Random(cfg.seed)  # one draw per request in trace order: the same noise for every policy
+    scale = time_scale(requests, cfg) if scale is None else scale
+    run = _Run(name, cfg, policy, costs, index, admission, global_pool)
+    rt0 = index.reader.round_trips if index else 0
+    t_first = requests[0].arrival_s if requests else 0.0
+    run.res.span_s = (requests[-1].arrival_s - t_first) * scale if requests else 0.0
+    for i, req in enumerate(requests):
+        noise = math.exp(rng.gauss(0.0, cfg.step_noise)) if cfg.step_noise > 0 else 1.0
+        run.step(i, req, (req.arrival_s - t_first) * scale, noise)
+    res = run.res
+    res.busy_s = {p.node_id: p.busy_s for p in run.prefill}
     if index is not None:
         res.router_round_trips = index.reader.round_trips - rt0
         res.node_round_trips = index.node_round_trips
     return res
 
 
-def _estimate(gate: TtftPolicy, request: ReplayRequest, pl: Placement, backlog: dict[str, float]) -> Estimate:
+def _estimate(gate: TtftPolicy, request: ReplayRequest, pl: Placement, backlog: dict[str, float],
+              matched: Mapping[str, Match]) -> Estimate:
     """The router's estimate for a pair another policy chose: pdserve's model on that pair alone,
-    with the cached prefix that policy predicted."""
-    blocks = -(-pl.predicted_cached_tokens // request.block_size)
-    return gate.choose(request, [pl.prefill_node, pl.decode_node], {pl.prefill_node.node_id: blocks},
-                       backlog).estimate
+    with the cached prefix that policy predicted, in the tiers the index says when it read the
+    index (a policy with a tree of its own is taken to predict device hits)."""
+    pid, bs = pl.prefill_node.node_id, request.block_size
+    m = matched.get(pid)
+    predicted = pl.predicted_cached_tokens
+    if not (isinstance(m, PrefixMatch) and min(m.blocks * bs, request.num_prompt_tokens) == predicted):
+        m = -(-predicted // bs)
+    return gate.choose(request, [pl.prefill_node, pl.decode_node], {pid: m}, backlog).estimate
 
 
 def _views(prefill: list[_Prefill], decode: list[_Decode], t: float, cfg: SimConfig) -> list[NodeInfo]:

@@ -221,6 +221,33 @@ capabilities:
   mountPath: {{ include "pdserve.homeDir" . }}
 {{- end }}
 
+{{/* The disk KV tier (engine.diskCache): mounted at the same path on every worker pod, so the
+--disk-cache-dir the supervisor passes holds wherever Ray places a node. */}}
+{{- define "pdserve.kvCacheDir" -}}
+/kv-cache
+{{- end }}
+
+{{- define "pdserve.kvCacheVolumes" -}}
+{{- $d := .Values.engine.diskCache }}
+{{- if $d.mib }}
+- name: kv-cache
+{{- if $d.claimName }}
+  persistentVolumeClaim:
+    claimName: {{ $d.claimName }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ $d.sizeLimit }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.kvCacheMounts" -}}
+{{- if .Values.engine.diskCache.mib }}
+- name: kv-cache
+  mountPath: {{ include "pdserve.kvCacheDir" . }}
+{{- end }}
+{{- end }}
+
 {{/* `pdserve nodes` engine flags, from .Values.engine (one to one with `pdserve up`'s). */}}
 {{- define "pdserve.engineArgs" -}}
 {{- $e := .Values.engine }}
@@ -232,6 +259,16 @@ capabilities:
 - {{ $e.blockSize | int | quote }}
 - --kv-cache-mib
 - {{ $e.kvCacheMiB | int | quote }}
+{{- if $e.hostCacheMiB }}
+- --host-cache-mib
+- {{ $e.hostCacheMiB | quote }}
+{{- end }}
+{{- if $e.diskCache.mib }}
+- --disk-cache-dir
+- {{ include "pdserve.kvCacheDir" . }}
+- --disk-cache-mib
+- {{ $e.diskCache.mib | quote }}
+{{- end }}
 - --max-num-batched-tokens
 - {{ $e.maxNumBatchedTokens | int | quote }}
 - --max-num-seqs

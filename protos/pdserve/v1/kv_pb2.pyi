@@ -46,6 +46,48 @@ class DecodeRequest(_message.Message):
     heartbeat_s: float
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., cached_prompt_tokens: _Optional[int] = ..., resumed_output_tokens: _Optional[int] = ..., heartbeat_s: _Optional[float] = ...) -> None: ...
 
+class PushPrefixRequest(_message.Message):
+    __slots__ = ("request_id", "model_fingerprint", "block_size", "token_ids", "block_hashes", "first_block_index", "dest_block_ids", "dest_address", "dest_kv_endpoints", "token")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DEST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEST_KV_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model_fingerprint: str
+    block_size: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    first_block_index: int
+    dest_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    dest_address: str
+    dest_kv_endpoints: _containers.RepeatedScalarFieldContainer[str]
+    token: bytes
+    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., first_block_index: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., dest_address: _Optional[str] = ..., dest_kv_endpoints: _Optional[_Iterable[str]] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class PushPrefixResponse(_message.Message):
+    __slots__ = ("blocks_sent", "bytes_sent", "transport", "transfer_s", "onboarded_host_blocks", "onboarded_disk_blocks", "onboard_s")
+    BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    ONBOARDED_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ONBOARDED_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ONBOARD_S_FIELD_NUMBER: _ClassVar[int]
+    blocks_sent: int
+    bytes_sent: int
+    transport: str
+    transfer_s: float
+    onboarded_host_blocks: int
+    onboarded_disk_blocks: int
+    onboard_s: float
+    def __init__(self, blocks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., transport: _Optional[str] = ..., transfer_s: _Optional[float] = ..., onboarded_host_blocks: _Optional[int] = ..., onboarded_disk_blocks: _Optional[int] = ..., onboard_s: _Optional[float] = ...) -> None: ...
+
 class KVBlockMessage(_message.Message):
     __slots__ = ("header", "chunk", "trailer", "attach")
     HEADER_FIELD_NUMBER: _ClassVar[int]
@@ -205,23 +247,35 @@ class RenewReservationResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "reservation", "resumed_output_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "reservation", "resumed_output_tokens", "fetch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _serving_pb2.SamplingParams
     decode_address: str
     reservation: ReserveBlocksResponse
     resumed_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation: _Optional[_Union[ReserveBlocksResponse, _Mapping]] = ..., resumed_output_tokens: _Optional[int] = ...) -> None: ...
+    fetch: KVFetch
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation: _Optional[_Union[ReserveBlocksResponse, _Mapping]] = ..., resumed_output_tokens: _Optional[int] = ..., fetch: _Optional[_Union[KVFetch, _Mapping]] = ...) -> None: ...
+
+class KVFetch(_message.Message):
+    __slots__ = ("holder_address", "num_blocks", "timeout_s")
+    HOLDER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    holder_address: str
+    num_blocks: int
+    timeout_s: float
+    def __init__(self, holder_address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_ids", "first_logprobs", "cached_tokens", "blocks_sent", "bytes_sent", "prefill_s", "transfer_s", "transport", "transfer_exposed_s", "kv_streamed", "kv_pushes", "kv_fallbacks")
+    __slots__ = ("first_token_ids", "first_logprobs", "cached_tokens", "blocks_sent", "bytes_sent", "prefill_s", "transfer_s", "transport", "transfer_exposed_s", "kv_streamed", "kv_pushes", "kv_fallbacks", "fetch_outcome", "fetch_blocks", "fetch_bytes", "fetch_s", "fetch_transport", "fetch_transfer_s", "fetch_onboarded_host_blocks", "fetch_onboarded_disk_blocks", "fetch_onboard_s")
     FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +288,15 @@ class PrefillResponse(_message.Message):
     KV_STREAMED_FIELD_NUMBER: _ClassVar[int]
     KV_PUSHES_FIELD_NUMBER: _ClassVar[int]
     KV_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    FETCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_S_FIELD_NUMBER: _ClassVar[int]
+    FETCH_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    FETCH_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    FETCH_ONBOARDED_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_ONBOARDED_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_ONBOARD_S_FIELD_NUMBER: _ClassVar[int]
     first_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_logprobs: _containers.RepeatedCompositeFieldContainer[_serving_pb2.TokenLogprobs]
     cached_tokens: int
@@ -246,4 +309,13 @@ class PrefillResponse(_message.Message):
     kv_streamed: bool
     kv_pushes: int
     kv_fallbacks: int
-    def __init__(self, first_token_ids: _Optional[_Iterable[int]] = ..., first_logprobs: _Optional[_Iterable[_Union[_serving_pb2.TokenLogprobs, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., blocks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., transport: _Optional[str] = ..., transfer_exposed_s: _Optional[float] = ..., kv_streamed: _Optional[bool] = ..., kv_pushes: _Optional[int] = ..., kv_fallbacks: _Optional[int] = ...) -> None: ...
+    fetch_outcome: str
+    fetch_blocks: int
+    fetch_bytes: int
+    fetch_s: float
+    fetch_transport: str
+    fetch_transfer_s: float
+    fetch_onboarded_host_blocks: int
+    fetch_onboarded_disk_blocks: int
+    fetch_onboard_s: float
+    def __init__(self, first_token_ids: _Optional[_Iterable[int]] = ..., first_logprobs: _Optional[_Iterable[_Union[_serving_pb2.TokenLogprobs, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., blocks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., transport: _Optional[str] = ..., transfer_exposed_s: _Optional[float] = ..., kv_streamed: _Optional[bool] = ..., kv_pushes: _Optional[int] = ..., kv_fallbacks: _Optional[int] = ..., fetch_outcome: _Optional[str] = ..., fetch_blocks: _Optional[int] = ..., fetch_bytes: _Optional[int] = ..., fetch_s: _Optional[float] = ..., fetch_transport: _Optional[str] = ..., fetch_transfer_s: _Optional[float] = ..., fetch_onboarded_host_blocks: _Optional[int] = ..., fetch_onboarded_disk_blocks: _Optional[int] = ..., fetch_onboard_s: _Optional[float] = ...) -> None: ...

@@ -374,6 +374,94 @@ class DecodeNode:
             _registered_method=True)
 
 
+class KVHolderStub:
+    """Served by every node (prefill and decode): the KV of a prefix it holds, pushed to a peer.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.PushPrefix = channel.unary_unary(
+                '/pdserve.v1.KVHolder/PushPrefix',
+                request_serializer=pdserve_dot_v1_dot_kv__pb2.PushPrefixRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kv__pb2.PushPrefixResponse.FromString,
+                _registered_method=True)
+
+
+class KVHolderServicer:
+    """Served by every node (prefill and decode): the KV of a prefix it holds, pushed to a peer.
+    """
+
+    def PushPrefix(self, request, context):
+        """Pushes the KV of the leading blocks of a prefix this node holds, in any of its tiers (a
+        block in host memory or on disk is brought back to the device first), into a
+        reservation the receiver made for them, over the fastest transport both ends have
+        (dest_kv_endpoints, then PushBlocks on dest_address), exactly as a prefill node pushes to a
+        decode node; the receiver checks the header, the reservation's token and every checksum
+        before it writes. The holder verifies token_ids against block_hashes and its cached blocks
+        against token_ids before it sends a byte. It pushes the longest run of the requested
+        blocks it still holds (the index that sent the caller here is a hint) and answers after
+        the receiver acknowledged it. Errors: INVALID_ARGUMENT (a malformed request, hashes that
+        do not match the tokens), FAILED_PRECONDITION (another model or block size), NOT_FOUND (it
+        holds none of the blocks it was asked for), the receiver's refusal (UNAUTHENTICATED,
+        PERMISSION_DENIED, DATA_LOSS, ...) or UNAVAILABLE / DEADLINE_EXCEEDED when it could not
+        reach it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KVHolderServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'PushPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushPrefix,
+                    request_deserializer=pdserve_dot_v1_dot_kv__pb2.PushPrefixRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kv__pb2.PushPrefixResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.KVHolder', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.KVHolder', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KVHolder:
+    """Served by every node (prefill and decode): the KV of a prefix it holds, pushed to a peer.
+    """
+
+    @staticmethod
+    def PushPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVHolder/PushPrefix',
+            pdserve_dot_v1_dot_kv__pb2.PushPrefixRequest.SerializeToString,
+            pdserve_dot_v1_dot_kv__pb2.PushPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class PrefillNodeStub:
     """Served by the prefill node.
     """

@@ -1,12 +1,15 @@
-"""The decode node's reservations: which blocks a prefill node may push into, for how long,
-and whether the KV has all arrived. Plain bookkeeping under one lock (gRPC threads share it).
+"""A node's KV reservations: which of its blocks a peer may push into, for how long, and
+whether the KV has all arrived. Plain bookkeeping under one lock (gRPC threads share it). A
+decode node reserves for the prompts prefill nodes push to it (ReserveBlocks); any node that
+fetches a prefix from its holder reserves for the blocks fetched (node/prefix_fetch.py).
 
 Life of one reservation::
 
-    ReserveBlocks -> add ----> pushes (begin_push .. end_push, received (layers x blocks) recorded)
+    reserve -> add ----------> pushes (begin_push .. end_push, received (layers x blocks) recorded)
                        |                     \
                        |                      Decode -> take (every layer of every block in,
                        |                                      no push in flight)
+                       |                      a fetch -> complete_prefix (leading blocks in)
                        '-- ReleaseReservation / AbortDecode / lease expiry -> drop
                        (RenewReservation restarts the lease while the prefill is queued)
 
@@ -140,6 +143,19 @@ class ReservationTable:
                 )
             del self._entries[request_id]
             return e.reservation
+
+    def complete_prefix(self, request_id: str) -> int:
+        """Leading reserved blocks received in every layer (0 while a push is in flight, or
+        for no reservation): what a fetch may register once its holder answered, which may be
+        fewer blocks than reserved when the holder no longer held them all."""
+        with self._lock:
+            e = self._entries.get(request_id)
+            if e is None or e.dropped or e.in_flight:
+                return 0
+            every = (1 << len(e.reservation.block_ids)) - 1
+            for got in e.received:
+                every &= got
+            return (every ^ (every + 1)).bit_length() - 1  # its trailing one bits
 
     def drop(self, request_id: str) -> tuple[bool, bool]:
         """Forget a reservation -> (found, release_now). With a push in flight, release_now

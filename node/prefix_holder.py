@@ -1,0 +1,134 @@
+"""``KVHolder.PushPrefix``, served by every node: the KV of a prefix this node holds, pushed
+into a reservation another node made for it (the fetching side is node/prefix_fetch.py).
+
+    fetching node --PushPrefix(tokens, hashes, its reservation + token)--> this node
+        verify      hashes are the chained hashes of the tokens (this node's model); each
+                    cached block's stored tokens equal the ones asked for
+        pin         the longest leading run it holds, referenced so that neither eviction nor
+                    a write touches it while it is read (node/prefix_kv.py)
+        push        blocks [first, m) through the node's KV sender, fastest transport first
+                    (shm, tcp, then gRPC PushBlocks), as a prefill node pushes to a decode node
+        unpin       always; the blocks stay cached
+    <-- blocks sent, bytes, transport, seconds
+
+The push is bounded by the call's own deadline (the fetching node's bound) and by the
+transports' limits; the receiver checks the reservation's token and every checksum before it
+writes a byte, so a holder can only write where the fetching node let it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import grpc
+
+from kv_transfer.transport import TransferError
+from node.output_stream import EngineStoppedError
+from node.prefix_kv import pin_prefix, unpin_prefix
+from node.rpc_trace import traced_rpc
+from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
+from telemetry import tracing
+from telemetry.log_limit import RateLimitedLog
+from tokens.block_hash import hash_prompt_blocks
+
+log = logging.getLogger(__name__)
+# Failed pushes, per status: the first logged, then a count at most every 10 s.
+push_log = RateLimitedLog(log)
+# A push to the fetching node may take at most this long, whatever the call's deadline.
+PUSH_TIMEOUT_S = 60.0
+
+
+class PrefixHolder(kv_pb2_grpc.KVHolderServicer):
+    """PushPrefix on ``node`` (a NodeServer: its engine thread, KV sender, health, drain)."""
+
+    def __init__(self, node) -> None:
+        self.node = node
+        self.num_pushes = 0
+        self.num_failures = 0
+
+    @traced_rpc("node.PushPrefix", lambda r: {tracing.REQUEST_ID: r.request_id,
+                                              "pdserve.fetch.blocks": len(r.block_hashes),
+                                              "pdserve.dest_address": r.dest_address})
+    def PushPrefix(self, request: kv_pb2.PushPrefixRequest, context: grpc.ServicerContext):
+        node, eng = self.node, self.node.engine
+        if request.model_fingerprint != eng.fingerprint or request.block_size != eng.block_size:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"this node serves model {eng.fingerprint!r} with block_size {eng.block_size}; "
+                          f"got {request.model_fingerprint!r} / {request.block_size}")
+        problem = push_prefix_problem(request, eng.fingerprint, eng.num_blocks)
+        if problem:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        node.admit(context, accepted=True)  # unhealthy: UNAVAILABLE; it adds no engine work
+        tokens, hashes = list(request.token_ids), list(request.block_hashes)
+        first = request.first_block_index
+        pin_id = f"push-{uuid.uuid4().hex}"
+        try:
+            pinned = node.aengine.run(lambda e: pin_prefix(e, pin_id, hashes, tokens))
+        except Exception as err:  # the engine is gone or refused: nothing is pinned
+            _unpin(node, pin_id)  # whatever the export took before it failed
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"could not pin the prefix: {err}")
+        try:
+            if len(pinned.block_ids) <= first:
+                context.abort(grpc.StatusCode.NOT_FOUND,
+                              f"this node holds {len(pinned.block_ids)} of the {len(hashes)} blocks asked for, "
+                              f"none after block {first}")
+            result = self._push(request, pinned.block_ids, hashes, context)
+        finally:
+            _unpin(node, pin_id)
+        self.num_pushes += 1
+        return kv_pb2.PushPrefixResponse(blocks_sent=result.blocks_written, bytes_sent=result.bytes_written,
+                                         transport=result.transport, transfer_s=result.seconds,
+                                         onboarded_host_blocks=pinned.host_blocks,
+                                         onboarded_disk_blocks=pinned.disk_blocks, onboard_s=pinned.onboard_s)
+
+    def _push(self, request: kv_pb2.PushPrefixRequest, table: list[int], hashes: list[int], context):
+        node, eng = self.node, self.node.engine
+        first, m = request.first_block_index, len(table)
+        left = context.time_remaining()
+        timeout = PUSH_TIMEOUT_S if left is None else max(0.001, min(PUSH_TIMEOUT_S, left))
+        t0 = time.monotonic()
+        try:
+            result = node.kv_sender.push(
+                request.dest_address, eng.kv_cache, request_id=request.request_id, fingerprint=eng.fingerprint,
+                src_block_ids=table, block_hashes=hashes[:m], num_tokens=m * eng.block_size,
+                dest_block_ids=list(request.dest_block_ids)[: m - first], token=request.token,
+                skip_leading_blocks=first, timeout=timeout, endpoints=tuple(request.dest_kv_endpoints))
+        except TransferError as err:
+            self.num_failures += 1
+            push_log.warning(f"PushPrefix {err.code.name}", "prefix push of %r to %s failed: %s",
+                              request.request_id, request.dest_address, err)
+            context.abort(err.code, f"prefix push to {request.dest_address} failed: {err.details}")
+        return result if result.seconds else result._replace(seconds=time.monotonic() - t0)
+
+
+def _unpin(node, pin_id: str) -> None:
+    try:
+        node.aengine.run(lambda e: unpin_prefix(e, pin_id))
+    except (EngineStoppedError, TimeoutError):
+        pass  # the engine and its blocks are gone with it (or it is wedged, and unhealthy soon)
+
+
+def push_prefix_problem(request: kv_pb2.PushPrefixRequest, fingerprint: str, pool_blocks: int) -> str:
+    """Why a PushPrefix request can never be served ("" if it can), checked before anything is
+    pinned: the shapes of its lists, and its hashes against its tokens for this model."""
+    if not request.request_id:
+        return "request_id is required"
+    if not request.dest_address:
+        return "dest_address is required"
+    n = len(request.block_hashes)
+    bs = request.block_size
+    if n == 0:
+        return "block_hashes is required (the prefix's blocks)"
+    if n > pool_blocks:
+        return f"{n} blocks asked for but this node's pool has {pool_blocks}"
+    if len(request.token_ids) != n * bs:
+        return f"token_ids has {len(request.token_ids)} tokens, expected {n} blocks x {bs} = {n * bs}"
+    if request.first_block_index >= n:
+        return f"first_block_index ({request.first_block_index}) must be below the {n} blocks asked for"
+    if len(request.dest_block_ids) != n - request.first_block_index:
+        return (f"dest_block_ids has {len(request.dest_block_ids)} ids, expected one per block after "
+                f"first_block_index: {n - request.first_block_index}")
+    if hash_prompt_blocks(list(request.token_ids), bs, fingerprint.encode()) != list(request.block_hashes):
+        return "block_hashes are not the chained hashes of token_ids for this model"
+    return ""
