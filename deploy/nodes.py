@@ -75,6 +75,7 @@ class NodeTemplate:
     metrics_port: int | None = 0
     kv_data_port: int | None = 0  # decode nodes' raw KV data port (0: a free one, None: gRPC only)
     kv_streaming: bool = True  # prefill nodes send KV layer by layer while they compute
+    kv_dist: bool = False  # nodes also receive KV over torch.distributed groups (NodeConfig.kv_dist)
     lease_s: float = 3.0
     redis_connect_timeout_s: float = 1.0  # NodeConfig's Redis bounds (kv_index/client.py)
     redis_timeout_s: float = 5.0
@@ -98,7 +99,7 @@ class NodeTemplate:
                 engine.cache.disk_cache_dir, node_id(role, index))))
         return NodeConfig(node_id=node_id(role, index), role=role, redis_url=self.redis_url, host=self.host,
                           grpc_port=self.grpc_port, metrics_port=self.metrics_port, namespace=self.namespace,
-                          kv_data_port=self.kv_data_port, kv_streaming=self.kv_streaming,
+                          kv_data_port=self.kv_data_port, kv_streaming=self.kv_streaming, kv_dist=self.kv_dist,
                           lease_s=self.lease_s, heartbeat_s=min(0.5, self.lease_s / 4), engine=engine,
                           redis_connect_timeout_s=self.redis_connect_timeout_s, redis_timeout_s=self.redis_timeout_s,
                           # Both roles: the prefill node samples a structured output's first token under
@@ -296,6 +297,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=0, help="each node's /metrics port (0: a free one, -1: none)")
     p.add_argument("--kv-data-port", type=int, default=0,
                    help="each decode node's raw KV data port beside gRPC (0: a free one, -1: none; off with TLS)")
+    p.add_argument("--kv-dist", action="store_true",
+                   help="nodes also receive KV over torch.distributed process groups on their data port "
+                        "(gloo; slower than the raw TCP stream on CPU: docs/cluster.md; off with TLS)")
     p.add_argument("--no-kv-streaming", dest="kv_streaming", action="store_false",
                    help="prefill nodes push a request's KV once its prefill finished instead of layer by layer "
                         "while it computes")
@@ -332,7 +336,7 @@ def template_from_args(a: argparse.Namespace, engine: EngineConfig, env: Mapping
     return NodeTemplate(engine=engine, redis_url=resolve_redis_url(a.redis_url, env), namespace=a.namespace,
                         host=a.host, grpc_port=a.grpc_port, metrics_port=None if a.metrics_port < 0 else a.metrics_port,
                         kv_data_port=None if a.kv_data_port < 0 else a.kv_data_port, kv_streaming=a.kv_streaming,
-                        lease_s=a.lease_s, redis_connect_timeout_s=a.redis_connect_timeout_s,
+                        kv_dist=a.kv_dist, lease_s=a.lease_s, redis_connect_timeout_s=a.redis_connect_timeout_s,
                         redis_timeout_s=a.redis_timeout_s, otlp_endpoint=a.otlp_endpoint, served_model_name=a.served_model_name,
                         tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file, tls_ca_file=a.tls_ca_file,
                         tls_server_name=a.tls_server_name, drain_timeout_s=a.drain_timeout_s,

@@ -50,6 +50,7 @@ from kv_transfer.data_port import (
     send_all,
     tune_socket,
 )
+from kv_transfer.dist_group import DistRendezvous, GroupInbox, dist_attach
 from kv_transfer.layout import PoolLayout
 from kv_transfer.validate import (
     HeaderGate,
@@ -94,9 +95,11 @@ class TcpKVServer:
         begin_push: Callable[[str], bool] = lambda rid: True,
         end_push: Callable[[str], None] = lambda rid: None,
         on_outcome: Callable[[bool, int, float], None] = lambda ok, nbytes, seconds: None,
-        host: str = "127.0.0.1", port: int = 0, stall_timeout_s: float = STALL_TIMEOUT_S,
+        host: str = "127.0.0.1", port: int = 0, stall_timeout_s: float = STALL_TIMEOUT_S, dist: bool = False,
     ) -> None:
         self._stall_timeout_s = stall_timeout_s
+        # Process groups for dist senders (dist_group.py); None: a dist attach is refused.
+        self.dist = DistRendezvous(host) if dist else None
         self._layout = PoolLayout.of(pool)
         self._gate = HeaderGate(self._layout, fingerprint, reservation_for)
         # [num_layers * num_blocks, block_bytes]: one block-layer ("unit") per row, unit (l, b)
@@ -144,6 +147,8 @@ class TcpKVServer:
                 pass
         if self._acceptor is not None and self._acceptor.is_alive():
             self._acceptor.join(5)
+        if self.dist is not None:
+            self.dist.close()
 
     def _accept(self) -> None:
         while True:
@@ -181,11 +186,15 @@ class TcpKVServer:
                 except _Desync as err:
                     reply, keep = _error(grpc.StatusCode.INVALID_ARGUMENT, str(err)), False
                 else:
-                    if msg.WhichOneof("kind") == "attach":
+                    kind = msg.WhichOneof("kind")
+                    if kind == "attach":
                         reply, keep = self._attach(conn, msg.attach)
+                    elif kind == "dist_attach":
+                        reply, keep = dist_attach(self.dist, self._gate, conn, msg.dist_attach, MAX_CHUNK_BYTES)
                     else:
                         reply, keep = self._one(conn, msg)
-                send_all(sock, [frame(reply)])
+                if reply is not None:  # a dist attach answers before it joins the group
+                    send_all(sock, [frame(reply)])
                 if not keep:
                     return
         except (OSError, KVValidationError) as err:  # the sender went away or spoke garbage
@@ -216,6 +225,8 @@ class TcpKVServer:
                 raise HeaderGate.not_reserved(header.request_id)
             began = header.request_id
             self._gate.admit(header)
+            if conn.group is not None:  # its first chunk's receive, before its bytes come
+                conn.group.expect(header.payload_bytes, self._layout.block_bytes)
             self._receive(conn, header)
             received = ReceivedBlocks.of(header)
             try:
@@ -266,7 +277,7 @@ class TcpKVServer:
             first, k = received // unit, n // unit
             rows = all_rows[first : first + k]
             checksum = new_checksum(header.checksum_algorithm)
-            if isinstance(self._rows, np.ndarray) and not chunk.HasField("shm_offset"):
+            if isinstance(self._rows, np.ndarray) and not chunk.HasField("shm_offset") and not chunk.over_group:
                 # Straight from the socket into the reserved blocks (one readv per call) and
                 # checked there: the staging buffer's extra pass was about a quarter of a
                 # chunk's time. A chunk that fails its checksum has written only into blocks
@@ -277,7 +288,9 @@ class TcpKVServer:
                     checksum.update(v)
                 _check_chunk(seq, checksum.value(), chunk.checksum)
             else:
-                data = conn.chunk_data(chunk)  # [n] uint8, from the shared buffer or staged
+                # [n] uint8, from the shared buffer or staged; over a group, the next chunk's
+                # receive is posted at once (chunks are all as large as the first but the last)
+                data = conn.chunk_data(chunk, next_n=min(n, header.payload_bytes - received - n))
                 checksum.update(data)
                 _check_chunk(seq, checksum.value(), chunk.checksum)
                 src = data.reshape(k, unit)
@@ -324,6 +337,7 @@ class _Connection:
         self._staging = bytearray(CHUNK_BYTES)
         self._shm: mmap.mmap | None = None
         self._shm_array: np.ndarray | None = None  # [size] uint8 over _shm
+        self.group: GroupInbox | None = None  # the sender's process group once attached (dist)
 
     def attach(self, attach: kv_pb2.KVAttach) -> kv_pb2.KVStreamReply:
         """Map the sender's buffer named in ``attach`` (replacing any earlier one)."""
@@ -350,7 +364,7 @@ class _Connection:
         self._shm, self._shm_array = shm, np.frombuffer(shm, dtype=np.uint8)
         return kv_pb2.KVStreamReply(ok=kv_pb2.PushBlocksResponse())
 
-    def chunk_data(self, chunk: kv_pb2.KVChunk) -> np.ndarray:
+    def chunk_data(self, chunk: kv_pb2.KVChunk, next_n: int = 0) -> np.ndarray:
         n = chunk.raw_bytes
         if chunk.HasField("shm_offset"):
             off = chunk.shm_offset
@@ -359,6 +373,10 @@ class _Connection:
                 raise _Desync(f"chunk {chunk.seq} shm_offset: [{off}, {off + n}) outside the attached "
                               f"buffer of {size} bytes")
             return self._shm_array[off : off + n]
+        if chunk.over_group:  # one receive from the sender's group
+            if self.group is None:
+                raise _Desync(f"chunk {chunk.seq} over_group on a connection without a process group")
+            return self.group.take(n, next_n)
         if len(self._staging) < n:
             self._staging = bytearray(n)
         if not recv_exact(self.sock, memoryview(self._staging)[:n]):
@@ -381,6 +399,9 @@ class _Connection:
                     return False
                 if msg.chunk.HasField("shm_offset"):
                     continue  # nothing on the socket
+                if msg.chunk.over_group:  # received and dropped, so the sender's send completes
+                    self.chunk_data(msg.chunk)
+                    continue
                 left = msg.chunk.raw_bytes
                 view = memoryview(self._staging)
                 while left:
@@ -402,6 +423,8 @@ class _Connection:
 
     def close(self) -> None:
         self.close_shm()
+        if self.group is not None:
+            self.group.close()
         self.sock.close()
 
 

@@ -84,6 +84,20 @@ class Clock:
                 wait = left
         sock.settimeout(wait)
 
+    def wait_s(self) -> float | None:
+        """How long a wait off the socket (a process group's, dist_transport.py) may take: the
+        progress timeout, never past the deadline; TimeoutError when the deadline has passed."""
+        wait = self._progress_s
+        self.why = "timed out" if wait is None else f"no progress for {wait:.3g} s"
+        if self._deadline is not None:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                self.why = "past the push's deadline"
+                raise TimeoutError(self.why)
+            if wait is None or left < wait:
+                self.why, wait = "past the push's deadline", left
+        return wait
+
     def limit(self, seconds: float) -> float:
         """``seconds``, or less if the deadline comes first (for connecting)."""
         self.why = "connect timed out"

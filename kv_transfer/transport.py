@@ -4,10 +4,12 @@ A sender pushes one request's blocks from its pool into the reservation a decode
 for them; the receiver validates every header, byte count and checksum before writing (see
 validate.py), so a transport only moves bytes. Implementations: ``GrpcKVSender`` (any two
 hosts, grpc_transport.py), ``TcpKVSender`` (a raw TCP data stream beside gRPC,
-tcp_transport.py), ``ShmKVSender`` (shared memory on one host, shm_transport.py); NCCL for
-GPU pools is not built. ``FallbackKVSender`` picks one per transfer from the endpoints the decode
-node advertises, fastest first, and falls back to gRPC; when that fails too, the prefill fails
-and the router recomputes the prompt on the decode node (docs/cluster.md, "KV data plane").
+tcp_transport.py), ``ShmKVSender`` (shared memory on one host, shm_transport.py),
+``DistKVSender`` (a torch.distributed gloo group beside the data stream, dist_transport.py;
+its NCCL backend for GPU pools is not built). ``FallbackKVSender`` picks one per transfer
+from the endpoints the decode node advertises, fastest first, and falls back to gRPC; when
+that fails too, the prefill fails and the router recomputes the prompt on the decode node
+(docs/cluster.md, "KV data plane").
 
 A push need not carry a whole reservation: ``layers`` picks a layer range, and blocks [a, b)
 of a prompt go as ``src_block_ids=table[:b]``, ``skip_leading_blocks=a``, ``dest_block_ids`` =

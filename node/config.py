@@ -80,6 +80,11 @@ class NodeConfig:
     # advertised as tcp://host:port (0 = a free port, None = gRPC only). Plaintext: a node with
     # TLS configured does not open it, so its KV moves over the TLS-protected gRPC port.
     kv_data_port: int | None = 0
+    # Also move KV over torch.distributed process groups (gloo), one per kept data connection
+    # (kv_transfer/dist_transport.py): the node advertises dist://host:port before tcp:// and
+    # sends over dist to receivers that advertise it. Off by default: on CPU it is slower than
+    # the raw TCP stream (docs/cluster.md). Needs the data port; never with TLS (plaintext).
+    kv_dist: bool = False
     # Prefill role: send each layer of each finished prefill chunk while the later ones compute
     # (layer-wise streaming, prefill_node/kv_streamer.py); False = push all the KV once the
     # prefill finished.

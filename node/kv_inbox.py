@@ -6,8 +6,8 @@ reserved under a request id and a token (``node/reservations.py``), written only
 that names both, through either receiver:
 
     PushBlocks on the node's gRPC port   kv_transfer/grpc_transport.py KVReceiver
-    its data port (tcp, shm)             kv_transfer/receiver.py TcpKVServer, opened unless the
-                                         node has TLS (the data port is plaintext)
+    its data port (tcp, shm, and dist    kv_transfer/receiver.py TcpKVServer, opened unless the
+    with NodeConfig.kv_dist)             node has TLS (the data port is plaintext)
 
 ``KVInbox`` holds the table, both receivers and the reaper that frees a reservation whose lease
 passed; the role decides what a landed transfer means (``on_received``) and what a transfer's
@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import grpc
 
+from kv_transfer.dist_transport import dist_endpoint
 from kv_transfer.grpc_transport import KVReceiver
 from kv_transfer.receiver import TcpKVServer
 from kv_transfer.shm_transport import shm_endpoint
@@ -63,7 +64,7 @@ class KVInbox:
             self.data_server = TcpKVServer(
                 pool, fingerprint, on_received=self._on_received, reservation_for=self.reservations.get,
                 begin_push=self.reservations.begin_push, end_push=self._end_push, on_outcome=on_outcome,
-                host=config.host, port=config.kv_data_port)
+                host=config.host, port=config.kv_data_port, dist=config.kv_dist)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._expire, name=f"reaper-{config.node_id}", daemon=True)
 
@@ -87,7 +88,8 @@ class KVInbox:
         if self.data_server is None or self.data_server.port is None or host is None:
             return ()
         address = host_port(host, self.data_server.port)
-        return shm_endpoint(address), f"{TCP_SCHEME}://{address}"
+        dist = (dist_endpoint(address),) if self.data_server.dist is not None else ()
+        return shm_endpoint(address), *dist, f"{TCP_SCHEME}://{address}"
 
     def drop(self, request_id: str) -> tuple[bool, bool]:
         """Forget ``request_id``'s reservation -> (found, released now). Its blocks go back to

@@ -45,6 +45,7 @@ from kv_index.client import RedisTimeouts, redis_client
 from kv_index.health import SERVING, UNHEALTHY, HealthStore
 from kv_index.nodes import NodeInfo, OnboardTotals, Role
 from kv_index.publisher import NodePublisher
+from kv_transfer.dist_transport import DistKVSender
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, GrpcKVSender
 from kv_transfer.shm_transport import ShmKVSender
 from kv_transfer.tcp_transport import TcpKVSender
@@ -114,9 +115,12 @@ class NodeServer:
             (*self.served, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server)
         # Every node sends KV: a prefill node its prompts' to decode nodes, any node a prefix it
         # holds to a node that fetches it (PushPrefix). The receiver's advertised transports in
-        # its order (shared memory on the same host, then raw TCP; both plaintext, so only
-        # without TLS), then gRPC (docs/cluster.md, "KV data plane").
-        fast = [ShmKVSender(), TcpKVSender()] if config.tls is None else []
+        # its order (shared memory on the same host, a torch.distributed group where both ends
+        # run with kv_dist, then raw TCP; all plaintext, so only without TLS), then gRPC
+        # (docs/cluster.md, "KV data plane").
+        dist = [DistKVSender()] if config.kv_dist and config.tls is None else []
+        self._dist_sender = dist[0] if dist else None
+        fast = [ShmKVSender(), *dist, TcpKVSender()] if config.tls is None else []
         self.kv_sender: KVSender = kv_sender or FallbackKVSender(fast, GrpcKVSender(config.tls))
         self.holder = PrefixHolder(self)
         kv_pb2_grpc.add_KVHolderServicer_to_server(self.holder, self.grpc_server)
@@ -129,6 +133,8 @@ class NodeServer:
         # the engine loop's cached stats, so a scrape never waits for a step.
         self.metrics = NodeMetrics(config.served_model_name or config.engine.model, self.role.value, config.node_id,
                                    engine_stats=self._engine_stats)
+        if self._dist_sender is not None:
+            self.metrics.watch_dist(self._dist_stats)
         self.metrics_server: MetricsServer | None = None
         self.metrics_address: str | None = None
         # Called once, on a thread of its own, after the node turned unhealthy and left the index.
@@ -181,6 +187,14 @@ class NodeServer:
     def served(self) -> tuple[str, ...]:
         """Full names of every gRPC service of this node (health and reflection list them)."""
         return (*self.services, *self.common_services)
+
+    def _dist_stats(self) -> dict:
+        """The dist transport's groups, both ways (telemetry/metrics.py DistCollector)."""
+        s = self._dist_sender
+        server = getattr(getattr(self, "inbox", None), "data_server", None)  # the role's KVInbox
+        r = server.dist if server is not None else None
+        return {"send": (s.groups_made, s.setup_s_total), "dropped": s.groups_dropped,
+                "receive": (r.groups_made, r.setup_s_total) if r is not None else (0, 0.0)}
 
     def kv_endpoints(self) -> tuple[str, ...]:
         """KV data-plane endpoints this node receives on besides gRPC (the decode role's)."""

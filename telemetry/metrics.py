@@ -266,6 +266,35 @@ class NodeMetrics:
         if engine_stats is not None:
             self.registry.register(EngineCollector(labels, engine_stats))
 
+    def watch_dist(self, stats: Callable[[], Mapping]) -> None:
+        """The dist transport's process groups at scrape time (``DistCollector``)."""
+        self.registry.register(DistCollector(self.labels, stats))
+
+
+class DistCollector(Collector):
+    """A node's torch.distributed KV groups (kv_transfer/dist_group.py) from ``stats()``:
+    ``{"send": (made, setup_s), "receive": (made, setup_s), "dropped": n}``, cumulative."""
+
+    def __init__(self, labels: Mapping[str, str], stats: Callable[[], Mapping]) -> None:
+        self.keys, self.values = list(labels), list(labels.values())
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
+        made = CounterMetricFamily(name("kv_dist_groups"), "Two-rank KV process groups set up, by side.",
+                                   labels=[*self.keys, "side"])
+        setup = CounterMetricFamily(name("kv_dist_group_setup_seconds"), "Seconds spent setting them up "
+                                    "(attach, rendezvous, join), by side.", labels=[*self.keys, "side"])
+        for side in ("send", "receive"):
+            made.add_metric([*self.values, side], float(s[side][0]))
+            setup.add_metric([*self.values, side], float(s[side][1]))
+        yield made
+        yield setup
+        dropped = CounterMetricFamily(name("kv_dist_groups_dropped"), "Sending groups closed because a "
+                                      "transfer on them failed.", labels=self.keys)
+        dropped.add_metric(self.values, float(s["dropped"]))
+        yield dropped
+
 
 class EngineCollector(Collector):
     """The engine's own figures at scrape time, from ``LLMEngine.stats()``-shaped dicts:

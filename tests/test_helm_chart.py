@@ -393,6 +393,23 @@ def test_engine_values_map_onto_pdserve_nodes_flags():
     assert a.served_model_name == router_args[router_args.index("--model-name") + 1] == values["model"]["name"]
 
 
+def test_kv_dist_value_reaches_the_nodes():
+    import argparse
+
+    from deploy import nodes
+    from deploy.cli import _add_engine_args
+
+    for on in (False, True):
+        values = example_values(REPO / "helm" / "examples" / "h100-4p4d.yaml")
+        values.setdefault("nodes", {})["kvDist"] = on
+        head = one(render(values), "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]
+        args = next(c for c in head["containers"] if c["name"] == "pdserve-nodes")["args"]
+        p = argparse.ArgumentParser()
+        _add_engine_args(p)
+        nodes.add_arguments(p)
+        assert p.parse_args(args).kv_dist is on
+
+
 def test_kv_tier_values_reach_the_nodes_and_their_volume():
     """engine.hostCacheMiB and engine.diskCache become the tier flags of `pdserve nodes`, and the
     worker pods mount the disk tier's volume where --disk-cache-dir points (an emptyDir, or the

@@ -486,10 +486,11 @@ def test_transfer_bench_quick_reports_every_transport() -> None:
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["bit_exact"] is True
-    assert set(out["transports"]) == {"grpc", "tcp", "shm"}
+    assert set(out["transports"]) == {"grpc", "tcp", "shm", "dist"}
     for t, v in out["transports"].items():
         assert v["gbps"] > 0 and v["ceiling_gbps"] > 0 and abs(v["ratio"] - v["gbps"] / v["ceiling_gbps"]) < 0.01, t
-    assert set(out["fixed_ms"]) == {"grpc", "tcp", "shm"} and set(out["latency_ms"]) == {"1", "4", "16"}
+    assert out["transports"]["dist"]["ceiling"] == "socket" and out["transports"]["dist"]["setup_ms"] > 0
+    assert set(out["fixed_ms"]) == {"grpc", "tcp", "shm", "dist"} and set(out["latency_ms"]) == {"1", "4", "16"}
     # Layer-wise streaming on live nodes (tiny model in --quick): both ways ran, the figures are there.
     assert out["overlap"] <= 1 and out["ttft_streaming_s"] > 0 and out["ttft_after_prefill_s"] > 0
     st = out["streaming"]

@@ -11,6 +11,9 @@ so they see the same machine load:
           checksum before scattering it).
   shm:    ShmKVSender -> the same server: the sender gathers chunks into a shared-memory
           buffer the receiver has mapped; only the frames cross the socket.
+  dist:   DistKVSender -> the same server: the frames on the data connection, the chunks' bytes
+          over a two-rank gloo process group made once per kept connection (its ``setup_ms``:
+          the mean set-up of the groups the run made, paid once per connection, not per transfer).
   socket: ceiling of the network transports: the same bytes, length-prefixed, sendall ->
           recv_into a reused buffer, one ack byte back; no gather, checksum or scatter. Timed
           three ways: the kernel's default socket options, the data port's (4 MiB buffers),
@@ -61,6 +64,7 @@ import xxhash
 from deploy.bench.plotting import figure
 from deploy.bench.transfer_receiver import RAW_LEN, RAW_MODES, SINK_METHOD, SINK_SERVICE, set_raw_options
 from kv_transfer import checksum as checksums
+from kv_transfer.dist_transport import DistKVSender, dist_endpoint
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, push_blocks
 from kv_transfer.layout import PoolLayout
 from kv_transfer.shm_transport import ShmKVSender, shm_endpoint
@@ -73,8 +77,8 @@ NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
 FINGERPRINT = "bench"  # the receiver's
 GB = 1e9
 FIXED_BLOCKS = (1, 4, 16)
-TRANSPORTS = ("grpc", "tcp", "shm")
-CEILING = {"grpc": "socket", "tcp": "socket", "shm": "memcpy"}
+TRANSPORTS = ("grpc", "tcp", "shm", "dist")
+CEILING = {"grpc": "socket", "tcp": "socket", "shm": "memcpy", "dist": "socket"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -135,6 +139,7 @@ class _Receiver:
         self.sink = self.channel.stream_unary(f"/{SINK_SERVICE}/{SINK_METHOD}")
         self.tcp_endpoint = f"tcp://127.0.0.1:{ports['data']}"
         self.shm_endpoint = shm_endpoint(f"127.0.0.1:{ports['data']}")
+        self.dist_endpoint = dist_endpoint(f"127.0.0.1:{ports['data']}")
         # The raw-socket ceiling at its best: timed three ways (RAW_MODES: the kernel's default
         # socket options, the data port's 4 MiB buffers, and a cache-warm 1 MiB receive buffer
         # that places the bytes nowhere), the fastest per size. Before 2026-12-01 it had only
@@ -198,10 +203,8 @@ def run(args: argparse.Namespace, report) -> dict:
     algorithm = kv_pb2.ChecksumAlgorithm.Value(f"CHECKSUM_ALGORITHM_{args.checksum.upper()}")
     report.progress(f"pools {tuple(shape)} float32, {block_bytes_all_layers} bytes per block (all layers), "
                     f"checksum {args.checksum}; receiver in its own process")
-    receiver = _Receiver(shape)
-    tcp, shm = TcpKVSender(), ShmKVSender()
-    bit_exact = True
-    count = iter(range(1 << 30))
+    receiver, tcp, shm, dist = _Receiver(shape), TcpKVSender(), ShmKVSender(), DistKVSender()
+    bit_exact, count = True, iter(range(1 << 30))
 
     def case(n: int) -> dict:
         """A reservation of n blocks in the receiver and one callable per path."""
@@ -224,6 +227,7 @@ def run(args: argparse.Namespace, report) -> dict:
             "grpc": lambda: push_blocks(receiver.channel, src_pool, **blocks),
             "tcp": lambda: tcp.push(receiver.tcp_endpoint, src_pool, **blocks),
             "shm": lambda: shm.push(receiver.shm_endpoint, src_pool, **blocks),
+            "dist": lambda: dist.push(receiver.dist_endpoint, src_pool, **blocks),
             **{f"socket_{mode}": (lambda mode=mode: receiver.raw_transfer(payload, mode)) for mode in RAW_MODES},
             "memcpy": lambda: np.copyto(staging, np.frombuffer(payload, dtype=np.uint8)),
             "grpc_bytes": lambda: receiver.sink(iter(serialized)),
@@ -244,7 +248,7 @@ def run(args: argparse.Namespace, report) -> dict:
         src_rows = src_pool.view(-1).view(torch.uint8).view(-1, unit).numpy()
         layer_rows = np.arange(NUM_LAYERS)[:, None] * num_blocks  # [layers, 1]
         report.progress("Ray started: timing its object store beside shm")
-    shown = (*paths[:3], "socket", *paths[3:])  # the table's columns: the ceiling, then how it was taken
+    shown = (*paths[:4], "socket", *paths[4:])  # the table's columns: the ceiling, then how it was taken
     rows, per_size = [], []
     try:
         for mib, n in sizes:
@@ -270,8 +274,8 @@ def run(args: argparse.Namespace, report) -> dict:
         fixed_ms, latency_ms = _fixed_costs(case, exact, args.quick, report)
         bit_exact = bit_exact and fixed_ms.pop("bit_exact")
     finally:
-        tcp.close()
-        shm.close()
+        for sender in (tcp, shm, dist):
+            sender.close()
         receiver.close()
         if ray is not None:
             ray.shutdown()
@@ -293,6 +297,7 @@ def run(args: argparse.Namespace, report) -> dict:
                                           "ceiling_gbps": transports["shm"]["ceiling_gbps"],
                                           "ratio": round(g / weighted("memcpy"), 3)}
         fixed_ms["ray_object_store"] = None
+    transports["dist"]["setup_ms"] = dist_setup_ms(dist)
     report.table(["transport", "GB/s", "ceiling", "ceiling GB/s", "ratio", "fixed ms"],
                  [[t, v["gbps"], v["ceiling"], v["ceiling_gbps"], v["ratio"], fixed_ms[t]] for t, v in transports.items()])
     if args.plot:
@@ -320,6 +325,14 @@ def run(args: argparse.Namespace, report) -> dict:
         "per_size": per_size,
         "components": components,
     }
+
+
+def dist_setup_ms(sender: DistKVSender) -> float | None:
+    """The mean set-up time of the dist sender's process groups (attach, rendezvous, join),
+    in ms; each is paid once per kept data connection, not per transfer."""
+    if not sender.groups_made:
+        return None
+    return round(1000 * sender.setup_s_total / sender.groups_made, 2)
 
 
 def _fixed_costs(case, exact, quick: bool, report) -> tuple[dict, dict]:

@@ -3,7 +3,7 @@ engine, in its own process as on a real node (a sender and a receiver in one pro
 share one GIL and measure its contention instead).
 
 It serves, on 127.0.0.1: gRPC (KVReceiver's PushBlocks and a bytes-only sink), the raw data
-stream (TcpKVServer: tcp and shm transfers) and a plain socket that receives length-prefixed
+stream (TcpKVServer: tcp, shm and dist transfers) and a plain socket that receives length-prefixed
 bytes into a reused buffer and acks each with one byte (the ceiling). It prints one JSON line
 with the ports, then answers JSON-line commands on stdin, one reply line each:
 
@@ -89,7 +89,7 @@ def main() -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SINK_SERVICE, {SINK_METHOD: sink}),))
     grpc_port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    data = TcpKVServer(pool, "bench", on_received=lambda r: None, reservation_for=reservations.get)
+    data = TcpKVServer(pool, "bench", on_received=lambda r: None, reservation_for=reservations.get, dist=True)
     data_port = data.start()
     raw = {}
     for mode in RAW_MODES:

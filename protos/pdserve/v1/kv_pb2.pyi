@@ -89,16 +89,38 @@ class PushPrefixResponse(_message.Message):
     def __init__(self, blocks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., transport: _Optional[str] = ..., transfer_s: _Optional[float] = ..., onboarded_host_blocks: _Optional[int] = ..., onboarded_disk_blocks: _Optional[int] = ..., onboard_s: _Optional[float] = ...) -> None: ...
 
 class KVBlockMessage(_message.Message):
-    __slots__ = ("header", "chunk", "trailer", "attach")
+    __slots__ = ("header", "chunk", "trailer", "attach", "dist_attach")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
     ATTACH_FIELD_NUMBER: _ClassVar[int]
+    DIST_ATTACH_FIELD_NUMBER: _ClassVar[int]
     header: KVHeader
     chunk: KVChunk
     trailer: KVTrailer
     attach: KVAttach
-    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., trailer: _Optional[_Union[KVTrailer, _Mapping]] = ..., attach: _Optional[_Union[KVAttach, _Mapping]] = ...) -> None: ...
+    dist_attach: KVDistAttach
+    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., trailer: _Optional[_Union[KVTrailer, _Mapping]] = ..., attach: _Optional[_Union[KVAttach, _Mapping]] = ..., dist_attach: _Optional[_Union[KVDistAttach, _Mapping]] = ...) -> None: ...
+
+class KVDistAttach(_message.Message):
+    __slots__ = ("request_id", "token", "chunk_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token: bytes
+    chunk_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., token: _Optional[bytes] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class KVDistReady(_message.Message):
+    __slots__ = ("store_port", "group_key", "timeout_ms")
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    store_port: int
+    group_key: str
+    timeout_ms: int
+    def __init__(self, store_port: _Optional[int] = ..., group_key: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class KVAttach(_message.Message):
     __slots__ = ("path", "size", "request_id", "token")
@@ -147,18 +169,20 @@ class KVHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_count: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., block_shape: _Optional[_Iterable[int]] = ..., first_block_index: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("seq", "data", "raw_bytes", "checksum", "shm_offset")
+    __slots__ = ("seq", "data", "raw_bytes", "checksum", "shm_offset", "over_group")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    OVER_GROUP_FIELD_NUMBER: _ClassVar[int]
     seq: int
     data: bytes
     raw_bytes: int
     checksum: int
     shm_offset: int
-    def __init__(self, seq: _Optional[int] = ..., data: _Optional[bytes] = ..., raw_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., shm_offset: _Optional[int] = ...) -> None: ...
+    over_group: bool
+    def __init__(self, seq: _Optional[int] = ..., data: _Optional[bytes] = ..., raw_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., shm_offset: _Optional[int] = ..., over_group: _Optional[bool] = ...) -> None: ...
 
 class KVTrailer(_message.Message):
     __slots__ = ("checksum",)
@@ -175,12 +199,14 @@ class PushBlocksResponse(_message.Message):
     def __init__(self, blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ...) -> None: ...
 
 class KVStreamReply(_message.Message):
-    __slots__ = ("ok", "error")
+    __slots__ = ("ok", "error", "dist")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    DIST_FIELD_NUMBER: _ClassVar[int]
     ok: PushBlocksResponse
     error: KVStreamError
-    def __init__(self, ok: _Optional[_Union[PushBlocksResponse, _Mapping]] = ..., error: _Optional[_Union[KVStreamError, _Mapping]] = ...) -> None: ...
+    dist: KVDistReady
+    def __init__(self, ok: _Optional[_Union[PushBlocksResponse, _Mapping]] = ..., error: _Optional[_Union[KVStreamError, _Mapping]] = ..., dist: _Optional[_Union[KVDistReady, _Mapping]] = ...) -> None: ...
 
 class KVStreamError(_message.Message):
     __slots__ = ("code", "message")
