@@ -52,11 +52,13 @@ class LLMEngine(TieredKV):
         tokenizer=None,
         load_tokenizer: bool = True,
         proposer_factory: Callable[["LLMEngine"], Proposer | None] | None = None,
+        runner_class: Callable[..., ModelRunner] = ModelRunner,
     ) -> None:
         """``proposer_factory`` builds the speculative-decoding proposer from this engine (its
         model, KV cache, device); required when ``config.speculative`` is on. Decode nodes
         pass ``decode_node.proposers.build_proposer``. It may return None when it measured that its
-        drafter cannot pay here; the engine then runs without speculation (``self.spec`` None)."""
+        drafter cannot pay here; the engine then runs without speculation (``self.spec`` None).
+        ``runner_class``: builds the runner (tensor parallel: engine/parallel/executor.py)."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = torch_dtype(config.dtype)
@@ -105,7 +107,7 @@ class LLMEngine(TieredKV):
             decode_kernel = cpu_decode.load(cache_dir() / "kernels")
         backend = get_attention_backend(self.device, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.dtype,
                                         decode_kernel=decode_kernel)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, backend, cc.block_size, self.device,
+        self.runner = runner_class(loaded.model, self.kv_cache, backend, cc.block_size, self.device,
                                   Sampler(eos_token_ids=eos, seed=config.seed))
         self.runner.tier_copies = tier_copies
         self._whole_batch = False  # inside generate(): the caller waits for every request

@@ -111,6 +111,16 @@ def _converted_gguf(path: Path, progress: Progress) -> Path:
         raise ModelLoadError(f"cannot convert GGUF file {path}: {type(e).__name__}: {e}") from e
 
 
+def checkpoint_fingerprint(directory: str | Path) -> tuple[ModelConfig, str]:
+    """A local model directory's config and fingerprint, after the checks ``load_model`` runs on
+    its headers (names, shapes, file integrity), without reading its weights."""
+    directory = Path(directory)
+    cfg = _read_config(directory)
+    tensors = _read_index(directory)
+    _check_names(cfg, tensors)
+    return cfg, _fingerprint(cfg, tensors)
+
+
 def read_model_config(directory: str | Path) -> ModelConfig:
     """The ModelConfig of a local model directory, without touching its weights."""
     return _read_config(Path(directory))
