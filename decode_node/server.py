@@ -40,7 +40,7 @@ from protos.conventions import retry_after_metadata
 from protos.convert import sampling_from_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc, serving_pb2
 from telemetry import tracing
-from telemetry.metrics import RequestRecorder
+from telemetry.request_recorder import RequestRecorder
 from tokens.block_hash import hash_prompt_blocks
 
 log = logging.getLogger(__name__)

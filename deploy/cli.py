@@ -170,22 +170,6 @@ def cmd_generate_remote(a: argparse.Namespace) -> int:
     return 0
 
 
-def add_deadline_arguments(p: argparse.ArgumentParser) -> None:
-    """How the router gives up on a quiet node (router/liveness.py); `python -m router.server`
-    has the same flags."""
-    p.add_argument("--decode-progress-factor", type=float, default=10.0,
-                   help="a Decode stream with no token and no heartbeat for this many times its node's step time "
-                   "(within the floor and ceiling) moves to another node")
-    p.add_argument("--decode-progress-floor", type=float, default=3.0, dest="decode_progress_floor_s",
-                   help="seconds: the shortest progress deadline (bounds the detection of a frozen decode node)")
-    p.add_argument("--decode-progress-ceiling", type=float, default=30.0, dest="decode_progress_ceiling_s",
-                   help="seconds: the longest progress deadline (also while a node's step time is unknown)")
-    p.add_argument("--prefill-deadline-factor", type=float, default=4.0,
-                   help="a Prefill call's deadline is this many times its predicted queue + prefill + transfer")
-    p.add_argument("--prefill-deadline-floor", type=float, default=10.0, dest="prefill_deadline_floor_s",
-                   help="seconds: the shortest Prefill deadline (past it the decode node recomputes the prompt)")
-
-
 def cluster_config_from_args(a: argparse.Namespace):
     from deploy.launcher import ClusterConfig
     from security.api_keys import keys_from
@@ -373,6 +357,8 @@ def add_up_arguments(u: argparse.ArgumentParser) -> None:
     u.add_argument("--straggler-factor", type=float, default=3.0,
                    help="leave out a decode node whose step time is this many times the fastest one's or its "
                    "own recent best (0: never)")
+    from router.config import add_deadline_arguments
+
     add_deadline_arguments(u)
 
 

@@ -46,7 +46,7 @@ from protos.convert import sampling_from_proto, token_logprobs_to_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 from telemetry import tracing
 from telemetry.log_limit import RateLimitedLog
-from telemetry.metrics import RequestRecorder
+from telemetry.request_recorder import RequestRecorder
 from tokens.block_hash import hash_prompt_blocks
 from tokens.sampling_params import SamplingParams
 

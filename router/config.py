@@ -2,7 +2,8 @@
 the field of the same name (the rest keep their defaults)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+from dataclasses import dataclass, field, fields
 
 from protos.conventions import MAX_MESSAGE_BYTES
 from router.admission import SLO_CLASSES
@@ -200,3 +201,24 @@ class RouterConfig:
     @property
     def effective_max_prompt_tokens(self) -> int:
         return self.max_prompt_tokens if self.max_prompt_tokens is not None else self.max_model_len - 1
+
+
+def add_deadline_arguments(p: argparse.ArgumentParser) -> None:
+    """How the router gives up on a quiet node (router/liveness.py): the flags of
+    ``python -m router.server`` and ``pdserve up``, each setting the RouterConfig field of
+    its dest, with that field's default."""
+    default = {f.name: f.default for f in fields(RouterConfig)}
+    p.add_argument("--decode-progress-factor", type=float, default=default["decode_progress_factor"],
+                   help="a Decode stream with no token and no heartbeat for this many times its node's step time "
+                   "(clamped to the floor and ceiling) moves to another node")
+    p.add_argument("--decode-progress-floor", type=float, default=default["decode_progress_floor_s"],
+                   dest="decode_progress_floor_s",
+                   help="seconds: the shortest progress deadline (bounds the detection of a frozen decode node)")
+    p.add_argument("--decode-progress-ceiling", type=float, default=default["decode_progress_ceiling_s"],
+                   dest="decode_progress_ceiling_s",
+                   help="seconds: the longest progress deadline (also while a node's step time is unknown)")
+    p.add_argument("--prefill-deadline-factor", type=float, default=default["prefill_deadline_factor"],
+                   help="a Prefill call's deadline is this many times its predicted queue + prefill + transfer")
+    p.add_argument("--prefill-deadline-floor", type=float, default=default["prefill_deadline_floor_s"],
+                   dest="prefill_deadline_floor_s",
+                   help="seconds: the shortest Prefill deadline (past it the decode node recomputes the prompt)")

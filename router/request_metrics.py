@@ -1,5 +1,5 @@
 """The router's request metrics: the response stream it relays, fed into the same
-``RequestRecorder`` (telemetry/metrics.py) the nodes use, so router and node series follow one
+``RequestRecorder`` (telemetry/request_recorder.py) the nodes use, so router and node series follow one
 convention (one inter-token-latency observation per token, durations clamped at 0). Times are
 from the router's arrival: what the client sees, give or take the network.
 
@@ -10,7 +10,8 @@ as the chunks went by.
 from __future__ import annotations
 
 from protos.pdserve.v1 import serving_pb2 as pb
-from telemetry.metrics import RequestMetrics, RequestRecorder
+from telemetry.metrics import RequestMetrics
+from telemetry.request_recorder import RequestRecorder
 from tokens.stop import FinishReason
 
 _REASON_NAMES = {pb.FinishReason.Value(f"FINISH_REASON_{r.name}"): r.value for r in FinishReason}

@@ -30,7 +30,7 @@ from kv_index.redis_url import resolve_redis_url
 from protos.conventions import grpc_options, keepalive_server_options, retry_after_metadata
 from protos.pdserve.v1 import serving_pb2 as pb
 from protos.pdserve.v1 import serving_pb2_grpc as pb_grpc
-from router.config import RouterConfig
+from router.config import RouterConfig, add_deadline_arguments
 from router.cost_model import CostBook
 from router.grpc_parsing import add_parsing_servicer
 from router.http_server import HttpServer, build_app, node_readiness
@@ -289,17 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-slo-class", default="relaxed")
     p.add_argument("--max-migrations", type=int, default=2,
                    help="times a request whose node failed is placed again (0: the stream ends with the error)")
-    p.add_argument("--decode-progress-factor", type=float, default=10.0,
-                   help="a Decode stream with no token and no heartbeat for this many times its node's step time "
-                   "(clamped to the floor and ceiling) moves elsewhere")
-    p.add_argument("--decode-progress-floor", type=float, default=3.0, dest="decode_progress_floor_s",
-                   help="seconds: the shortest progress deadline (bounds the detection of a frozen decode node)")
-    p.add_argument("--decode-progress-ceiling", type=float, default=30.0, dest="decode_progress_ceiling_s",
-                   help="seconds: the longest progress deadline (also used while a node's step time is unknown)")
-    p.add_argument("--prefill-deadline-factor", type=float, default=4.0,
-                   help="a Prefill call's deadline is this many times the predicted queue + prefill + transfer")
-    p.add_argument("--prefill-deadline-floor", type=float, default=10.0, dest="prefill_deadline_floor_s",
-                   help="seconds: the shortest Prefill deadline (past it the decode node recomputes the prompt)")
+    add_deadline_arguments(p)
     p.add_argument("--straggler-factor", type=float, default=3.0,
                    help="leave out a decode node whose step time is this many times the fastest one's or its "
                    "own recent best (0: never)")

@@ -257,7 +257,8 @@ def test_no_metrics_port_means_no_endpoint_and_none_registered(pair, tmp_path, r
 def test_request_recorder_observes_one_request():
     from prometheus_client import CollectorRegistry
 
-    from telemetry.metrics import RequestMetrics, RequestRecorder
+    from telemetry.metrics import RequestMetrics
+    from telemetry.request_recorder import RequestRecorder
 
     reg = CollectorRegistry()
     m = RequestMetrics(reg, {"model_name": "m"})
