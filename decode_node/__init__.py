@@ -12,9 +12,10 @@ if TYPE_CHECKING:
     from node.config import NodeConfig
 
 
-def build_server(config: NodeConfig) -> DecodeServer:
+def build_server(config: NodeConfig, engine=None) -> DecodeServer:
     """The role's server, for ``node.actor.spawn_node`` (called in the node's own process, so
-    torch and the model load there)."""
+    torch and the model load there). ``engine``: one already loaded (a live role switch,
+    node/role_switch.py); None loads the model."""
     from decode_node.server import DecodeServer
 
-    return DecodeServer(config)
+    return DecodeServer(config, engine=engine)

@@ -35,7 +35,8 @@ from node.engine_thread import EngineStoppedError, OutputStream, RequestFailedEr
 from node.kv_inbox import KVInbox
 from node.reservations import NotReadyError
 from node.rpc_trace import DecodeStreamTrace, traced_rpc
-from node.server import NodeServer
+from node.server import Handover, NodeServer
+from node.tp_engine import build_engine, tp_landing
 from protos.conventions import retry_after_metadata
 from protos.convert import sampling_from_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc, serving_pb2
@@ -58,12 +59,14 @@ class DecodeServer(NodeServer):
 
     def __init__(self, config: NodeConfig, engine: LLMEngine | None = None) -> None:
         # Speculation lives with the decode role: the engine gets its proposer from here.
-        super().__init__(config, engine or LLMEngine(config.engine, load_tokenizer=config.load_tokenizer,
-                                                     proposer_factory=build_proposer))
+        # Tensor parallel (config.tensor_parallel > 1): over its ranks, without speculation.
+        super().__init__(config, engine or build_engine(config, load_tokenizer=config.load_tokenizer,
+                                                        proposer_factory=build_proposer))
         # Its reservations and both receivers (node/kv_inbox.py): the prompts prefill nodes push
         # here, and the prefixes it fetches like any node.
         self.inbox = KVInbox(config, self.engine.kv_cache, self.engine.fingerprint, self.engine.model_config.num_layers,
-                             release=lambda rid: self.aengine.release_kv(rid), on_outcome=self.record_push)
+                             release=lambda rid: self.aengine.release_kv(rid), on_outcome=self.record_push,
+                             landing=tp_landing(self.tp, self.engine))
         self.reservations = self.inbox.reservations
         self.data_server = self.inbox.data_server
         kv_pb2_grpc.add_KVTransferServicer_to_server(_KVTransferService(self), self.grpc_server)
@@ -71,9 +74,9 @@ class DecodeServer(NodeServer):
         self.num_transfer_failures = 0  # pushes refused or broken off (also on /metrics)
         self.num_decodes = 0  # Decode calls admitted: where the router placed requests (pdserve chaos)
 
-    def start(self) -> str:
+    def start(self, handover: Handover | None = None) -> str:
         self.inbox.start()  # the data port listens before the index advertises it
-        return super().start()
+        return super().start(handover)
 
     def stop(self, deregister: bool = True, grace_s: float = 1.0) -> None:
         super().stop(deregister=deregister, grace_s=grace_s)
@@ -151,6 +154,15 @@ class _KVTransferService(kv_pb2_grpc.KVTransferServicer):
         dest = table[first : math.ceil(len(prompt) / bs)]
         # The token is what lets only the prefill node this reservation is for push into it
         # (kv_transfer/validate.py, check_token); it travels to it inside PrefillRequest.
+        # The ids the sender writes: these blocks, or a TP node's landing slots (kv_regroup.py LandingArea).
+        wire = node.inbox.wire_blocks(rid, dest)
+        if wire is None:
+            node.aengine.release_kv(rid)
+            context.set_trailing_metadata(retry_after_metadata(RETRY_AFTER_MS))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"no room for {len(dest)} KV blocks in the tensor-parallel landing area now "
+                          f"({node.inbox.landing.free_slots} free); retry in {RETRY_AFTER_MS} ms")
+        dest = list(wire)
         token = new_token()
         node.reservations.add(rid, Reservation(first, tuple(dest), tuple(hashes[first:]), token), tuple(prompt))
         tracing.annotate({tracing.KV_CACHED_BLOCKS: first, tracing.KV_BLOCKS: len(dest)})
@@ -230,7 +242,7 @@ class _DecodeService(kv_pb2_grpc.DecodeNodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"a prefilled request continues one sequence: n must be 1, got {params.n}")
         try:
-            self.node.reservations.take(rid, prompt)
+            self.node.inbox.take(rid, prompt)
         except KeyError as err:
             context.abort(grpc.StatusCode.NOT_FOUND, err.args[0])
         except ValueError as err:

@@ -172,6 +172,7 @@ def cmd_generate_remote(a: argparse.Namespace) -> int:
 
 def cluster_config_from_args(a: argparse.Namespace):
     from deploy.launcher import ClusterConfig
+    from deploy.nodes import tensor_parallel_sizes
     from security.api_keys import keys_from
 
     return ClusterConfig(
@@ -186,6 +187,10 @@ def cluster_config_from_args(a: argparse.Namespace):
         prefill_deadline_floor_s=a.prefill_deadline_floor_s,
         max_step_failures=a.max_step_failures, max_start_failures=a.max_start_failures,
         prefix_fetch=a.prefix_fetch,
+        **{f: getattr(a, f) for f in ("planner", "planner_interval_s", "planner_cooldown_s", "planner_window_s",
+                                      "planner_resize", "min_prefill_nodes", "max_prefill_nodes",
+                                      "min_decode_nodes", "max_decode_nodes")},
+        **dict(zip(("prefill_tensor_parallel", "decode_tensor_parallel"), tensor_parallel_sizes(a))),
     )
 
 
@@ -342,7 +347,10 @@ def add_up_arguments(u: argparse.ArgumentParser) -> None:
                    help="prompts shorter than this prefill on the decode node")
     u.add_argument("--no-prefix-fetch", dest="prefix_fetch", action="store_false",
                    help="never have a prefill node fetch a prefix another node holds; it computes what it lacks")
-    u.add_argument("--node-threads", type=int, default=1, help="torch threads per node")
+    u.add_argument("--node-threads", type=int, default=1, help="torch threads per node (per rank with tensor parallelism)")
+    from deploy.nodes import add_tensor_parallel_arguments
+
+    add_tensor_parallel_arguments(u)
     u.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
                    help="on Ctrl-C / SIGTERM, seconds to finish in-flight requests (new ones refused) before stopping")
     u.add_argument("--demo", default=None, metavar="PROMPT",
@@ -358,8 +366,10 @@ def add_up_arguments(u: argparse.ArgumentParser) -> None:
                    help="leave out a decode node whose step time is this many times the fastest one's or its "
                    "own recent best (0: never)")
     from router.config import add_deadline_arguments
+    from router.planner.config import add_planner_arguments
 
     add_deadline_arguments(u)
+    add_planner_arguments(u)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from deploy.nodes import NodeTemplate, node_id, server_builder
+from deploy.pool_runners import LocalPools, local_pool_resources, planner_pools
 from deploy.redis_server import RedisServer, free_port
 from engine.config import EngineConfig
 from kv_index.nodes import Role
@@ -85,10 +86,30 @@ class ClusterConfig:
     # A prefill node fetches a prefix another node holds when that beats computing it
     # (router/config.py prefix_fetch).
     prefix_fetch: bool = True
+    # Ranks of each node's engine by role (NodeConfig.tensor_parallel): CPU processes here.
+    prefill_tensor_parallel: int = 1
+    decode_tensor_parallel: int = 1
+
+    # The router's planner (router/planner/config.py): off, advisory (reports only) or active;
+    # its round and cool-down; the pool bounds it keeps (max None: the nodes started).
+    planner: str = "advisory"
+    planner_interval_s: float = 5.0
+    planner_cooldown_s: float = 30.0
+    min_prefill_nodes: int = 0
+    max_prefill_nodes: int | None = None
+    min_decode_nodes: int = 1
+    max_decode_nodes: int | None = None
+    planner_resize: bool = False  # pool sizes follow the planner too (needs both maxima)
+    planner_window_s: float = 60.0  # seconds of finished requests a decision reads
 
     def __post_init__(self) -> None:
         if self.prefill_nodes < 0 or self.decode_nodes < 1:
             raise ValueError("need at least one decode node and zero or more prefill nodes")
+        _ = self.planner_config  # builds it: the planner's settings and bounds are refused here, before Ray starts
+        for role, n, hi in (("prefill", self.prefill_nodes, self.max_prefill_nodes),
+                            ("decode", self.decode_nodes, self.max_decode_nodes)):
+            if hi is not None and n > hi:
+                raise ValueError(f"{role}_nodes ({n}) is above max_{role}_nodes ({hi})")
         # Checked here too, so a bad value stops `pdserve up` before Ray and the nodes start.
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
@@ -99,9 +120,23 @@ class ClusterConfig:
         check_deadlines(self.decode_progress_factor, self.decode_progress_floor_s, self.decode_progress_ceiling_s,
                         # the Prefill ceiling is the router's prefill_timeout_s, checked when it starts
                         self.prefill_deadline_factor, self.prefill_deadline_floor_s, self.prefill_deadline_floor_s)
+        if min(self.prefill_tensor_parallel, self.decode_tensor_parallel) < 1:
+            raise ValueError(f"tensor parallel sizes must be >= 1, got prefill {self.prefill_tensor_parallel}, "
+                             f"decode {self.decode_tensor_parallel}")
         if self.max_step_failures < 0 or self.max_start_failures < 1:
             raise ValueError(f"need max_step_failures >= 0 and max_start_failures >= 1, got "
                              f"{self.max_step_failures} and {self.max_start_failures}")
+
+
+    @property
+    def planner_config(self):
+        from router.planner.config import PlannerConfig, lease_for
+
+        return PlannerConfig(mode=self.planner, interval_s=self.planner_interval_s, cooldown_s=self.planner_cooldown_s,
+                             lease_s=lease_for(self.planner_interval_s), min_prefill_nodes=self.min_prefill_nodes,
+                             max_prefill_nodes=self.max_prefill_nodes, min_decode_nodes=self.min_decode_nodes,
+                             max_decode_nodes=self.max_decode_nodes, resize=self.planner_resize,
+                             window_s=self.planner_window_s)
 
 
 def router_config(cfg: ClusterConfig, **fields):
@@ -115,7 +150,8 @@ def router_config(cfg: ClusterConfig, **fields):
         api_keys=cfg.api_keys, max_migrations=cfg.max_migrations, straggler_factor=cfg.straggler_factor,
         decode_progress_factor=cfg.decode_progress_factor, decode_progress_floor_s=cfg.decode_progress_floor_s,
         decode_progress_ceiling_s=cfg.decode_progress_ceiling_s, prefill_deadline_factor=cfg.prefill_deadline_factor,
-        prefill_deadline_floor_s=cfg.prefill_deadline_floor_s, prefix_fetch=cfg.prefix_fetch, **fields)
+        prefill_deadline_floor_s=cfg.prefill_deadline_floor_s, prefix_fetch=cfg.prefix_fetch,
+        planner=cfg.planner_config, **fields)
 
 
 def state_file() -> Path:
@@ -142,6 +178,7 @@ class LocalCluster:
         self.dashboard_url: str | None = None
         self.model_dir: Path | None = None
         self.tls = None  # security.tls.TlsFiles of every member when config.tls
+        self.pools = None  # deploy.pool_controller.LocalPools while the planner resizes pools
         self._tls_dir: Path | None = None
         self._ray_started = False
 
@@ -167,7 +204,6 @@ class LocalCluster:
         import ray
 
         from engine.models.loader import read_model_config, resolve_source
-        from node.config import pool_resource
         from router.server import serve
 
         cfg = self.config
@@ -187,38 +223,18 @@ class LocalCluster:
             self.tls = ThrowawayCA(self._tls_dir).issue("member", hosts=("localhost", "127.0.0.1", "::1", cfg.host))
             self.progress(f"TLS on every hop; clients trust the throwaway CA {self.tls.ca_file}")
 
-        self.progress("starting Ray")
-        dash_port = cfg.dashboard_port or free_port()
-        ctx = ray.init(
-            namespace=cfg.namespace,
-            num_cpus=os.cpu_count() or 2,
-            resources={pool_resource(Role.PREFILL): cfg.prefill_nodes, pool_resource(Role.DECODE): cfg.decode_nodes},
-            include_dashboard=True,
-            dashboard_host=cfg.host,
-            dashboard_port=dash_port,
-            log_to_driver=False,
-            configure_logging=False,
-        )
-        self._ray_started = True
-        self.dashboard_url = f"http://{ctx.dashboard_url}" if ctx.dashboard_url else None
-
-        from node.actor import spawn_node
+        self._start_ray(ray)
 
         # The same node configs `pdserve nodes` spawns on an existing Ray cluster (deploy/nodes.py).
         template = NodeTemplate(engine=engine_cfg, redis_url=self.redis_url, namespace=cfg.namespace, host=cfg.host,
                                 lease_s=cfg.lease_s, otlp_endpoint=cfg.otlp_endpoint,
                                 served_model_name=cfg.engine.model, drain_timeout_s=cfg.drain_timeout_s,
                                 max_step_failures=cfg.max_step_failures, max_start_failures=cfg.max_start_failures,
-                                **self._member_tls())
+                                prefill_tensor_parallel=cfg.prefill_tensor_parallel,
+                                decode_tensor_parallel=cfg.decode_tensor_parallel, **self._member_tls())
         self._forget_node_health()
         cores = sorted(os.sched_getaffinity(0))
-        for role, count in ((Role.PREFILL, cfg.prefill_nodes), (Role.DECODE, cfg.decode_nodes)):
-            for i in range(count):
-                node = replace(template.config(
-                    role, i, cpu_affinity=(cores[len(self.actors) % len(cores)],) if cfg.pin_cores else None),
-                    **self.node_fields.get(node_id(role, i), {}))
-                # Nodes ask for no CPU slot: on a small machine the pools, not cores, place them.
-                self.actors[node.node_id] = spawn_node(node, server_builder(role), num_cpus=0)
+        self._spawn_nodes(template, cores)
         self.progress(f"loading the model on {len(self.actors)} nodes")
         refs = {nid: a.address.remote() for nid, a in self.actors.items()}
         deadline = time.monotonic() + cfg.ready_timeout_s
@@ -233,7 +249,41 @@ class LocalCluster:
             **self._member_tls(),
         ))
         self._wait_registered(deadline)
+        if (bounds := planner_pools(cfg)) is not None:  # nodes added and removed to follow the planner
+            self.pools = LocalPools(self, template, bounds, cores)
         self._write_state()
+
+    def _start_ray(self, ray) -> None:
+        cfg = self.config
+        self.progress("starting Ray")
+        dash_port = cfg.dashboard_port or free_port()
+        # A tensor-parallel node asks Ray for a CPU per rank (node/config.py ray_actor_options):
+        # on this one machine the ranks share the cores, so Ray offers at least as many.
+        ranks = cfg.prefill_nodes * cfg.prefill_tensor_parallel + cfg.decode_nodes * cfg.decode_tensor_parallel
+        ctx = ray.init(
+            namespace=cfg.namespace,
+            num_cpus=max(os.cpu_count() or 2, ranks),
+            resources=local_pool_resources(cfg),  # room for the largest pools the planner may ask for
+            include_dashboard=True,
+            dashboard_host=cfg.host,
+            dashboard_port=dash_port,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+        self._ray_started = True
+        self.dashboard_url = f"http://{ctx.dashboard_url}" if ctx.dashboard_url else None
+
+    def _spawn_nodes(self, template: NodeTemplate, cores: list[int]) -> None:
+        from node.actor import spawn_node
+
+        cfg = self.config
+        for role, count in ((Role.PREFILL, cfg.prefill_nodes), (Role.DECODE, cfg.decode_nodes)):
+            for i in range(count):
+                node = replace(template.config(
+                    role, i, cpu_affinity=(cores[len(self.actors) % len(cores)],) if cfg.pin_cores else None),
+                    **self.node_fields.get(node_id(role, i), {}))
+                # Nodes ask for no CPU slot: on a small machine the pools, not cores, place them.
+                self.actors[node.node_id] = spawn_node(node, server_builder(role), num_cpus=0)
 
     def _forget_node_health(self) -> None:
         """A new cluster: failures that nodes of an earlier one recorded under this namespace
@@ -287,6 +337,9 @@ class LocalCluster:
 
     # ------------------------------------------------------------------ tear-down
     def stop(self) -> None:
+        if self.pools is not None:
+            self.pools.stop()
+            self.pools = None
         if self.router is not None:
             self.router.drain(self.config.drain_timeout_s)
             self.router = None

@@ -21,6 +21,10 @@ wanted count per role and spawns or stops the difference:
               spawn every pass. A supervisor that starts (a new deployment) gives every down
               node one more round of tries.
 
+With ``--follow-targets`` the counts come from the pool targets the planner writes to Redis
+instead, within ``--min-/--max-{prefill,decode}-nodes``, one node added or drained and removed at
+a time (deploy/pool_controller.py); the flags' counts hold while no target is set.
+
 Actors are detached: they outlive this process, so a restarted supervisor adopts them by name
 instead of starting a second set. The node binds ``--host`` and registers the address of the
 machine it lands on (node/actor.py ``with_advertised_host``).
@@ -46,11 +50,23 @@ log = logging.getLogger(__name__)
 
 
 def server_builder(role: Role):
-    """The role package's ``build_server``: what a node actor of ``role`` runs."""
+    """What a node actor of ``role`` runs: ``build_any_role``, which builds ``role``'s server at
+    start and the other role's over the same engine when the node switches live."""
+    Role(role)  # a bad name fails here, in the driver
+    return build_any_role
+
+
+def build_any_role(config: NodeConfig, engine=None):
+    """The server of ``config.role`` from its role package's ``build_server`` (over ``engine``
+    when given: node/role_switch.py)."""
     import decode_node
     import prefill_node
 
-    return {Role.PREFILL: prefill_node.build_server, Role.DECODE: decode_node.build_server}[role]
+    build = prefill_node.build_server if Role(config.role) is Role.PREFILL else decode_node.build_server
+    return build(config, engine)
+
+
+build_any_role.roles = (Role.PREFILL, Role.DECODE)  # the roles a node actor may switch between
 
 
 def node_id(role: Role, index: int) -> str:
@@ -76,6 +92,10 @@ class NodeTemplate:
     kv_data_port: int | None = 0  # decode nodes' raw KV data port (0: a free one, None: gRPC only)
     kv_streaming: bool = True  # prefill nodes send KV layer by layer while they compute
     kv_dist: bool = False  # nodes also receive KV over torch.distributed groups (NodeConfig.kv_dist)
+    # Ranks of each node's engine, by role (NodeConfig.tensor_parallel; sizes may differ: KV
+    # crosses with all its heads, docs/cluster.md).
+    prefill_tensor_parallel: int = 1
+    decode_tensor_parallel: int = 1
     lease_s: float = 3.0
     redis_connect_timeout_s: float = 1.0  # NodeConfig's Redis bounds (kv_index/client.py)
     redis_timeout_s: float = 5.0
@@ -109,7 +129,8 @@ class NodeTemplate:
                           tls_key_file=self.tls_key_file, tls_ca_file=self.tls_ca_file,
                           tls_server_name=self.tls_server_name, drain_timeout_s=self.drain_timeout_s,
                           max_step_failures=self.max_step_failures, max_start_failures=self.max_start_failures,
-                          **fields)
+                          tensor_parallel=self.prefill_tensor_parallel if role is Role.PREFILL
+                          else self.decode_tensor_parallel, **fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,8 +259,6 @@ class NodeSupervisor:
         """One pass: spawn the missing actors, stop the surplus. Returns what it did per role."""
         import ray
 
-        from node.actor import spawn_node
-
         handles = self._existing()
         alive = {**{nid: False for nid in self.down_nodes()}, **self._answering(handles)}
         done = {}
@@ -255,13 +274,18 @@ class NodeSupervisor:
                 except ray.exceptions.RayError as e:
                     log.info("%s did not stop cleanly (%s); killing it", name, type(e).__name__)
                 ray.kill(handles[name], no_restart=True)
-            res = self.resources.get(role, PoolResources())
             for name in p.spawn:
-                log.info("spawning %s", name)
-                cfg = self.template.config(role, node_index(name, role))
-                spawn_node(cfg, self.build_server(role), gpu=res.gpu, accelerator_type=res.accelerator_type,
-                           num_cpus=res.num_cpus, detached=True)
+                self.spawn(role, name)
         return done
+
+    def spawn(self, role: Role, name: str):
+        """Start the detached node actor ``name`` (``{role}-{index}``) in its role's pool."""
+        from node.actor import spawn_node
+
+        log.info("spawning %s", name)
+        res = self.resources.get(role, PoolResources())
+        return spawn_node(self.template.config(role, node_index(name, role)), self.build_server(role), gpu=res.gpu,
+                          accelerator_type=res.accelerator_type, num_cpus=res.num_cpus, detached=True)
 
     def run(self, stop: threading.Event, interval_s: float) -> None:
         while True:
@@ -300,6 +324,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dist", action="store_true",
                    help="nodes also receive KV over torch.distributed process groups on their data port "
                         "(gloo; slower than the raw TCP stream on CPU: docs/cluster.md; off with TLS)")
+    add_tensor_parallel_arguments(p)
     p.add_argument("--no-kv-streaming", dest="kv_streaming", action="store_false",
                    help="prefill nodes push a request's KV once its prefill finished instead of layer by layer "
                         "while it computes")
@@ -324,6 +349,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-start-failures", type=int, default=3,
                    help="failed starts in a row (with a growing wait between them) before a node stays down")
     p.add_argument("--interval-s", type=float, default=10.0, help="seconds between two passes")
+    from deploy.pool_runners import add_pool_arguments
+
+    add_pool_arguments(p)  # --follow-targets and the pool bounds
     p.add_argument("--once", action="store_true", help="one pass, then exit (the actors stay)")
     p.add_argument("--connect-timeout-s", type=float, default=300.0, help="how long to wait for Ray to answer")
 
@@ -333,6 +361,10 @@ def template_from_args(a: argparse.Namespace, engine: EngineConfig, env: Mapping
 
     if not a.redis_url:
         raise SystemExit("error: pass --redis-url or set PDSERVE_REDIS_URL")
+    try:
+        tp = tensor_parallel_sizes(a)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     return NodeTemplate(engine=engine, redis_url=resolve_redis_url(a.redis_url, env), namespace=a.namespace,
                         host=a.host, grpc_port=a.grpc_port, metrics_port=None if a.metrics_port < 0 else a.metrics_port,
                         kv_data_port=None if a.kv_data_port < 0 else a.kv_data_port, kv_streaming=a.kv_streaming,
@@ -340,7 +372,27 @@ def template_from_args(a: argparse.Namespace, engine: EngineConfig, env: Mapping
                         redis_timeout_s=a.redis_timeout_s, otlp_endpoint=a.otlp_endpoint, served_model_name=a.served_model_name,
                         tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file, tls_ca_file=a.tls_ca_file,
                         tls_server_name=a.tls_server_name, drain_timeout_s=a.drain_timeout_s,
-                        max_step_failures=a.max_step_failures, max_start_failures=a.max_start_failures)
+                        max_step_failures=a.max_step_failures, max_start_failures=a.max_start_failures,
+                        prefill_tensor_parallel=tp[0], decode_tensor_parallel=tp[1])
+
+
+def add_tensor_parallel_arguments(p: argparse.ArgumentParser) -> None:
+    """``--tensor-parallel`` and its per-role overrides (`pdserve up` and `pdserve nodes`)."""
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="ranks of each node's engine (CPU processes, or GPUs with --*-gpu), each holding 1/N of the "
+                        "heads; N must divide the model's attention and KV heads")
+    for role in Role:
+        p.add_argument(f"--{role.value}-tensor-parallel", type=int, default=None, metavar="N",
+                       help=f"ranks of each {role.value} node (default --tensor-parallel)")
+
+
+def tensor_parallel_sizes(a: argparse.Namespace) -> tuple[int, int]:
+    """(prefill, decode) ranks per node from the flags; ValueError naming a size below 1."""
+    per_role = (getattr(a, f"{r.value}_tensor_parallel") for r in (Role.PREFILL, Role.DECODE))
+    sizes = tuple(a.tensor_parallel if n is None else n for n in per_role)
+    if min(sizes) < 1:
+        raise ValueError(f"tensor_parallel sizes must be >= 1, got prefill {sizes[0]}, decode {sizes[1]}")
+    return sizes
 
 
 def _connect(address: str, namespace: str, timeout_s: float) -> None:
@@ -363,6 +415,10 @@ def _connect(address: str, namespace: str, timeout_s: float) -> None:
 def run(a: argparse.Namespace, engine: EngineConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     template = template_from_args(a, engine, os.environ)
+    if a.follow_targets:
+        from deploy.pool_runners import follow_targets, pool_bounds
+
+        pool_bounds(a)  # refused before Ray is asked anything
     counts = {role: getattr(a, f"{role.value}_nodes") for role in Role}
     resources = {role: PoolResources(gpu=getattr(a, f"{role.value}_gpu"),
                                      accelerator_type=getattr(a, f"{role.value}_accelerator_type")) for role in Role}
@@ -373,7 +429,9 @@ def run(a: argparse.Namespace, engine: EngineConfig) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
         signal.signal(sig, lambda *_: stop.set())
-    if a.once:
+    if a.follow_targets:
+        follow_targets(a, template, supervisor, stop)
+    elif a.once:
         supervisor.step()
     else:
         supervisor.run(stop, a.interval_s)

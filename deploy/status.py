@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from deploy.status_plan import render_plan
+from deploy.status_pools import render_pools
 from deploy.status_tiers import add_tier_sample, render_tiers, tier_errors, tier_row
 from kv_index.health import DOWN, SERVING, STARTING, UNHEALTHY, HealthRecord
 from kv_index.nodes import NodeInfo, index_freshness
@@ -260,6 +262,16 @@ def build_report(nodes: Mapping[str, NodeInfo], scrapes: Mapping[str, Sample | s
             "router": router_part, "errors": errors}
 
 
+def mark_switching(report: Mapping, desired: Mapping[str, str]) -> None:
+    """Each node row gets ``desired_role`` (kv_index/roles.py; None: no wish) and ``switching``:
+    a role is wished that differs from the one it serves (it switches at its next heartbeat)."""
+    for rows in report["pools"].values():
+        for row in rows:
+            want = desired.get(row["node_id"])
+            row["desired_role"] = str(want) if want is not None else None
+            row["switching"] = want is not None and str(want) != row["role"]
+
+
 def _pct(x) -> str:
     return "-" if x is None else f"{x:.1%}"
 
@@ -310,6 +322,9 @@ def render(report: Mapping) -> str:
                 cells = (r["node_id"], r["running"], r["waiting"], _pct(r["kv_usage"]), "-", "-", "-", "-", "-",
                          "-", _age(r["last_seen_s"]), "registry")
             lines.append(_line(cells))
+            if r.get("switching"):  # mark_switching
+                lines.append(f"  switching {r['role']} -> {r['desired_role']} (a refused switch stays listed: "
+                             "see the node's log, pdserve:role_switches_total)")
             tiers = render_tiers(r, _bytes)
             if tiers:
                 lines.append(tiers)
@@ -331,6 +346,8 @@ def render(report: Mapping) -> str:
     acc = "-" if idx.get("accuracy") is None else f"{idx['accuracy']:.3f}"
     lines.append(f"index freshness: {fresh or '-'}; accuracy: {acc}"
                  + ("" if report.get("router") is not None else " (no router /metrics: --router-metrics)"))
+    lines += render_pools(report.get("pool_sizes"))  # deploy/status_pools.py
+    lines += render_plan(report.get("plan"))  # deploy/status_plan.py
     if report["errors"]:
         lines += ["", "recent errors:"] + [f"  {e}" for e in report["errors"]]
     return "\n".join(lines)
@@ -389,8 +406,13 @@ def gather(r, ns: str, *, router_metrics: str | None = None, prev: Mapping[str, 
            cluster: Mapping | None = None) -> tuple[dict, dict[str, Sample]]:
     """One refresh: registry, every node's /metrics (in parallel), the index, the router.
     Returns the report and this round's samples (the next round's ``prev``)."""
+    from deploy.status_plan import plan_section
+    from deploy.status_pools import pool_section
     from kv_index.health import HealthStore
+    from kv_index.plan import PlanStore
+    from kv_index.pool_targets import PoolTargets
     from kv_index.reader import IndexReader
+    from kv_index.roles import RoleStore
 
     nodes = IndexReader(r, ns).live_nodes()
     health = HealthStore(r, ns).read_all()
@@ -402,4 +424,7 @@ def gather(r, ns: str, *, router_metrics: str | None = None, prev: Mapping[str, 
         router = router_f.result() if router_f is not None else None
     report = build_report(nodes, scrapes, now=time.time(), prev=prev, index=index_size(r, ns, nodes),
                           router=router, cluster=cluster, health=health)
+    report["pool_sizes"] = pool_section(PoolTargets(r, ns), nodes, report["time"])
+    report["plan"] = plan_section(PlanStore(r, ns), report["time"])
+    mark_switching(report, RoleStore(r, ns).all())
     return report, {nid: s for nid, s in scrapes.items() if isinstance(s, Sample)}

@@ -18,6 +18,8 @@ Key schema (``ns`` defaults to ``pdserve``; several clusters can share one Redis
                                        seconds), capped: the router fits its cost model on them
     {ns}:health, {ns}:health:{node_id}   a node's health record (kv_index/health.py): why it
                                        is unhealthy or down, outliving its registry entry
+    {ns}:pool_targets, {ns}:pool_changes   nodes wanted per role and the pool controller's
+                                       log of what it added and removed (kv_index/pool_targets.py)
 """
 from __future__ import annotations
 

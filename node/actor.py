@@ -13,9 +13,14 @@ bounds the loop itself (node/start_guard.py): it waits longer before each start 
 one, and after ``max_start_failures`` failed lives in a row its constructor raises, which Ray
 never restarts; the node stays down with its reason in its health record (`pdserve status`).
 
-The role's server comes from ``build_server``, a module-level function of the role's package
-(``prefill_node.build_server``, ``decode_node.build_server``). Ray ships it by reference and the
+The role's server comes from ``build_server``, a module-level function (``deploy.nodes.
+build_any_role``, or a role package's own ``build_server``). Ray ships it by reference and the
 actor calls it in its own process, so torch and the model load there, never in the driver.
+
+Roles change live (node/role_switch.py): the node serves another role over the same engine
+when its desired role (kv_index/roles.py) differs, polled after every heartbeat, or on
+``switch_role``; ``address`` then returns the new role server's port. A factory that builds
+one role only (no ``roles`` attribute naming both) makes every switch a refusal.
 """
 from __future__ import annotations
 
@@ -31,9 +36,12 @@ import ray
 
 from kv_index.client import RedisTimeouts, redis_client
 from kv_index.health import HealthStore
+from kv_index.roles import RoleStore
 from node.config import NodeConfig, ray_actor_options
 from node.health import StartPolicy
+from node.role_switch import RoleSwitcher
 from node.start_guard import NodeDownError, StartGuard
+from telemetry.role_switch_metrics import RoleSwitchMetrics
 
 if TYPE_CHECKING:  # the server module loads torch: only the actor's process imports it
     from node.server import NodeServer
@@ -110,6 +118,15 @@ class NodeActor:
         self._stop = threading.Event()
         self._server.on_unhealthy = self._restart_unhealthy
         tags = {"node_id": config.node_id, "role": config.role.value, "model_name": config.engine.model}
+        self._tags = tags
+        # Live role switches (node/role_switch.py): polled after each heartbeat on the index
+        # publisher's thread, or asked for directly (``switch_role``).
+        self._switcher = RoleSwitcher(
+            self._server, build_server, RoleSwitchMetrics(config.served_model_name or config.engine.model,
+                                                          config.node_id),
+            on_new_server=self._serving, on_fatal=lambda err: self._restart_unhealthy(f"role switch failed: {err!r}"))
+        roles = RoleStore(self._redis, config.namespace)
+        self._server.publisher.on_beat = lambda: self._switcher.poll(roles)
         threading.Thread(target=self._export_to_dashboard, args=(tags,), name="ray-dashboard-metrics",
                          daemon=True).start()
         # SIGTERM (a pod going away, an operator) drains instead of dropping the requests in
@@ -135,9 +152,26 @@ class NodeActor:
         log.error("%s unhealthy (%s); exiting so that Ray restarts it", self._server.config.node_id, reason)
         _exit_for_restart()
 
+    def _serving(self, server: NodeServer) -> None:
+        """A role switch is done: ``server`` serves now (same engine, new role and address)."""
+        server.on_unhealthy = self._restart_unhealthy
+        self._server, self._address = server, server.address
+        self._tags["role"] = server.role.value
+
+    def switch_role(self, role: str, timeout_s: float | None = None) -> dict:
+        """Serve ``role`` from now on, over the loaded model (node/role_switch.py); returns when
+        done: outcome ("ok", "timeout", "refused", "failed", "unchanged"), seconds, reason, the
+        new address. ``timeout_s`` bounds the drain (default drain_timeout_s). Ray's control
+        plane only; the planner's path is kv_index/roles.py RoleStore, polled every heartbeat."""
+        try:
+            return self._switcher.switch(role, timeout_s).as_dict()
+        except Exception as err:  # no role serves: restart (a fresh process, its configured role)
+            self._restart_unhealthy(f"role switch failed: {err!r}")
+            raise
+
     def _drain_and_exit(self) -> None:
         try:
-            self._server.drain()
+            self._switcher.close().drain()  # after a switch in progress, on the role it ended in
         except Exception:  # exit anyway: the lease expires what a failed drain left
             log.exception("drain failed")
         self._guard.clear()  # an intended stop: nothing to report
@@ -156,7 +190,9 @@ class NodeActor:
 
     def stats(self) -> dict:
         # The pid tells restarts apart (a restarted actor is a new process).
-        return {**self._server.stats(), "pid": os.getpid()}
+        switching = self._switcher.switching
+        return {**self._server.stats(), "pid": os.getpid(),
+                "switching_to": switching.value if switching is not None else None}
 
     def set_step_delay(self, seconds: float) -> None:
         """Fault injection for `pdserve chaos` (a slow node): sleep this long after each engine
@@ -178,7 +214,7 @@ class NodeActor:
         """Drain (up to ``drain_timeout_s``, default the config's), leave the index and stop
         serving (then end the actor with ray.kill)."""
         self._stop.set()
-        self._server.drain(drain_timeout_s)
+        self._switcher.close().drain(drain_timeout_s)
         self._guard.clear()
 
     def _export_to_dashboard(self, tags: dict[str, str]) -> None:

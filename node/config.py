@@ -100,6 +100,11 @@ class NodeConfig:
     tls_ca_file: str | None = None
     # The name peers' certificates are verified against instead of the address dialled.
     tls_server_name: str | None = None
+    # Ranks (CPU processes on a gloo group) this node's engine runs on, each with 1/N of the
+    # attention and KV heads and of the MLP (engine/parallel/, docs/engine.md). It must divide
+    # the model's heads (checked when the engine starts, the reason recorded by the node actor).
+    # 1 = one process. Not with speculative decoding or KV tiers yet.
+    tensor_parallel: int = 1
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -145,9 +150,25 @@ class NodeConfig:
             raise ValueError(f"max_step_failures must be >= 0 (0: never unhealthy), got {self.max_step_failures}")
         if self.max_start_failures < 1:
             raise ValueError(f"max_start_failures must be >= 1, got {self.max_start_failures}")
+        self._check_tensor_parallel()
         tls = self.tls
         if tls is not None and not tls.mutual:
             raise ValueError("node TLS is mutual: give tls_cert_file, tls_key_file and tls_ca_file together")
+
+    def _check_tensor_parallel(self) -> None:
+        # What engine/parallel/executor.py refuses at start, said here so a flag combination
+        # fails before a node is spawned, naming the flags.
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.tensor_parallel == 1:
+            return
+        if self.engine.speculative.enabled:
+            raise ValueError(f"speculative decoding is not supported with tensor parallelism yet: node "
+                             f"{self.node_id} has tensor_parallel={self.tensor_parallel}; turn speculation off "
+                             "(--spec-method off) or use --tensor-parallel 1")
+        if self.engine.cache.host_cache_mib or self.engine.cache.disk_cache_dir:
+            raise ValueError(f"KV tiers (host / disk cache) are not supported with tensor parallelism yet: node "
+                             f"{self.node_id} has tensor_parallel={self.tensor_parallel}")
 
     @property
     def tls(self) -> TlsFiles | None:
@@ -203,7 +224,8 @@ def ray_actor_options(
     (three OOM kills in a month would end it), and Ray neither waits between restarts nor
     restarts an actor whose constructor raised. The crash-loop bound is the actor's own
     (node/start_guard.py): ``max_start_failures`` failed lives in a row, with a back-off. ``detached``: the actor
-    outlives the driver that made it (``pdserve nodes`` on a long-lived Ray cluster).
+    outlives the driver that made it (``pdserve nodes`` on a long-lived Ray cluster). A
+    tensor-parallel node (``config.tensor_parallel`` N > 1) asks for N GPUs, or at least N CPUs.
     """
     options: dict = {
         "name": config.node_id,
@@ -214,8 +236,11 @@ def ray_actor_options(
     }
     if detached:
         options["lifetime"] = "detached"
+    if config.tensor_parallel > 1 and not gpu:
+        # One rank per CPU: the worker ranks are the actor's child processes, Ray must count them.
+        options["num_cpus"] = max(num_cpus, config.tensor_parallel)
     if gpu:
-        options["num_gpus"] = 1
+        options["num_gpus"] = config.tensor_parallel  # one device per rank
         if accelerator_type:
             options["accelerator_type"] = accelerator_type
     return options

@@ -275,6 +275,24 @@ class AsyncEngine:
                 return
             self.engine.close()
 
+    def fail_open(self, reason: str) -> int:
+        """Fail every open request with ``EngineStoppedError(reason)`` (the servers answer
+        UNAVAILABLE, and routers move the request exactly: router/migration.py) and free its
+        blocks; the loop goes on. What a role switch does with work still held when its drain
+        time is up (node/role_switch.py). Returns how many requests were failed."""
+
+        def fail(eng: LLMEngine) -> int:
+            n = len(self._streams)
+            self._fail_requests(EngineStoppedError(reason))
+            return n
+
+        return self.run(fail)
+
+    def set_on_unhealthy(self, callback: Callable[[str], None] | None) -> None:
+        """Who hears that the engine turned unhealthy: the server serving over it now (a node
+        that switched role hands its engine to the next role's server)."""
+        self._on_unhealthy = callback
+
     def _wake_for_tiers(self) -> None:
         # Called on a tier worker thread.
         with self._cond:

@@ -25,12 +25,13 @@ from collections.abc import Callable
 
 import grpc
 
+from engine.parallel.kv_regroup import LandingArea
 from kv_transfer.dist_transport import dist_endpoint
 from kv_transfer.grpc_transport import KVReceiver
 from kv_transfer.receiver import TcpKVServer
 from kv_transfer.shm_transport import shm_endpoint
 from kv_transfer.tcp_transport import SCHEME as TCP_SCHEME
-from kv_transfer.validate import ReceivedBlocks
+from kv_transfer.validate import ReceivedBlocks, Reservation
 from node.config import NodeConfig, host_port
 from node.output_stream import EngineStoppedError
 from node.reservations import ReservationTable
@@ -51,13 +52,22 @@ class KVInbox:
     def __init__(self, config: NodeConfig, pool, fingerprint: str, num_layers: int, *,
                  release: Callable[[str], None],
                  on_received: Callable[[ReceivedBlocks], None] = lambda r: None,
-                 on_outcome: Callable[[bool, int, float], None] = lambda ok, nbytes, seconds: None) -> None:
+                 on_outcome: Callable[[bool, int, float], None] = lambda ok, nbytes, seconds: None,
+                 landing: LandingArea | None = None) -> None:
         self.config = config
         self.reservations = ReservationTable(num_layers, config.reservation_lease_s)
+        # A tensor-parallel node (engine/parallel/kv_regroup.py LandingArea): transfers land
+        # full-head in ``landing`` and are scattered into the rank pools; reservations name its
+        # slots on the wire.
+        self.landing = landing
+        if landing is not None:
+            pool = landing.tensor
         self._release = release
         self._on_received_hook = on_received
         self._on_outcome = on_outcome
         self.receiver = KVReceiver(pool, fingerprint, self._on_received, self.reservations.get)
+        if landing is not None:  # every way a reservation ends gives its landing slots back
+            self._release = lambda rid: (landing.free(rid), release(rid))
         # The raw TCP data stream beside PushBlocks (plaintext: not opened when TLS is on).
         self.data_server: TcpKVServer | None = None
         if config.kv_data_port is not None and config.tls is None:
@@ -91,6 +101,20 @@ class KVInbox:
         dist = (dist_endpoint(address),) if self.data_server.dist is not None else ()
         return shm_endpoint(address), *dist, f"{TCP_SCHEME}://{address}"
 
+    def wire_blocks(self, request_id: str, engine_blocks) -> tuple[int, ...] | None:
+        """The block ids a sender writes ``engine_blocks`` of ``request_id`` as: the same ids, or
+        (tensor parallel) landing slots; None when the landing area has too few free."""
+        if self.landing is None:
+            return tuple(engine_blocks)
+        return self.landing.take(request_id, engine_blocks)
+
+    def take(self, request_id: str, prompt_token_ids: tuple[int, ...]) -> Reservation:
+        """``ReservationTable.take``, its landing slots (if any) given back."""
+        res = self.reservations.take(request_id, prompt_token_ids)
+        if self.landing is not None:
+            self.landing.free(request_id)
+        return res
+
     def drop(self, request_id: str) -> tuple[bool, bool]:
         """Forget ``request_id``'s reservation -> (found, released now). Its blocks go back to
         the engine now, unless a push into them is in flight: that push's end releases them.
@@ -121,6 +145,8 @@ class KVInbox:
         return resp
 
     def _on_received(self, r: ReceivedBlocks) -> None:
+        if self.landing is not None:  # into the rank pools before the table (and Decode) sees it
+            self.landing.scatter(r.request_id, r.block_ids, r.layers)
         self.reservations.received(r.request_id, r.layers, r.first_block_index, len(r.block_ids))
         self._on_received_hook(r)
 

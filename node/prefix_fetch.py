@@ -154,8 +154,12 @@ class PrefixFetcher:
             return FetchOutcome("held")
         with self._lock:
             self._held.add(hold)
-        token = new_token()
         inbox = node.inbox
+        wire = inbox.wire_blocks(hold, dest)  # a TP node's landing slots (kv_regroup.py LandingArea)
+        if wire is None:
+            return FetchOutcome("refused")  # no landing room now: compute (``done`` releases the hold)
+        dest = list(wire)
+        token = new_token()
         inbox.reservations.add(hold, Reservation(held, tuple(dest), tuple(hashes[held:]), token), tuple(tokens))
         try:
             resp = self._ask(spec.holder_address, kv_pb2.PushPrefixRequest(
@@ -193,10 +197,13 @@ class PrefixFetcher:
     def _forget(self, hold: str) -> None:
         """Take the fetch's reservation off the table. Blocks a push may still write into are
         released by that push's end (KVInbox), never here, and then not by ``done`` either."""
-        found, release_now = self.node.inbox.reservations.drop(hold)
+        inbox = self.node.inbox
+        found, release_now = inbox.reservations.drop(hold)
         if found and not release_now:
             with self._lock:
                 self._held.discard(hold)
+        elif inbox.landing is not None:  # no push writes into its landing slots any more
+            inbox.landing.free(hold)
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:

@@ -27,6 +27,7 @@ from kv_transfer.transport import TransferError
 from node.output_stream import EngineStoppedError
 from node.prefix_kv import pin_prefix, unpin_prefix
 from node.rpc_trace import traced_rpc
+from node.tp_engine import send_view
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 from telemetry import tracing
 from telemetry.log_limit import RateLimitedLog
@@ -88,9 +89,11 @@ class PrefixHolder(kv_pb2_grpc.KVHolderServicer):
         left = context.time_remaining()
         timeout = PUSH_TIMEOUT_S if left is None else max(0.001, min(PUSH_TIMEOUT_S, left))
         t0 = time.monotonic()
+        # Tensor parallel: from the blocks gathered with all their heads (node/tp_engine.py).
+        pool, table = send_view(eng, node.tp, table, min(first, m))
         try:
             result = node.kv_sender.push(
-                request.dest_address, eng.kv_cache, request_id=request.request_id, fingerprint=eng.fingerprint,
+                request.dest_address, pool, request_id=request.request_id, fingerprint=eng.fingerprint,
                 src_block_ids=table, block_hashes=hashes[:m], num_tokens=m * eng.block_size,
                 dest_block_ids=list(request.dest_block_ids)[: m - first], token=request.token,
                 skip_leading_blocks=first, timeout=timeout, endpoints=tuple(request.dest_kv_endpoints))

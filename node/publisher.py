@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 import redis
 
 from kv_index.events import AllBlocksCleared, BlockRemoved, BlockStored, fold_kv_events_by_tier
-from kv_index.nodes import StepReport
+from kv_index.nodes import NodeInfo, StepReport
 from kv_index.publisher import NodePublisher
 from kv_index.schema import tier_bit
 from telemetry.log_limit import RateLimitedLog
@@ -74,6 +74,9 @@ class IndexPublisherThread:
         self.num_failures = 0  # Redis round trips that failed (timed out, refused)
         self.num_steps_dropped = 0  # step reports lost to a failure or to the max_steps bound
         self._failure_log = RateLimitedLog(log)  # a hung Redis fails every heartbeat
+        # Called on this thread after each heartbeat (the node's desired-role check,
+        # node/role_switch.py): it must be quick (one bounded Redis read) and never raise.
+        self.on_beat: Callable[[], None] | None = None
 
     def start(self) -> None:
         """Register (an empty snapshot), then publish on the thread. Redis down or hung: the
@@ -115,6 +118,16 @@ class IndexPublisherThread:
     def beat_now(self) -> None:
         """Heartbeat at once (a load change routers must see now: draining)."""
         with self._lock:
+            self._beat_now = True
+            self._lock.notify()
+
+    def rebind(self, info: NodeInfo, load: Callable[[], Mapping[str, float | int]]) -> None:
+        """The node now serves as ``info`` says (a role switch: same node id, same engine and
+        cache, a new role and address): the next heartbeat, at once, writes the new identity
+        and load in one transaction. The blocks stay listed: the cache did not change."""
+        with self._lock:
+            self.publisher.info = info
+            self._load = load
             self._beat_now = True
             self._lock.notify()
 
@@ -167,6 +180,8 @@ class IndexPublisherThread:
                     if not self.publisher.heartbeat(self._load()):
                         self._needs_resync = True
                     next_beat = time.monotonic() + self._heartbeat_s
+                    if self.on_beat is not None:
+                        self._beat_hook()
                 if self._needs_resync:
                     self.publisher.resync(self._held)
                     self._needs_resync = False
@@ -178,6 +193,12 @@ class IndexPublisherThread:
                 self._failure_log.warning("redis", "index publish for %s failed (will resync): %s",
                                           self.publisher.info.node_id, err)
                 next_beat = time.monotonic() + self._heartbeat_s
+
+    def _beat_hook(self) -> None:
+        try:
+            self.on_beat()
+        except Exception:  # a hook never stops the index thread (it is the node's lease)
+            log.exception("the heartbeat hook of %s failed", self.publisher.info.node_id)
 
     def _apply_to_snapshot(self, stored: Mapping[int, list[int]], removed: Mapping[int, list[int]],
                            cleared: bool) -> None:

@@ -59,6 +59,11 @@ class ReservationTable:
         with self._lock:
             return sum(not e.dropped for e in self._entries.values())
 
+    def ids(self) -> list[str]:
+        """The request ids of every reservation not yet dropped."""
+        with self._lock:
+            return [rid for rid, e in self._entries.items() if not e.dropped]
+
     def add(self, request_id: str, reservation: Reservation, prompt_token_ids: tuple[int, ...]) -> None:
         with self._lock:
             if request_id in self._entries:

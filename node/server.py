@@ -33,6 +33,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent import futures
+from dataclasses import dataclass
 from typing import ClassVar
 
 import grpc
@@ -41,6 +42,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.engine import LLMEngine
+from engine.parallel.executor import TensorParallelEngine
 from kv_index.client import RedisTimeouts, redis_client
 from kv_index.health import SERVING, UNHEALTHY, HealthStore
 from kv_index.nodes import NodeInfo, OnboardTotals, Role
@@ -68,6 +70,19 @@ HOLDER_SERVICE = kv_pb2.DESCRIPTOR.services_by_name["KVHolder"].full_name
 PUSH_PREFIX_PATH = f"/{HOLDER_SERVICE}/PushPrefix"
 
 
+@dataclass(frozen=True)
+class Handover:
+    """What a retiring role server leaves to the next one on the same node (``retire``)."""
+
+    engine: object  # the LLMEngine (or TensorParallelEngine) the role servers are built on
+    aengine: AsyncEngine
+    publisher: IndexPublisherThread
+    redis: redis.Redis
+    metrics_server: MetricsServer | None  # the node's /metrics endpoint, serving the next role's registry
+    drained: bool  # everything held finished before the drain timeout
+    failed: int  # requests failed over to other nodes when it did not
+
+
 class NodeServer:
     """One node: ``start`` binds, serves and registers (returns "host:port"); ``stop`` undoes it.
 
@@ -84,12 +99,16 @@ class NodeServer:
     # whole request: bounded by config.stream_limit (node/admission.py).
     long_methods: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, config: NodeConfig, engine: LLMEngine, kv_sender: KVSender | None = None) -> None:
+    def __init__(self, config: NodeConfig, engine: LLMEngine | TensorParallelEngine,
+                 kv_sender: KVSender | None = None) -> None:
         if config.role is not self.role:
             raise ValueError(f"{type(self).__name__} needs a {self.role.value}-role config, "
                              f"got role={config.role.value!r}")
         self.config = config
-        self.engine = engine
+        # Tensor parallel (node/tp_engine.py): the engine is rank 0's; ``tp`` holds the workers
+        # (closed by ``stop``) and every rank's KV pool (sends gather from them).
+        self.tp = engine if isinstance(engine, TensorParallelEngine) else None
+        self.engine = engine.engine if self.tp is not None else engine
         # Before any RPC: the servicers' spans come from the process's provider (one per process,
         # so the first node in it names the service; in a cluster each node is its own process).
         tracing.setup_tracing(f"pdserve-{self.role.value}", config.otlp_endpoint)
@@ -97,6 +116,7 @@ class NodeServer:
         self.draining = False
         self._drain_lock = threading.Lock()
         self._drained: bool | None = None  # drain's result once it has stopped the node
+        self._handing_over = False  # set by ``retire``: ``stop`` leaves the engine and index link
         # The KV stream's options on every node: a decode node receives PushBlocks on this server.
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix=f"grpc-{config.node_id}"),
@@ -140,8 +160,9 @@ class NodeServer:
         # Called once, on a thread of its own, after the node turned unhealthy and left the index.
         self.on_unhealthy: Callable[[str], None] | None = None
 
-    def start(self) -> str:
-        """Bind, serve, register; returns "host:port"."""
+    def start(self, handover: Handover | None = None) -> str:
+        """Bind, serve, register; returns "host:port". ``handover``: the engine loop and index
+        link of this node's previous role (``retire``), served on instead of new ones."""
         cfg = self.config
         advertised = cfg.advertised_host
         if advertised is None:
@@ -153,31 +174,45 @@ class NodeServer:
             raise OSError(f"could not bind {cfg.host}:{cfg.grpc_port}")
         # Bound on cfg.host, registered as the advertised host: peers dial what is registered.
         self.address = host_port(advertised, cfg.advertise_grpc_port or port)
-        if cfg.metrics_port is not None:  # answers before the node registers its address
+        if handover is not None and handover.metrics_server is not None:  # the same endpoint, this registry
+            self.metrics_server = handover.metrics_server
+            self.metrics_server.serve(self.metrics.registry)
+            self.metrics_address = host_port(advertised, self.metrics_server.port)
+        elif cfg.metrics_port is not None:  # answers before the node registers its address
             self.metrics_server = MetricsServer(self.metrics.registry, cfg.host, cfg.metrics_port)
             self.metrics_address = host_port(advertised, self.metrics_server.port)
-        self._redis = redis_client(cfg.redis_url, RedisTimeouts(cfg.redis_connect_timeout_s, cfg.redis_timeout_s))
+        self._redis = handover.redis if handover else redis_client(
+            cfg.redis_url, RedisTimeouts(cfg.redis_connect_timeout_s, cfg.redis_timeout_s))
         info = NodeInfo(
             node_id=cfg.node_id, role=cfg.role, grpc_address=self.address,
             fingerprint=self.engine.fingerprint, block_size=self.engine.block_size,
             num_blocks=self.engine.num_blocks, metrics_address=self.metrics_address or "",
             kv_endpoints=self.kv_endpoints(),
         )
-        index = NodePublisher(self._redis, info, ns=cfg.namespace, lease_s=cfg.lease_s)
-        self.publisher = IndexPublisherThread(index, self._load, cfg.heartbeat_s)
-        self.aengine = AsyncEngine(self.engine, on_kv_events=self.publisher.submit_events,
-                                   name=f"engine-{cfg.node_id}", max_step_failures=cfg.max_step_failures,
-                                   on_unhealthy=self._engine_unhealthy)
+        if handover is None:
+            index = NodePublisher(self._redis, info, ns=cfg.namespace, lease_s=cfg.lease_s)
+            self.publisher = IndexPublisherThread(index, self._load, cfg.heartbeat_s)
+            self.aengine = AsyncEngine(self.engine, on_kv_events=self.publisher.submit_events,
+                                       name=f"engine-{cfg.node_id}", max_step_failures=cfg.max_step_failures,
+                                       on_unhealthy=self._engine_unhealthy)
+        else:  # the same loop, cache and index entry: its blocks stay listed
+            self.publisher, self.aengine = handover.publisher, handover.aengine
+            self.aengine.set_on_unhealthy(self._engine_unhealthy)
         try:
             self.grpc_server.start()
             for name in ("", *self.served):
                 self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-            self.publisher.start()
+            if handover is None:
+                self.publisher.start()
+            else:  # the registry says the new role and address at once (one heartbeat)
+                self.publisher.rebind(info, self._load)
             self.metrics.healthy.set(1)
             self._record_health(SERVING)
         except BaseException:
             # e.g. Redis refused the node's password: do not leave a serving but unregistered
             # node behind (a Redis that does not answer is waited for by the publisher thread).
+            # A handed-over engine goes back to whoever handed it (node/role_switch.py).
+            self._handing_over = handover is not None
             self.stop(deregister=False)
             raise
         log.info("%s node %s serving on %s", cfg.role.value, cfg.node_id, self.address)
@@ -205,16 +240,19 @@ class NodeServer:
         # Health first: from here on a probe (or a load balancer) sees NOT_SERVING while the
         # node leaves the index and finishes its in-flight calls.
         self.health.enter_graceful_shutdown()
-        if self.publisher is not None:
+        keep = self._handing_over  # a role switch: the engine and index link live on (``retire``)
+        if self.publisher is not None and not keep:
             self.publisher.stop(deregister=deregister)
         self.grpc_server.stop(grace_s).wait()
         self.kv_sender.close()
-        if self.aengine is not None:
+        if self.aengine is not None and not keep:
             self.aengine.shutdown()
-        if self.metrics_server is not None:
+        if self.tp is not None and not keep:  # after the engine loop: no step is left to broadcast
+            self.tp.close()
+        if self.metrics_server is not None and not keep:
             self.metrics_server.stop()
             self.metrics_server = None
-        if self._redis is not None:
+        if self._redis is not None and not keep:
             self._redis.close()
         tracing.flush()  # a stopping node's last spans are still in the batch exporter
 
@@ -298,6 +336,42 @@ class NodeServer:
             self.stop()
             self._drained = idle
             return idle
+
+    def retire(self, timeout_s: float) -> Handover:
+        """Stop serving this role and hand the engine on (a live role switch, node/role_switch.py):
+        ``drain``, except that the engine loop, its cache and the index link go on. Work still
+        held after ``timeout_s`` fails with UNAVAILABLE (routers move it: router/migration.py)
+        and reservations are freed; the gRPC port and the role's receivers close."""
+        self.draining = True
+        with self._drain_lock:
+            if self._drained is not None:
+                raise RuntimeError(f"{self.config.node_id} already stopped: nothing to hand over")
+            for name in ("", *self.served):
+                self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.publisher.beat_now()  # draining: routers place nothing new here
+            idle = self.gate.wait_idle(timeout_s, self.idle)
+            failed = 0
+            if not idle:
+                failed = self.aengine.fail_open(f"node {self.config.node_id} is switching role")
+                log.warning("%s: role switch drain timed out after %.1f s; %d requests failed over to other "
+                            "nodes, %d calls in flight", self.config.node_id, timeout_s, failed, self.gate.inflight)
+            self.engine.set_kv_layer_listener(None)  # the prefill role's; the next role sets its own
+            self._handing_over = True
+            self.stop(grace_s=1.0)  # failed streams flush their error; then every call ends
+            self.release_held()
+            self._drained = idle
+        return Handover(self.tp or self.engine, self.aengine, self.publisher, self._redis, self.metrics_server,
+                        idle, failed)
+
+    def release_held(self) -> None:
+        """Free the reservations of requests that will not come back here (the role's
+        inbox: prompts a decode node awaited, prefixes a node fetched): the engine serves on
+        under another role, and a reservation nobody takes would hold its blocks for good."""
+        inbox = getattr(self, "inbox", None)  # the role's KVInbox (node/kv_inbox.py)
+        if inbox is None:
+            return
+        for rid in inbox.reservations.ids():
+            inbox.drop(rid)  # a push still in flight releases at its end
 
     def idle(self) -> bool:
         """Nothing accepted is left unfinished besides calls in flight (the role adds its

@@ -11,9 +11,10 @@ if TYPE_CHECKING:
     from prefill_node.server import PrefillServer
 
 
-def build_server(config: NodeConfig) -> PrefillServer:
+def build_server(config: NodeConfig, engine=None) -> PrefillServer:
     """The role's server, for ``node.actor.spawn_node`` (called in the node's own process, so
-    torch and the model load there)."""
+    torch and the model load there). ``engine``: one already loaded (a live role switch,
+    node/role_switch.py); None loads the model."""
     from prefill_node.server import PrefillServer
 
-    return PrefillServer(config)
+    return PrefillServer(config, engine=engine)

@@ -39,7 +39,8 @@ from node.engine_thread import EngineStoppedError, OutputStream, RequestFailedEr
 from node.kv_inbox import InboxReceiver, KVInbox
 from node.prefix_fetch import PrefixFetcher
 from node.rpc_trace import child_span, prefill_phases, traced_rpc
-from node.server import NodeServer
+from node.server import Handover, NodeServer
+from node.tp_engine import build_engine, send_view, tp_landing
 from prefill_node.inflight import InflightPrefills
 from prefill_node.kv_streamer import KVStreamer
 from protos.convert import sampling_from_proto, token_logprobs_to_proto
@@ -73,11 +74,10 @@ class PrefillServer(NodeServer):
         # output's first token is sampled here under its grammar, which is built from the
         # tokenizer's vocabulary. The KV sender (to decode nodes, and to peers fetching a prefix
         # from here) is the node base's.
-        super().__init__(config, engine or LLMEngine(config.engine, load_tokenizer=config.load_tokenizer),
-                         kv_sender)
+        super().__init__(config, engine or build_engine(config, load_tokenizer=config.load_tokenizer), kv_sender)
         # Where the prefixes it fetches land (node/kv_inbox.py), and the fetches themselves.
         self.inbox = KVInbox(config, self.engine.kv_cache, self.engine.fingerprint, self.engine.model_config.num_layers,
-                             release=lambda rid: self.aengine.release_kv(rid))
+                             release=lambda rid: self.aengine.release_kv(rid), landing=tp_landing(self.tp, self.engine))
         self.fetcher = PrefixFetcher(self)
         kv_pb2_grpc.add_KVTransferServicer_to_server(InboxReceiver(self.inbox), self.grpc_server)
         self._healthy_sender: KVSender | None = None  # kept while a KV fault is injected
@@ -87,15 +87,18 @@ class PrefillServer(NodeServer):
         # Only on CPU: there torch has written layer i's K/V when the layer returns. On CUDA the
         # write is only enqueued then, and reading the blocks from the sender thread needs an
         # event per layer, which is not built; a GPU prefill node pushes after the prefill.
-        self.kv_streaming = config.kv_streaming and self.engine.device.type == "cpu"
-        if config.kv_streaming and not self.kv_streaming:
+        # Tensor parallel: off too (a layer's KV is in every rank's pool; the push after the
+        # prefill gathers it: node/tp_engine.py).
+        self.kv_streaming = config.kv_streaming and self.engine.device.type == "cpu" and self.tp is None
+        if config.kv_streaming and not self.kv_streaming and self.tp is None:
             log.info("layer-wise KV streaming is CPU-only for now; %s pushes KV after the prefill",
                      self.engine.device)
         # A streamed push waits until it carries at least this much, unless the prefill is done
         # (fixed cost per push: docs/benchmarks.md, transfer).
         self.kv_stream_min_push_bytes = KV_STREAM_MIN_PUSH_BYTES
         self.inflight = InflightPrefills()  # their count, and the streamers of streamed ones
-        self.engine.set_kv_layer_listener(self._on_kv_layer)
+        if self.tp is None:  # a TP engine refuses layer reports (rank 0 holds only its heads)
+            self.engine.set_kv_layer_listener(self._on_kv_layer)
         kv_pb2_grpc.add_PrefillNodeServicer_to_server(_PrefillService(self), self.grpc_server)
         self.num_prefills = 0
         self.num_transfer_failures = 0
@@ -113,9 +116,9 @@ class PrefillServer(NodeServer):
         advertised = getattr(self.kv_sender, "advertised", None)
         return tuple(advertised()) if advertised is not None else ()
 
-    def start(self) -> str:
+    def start(self, handover: Handover | None = None) -> str:
         self.inbox.start()
-        return super().start()
+        return super().start(handover)
 
     def stop(self, deregister: bool = True, grace_s: float = 1.0) -> None:
         self.set_kv_fault(None)  # the node base closes the healthy sender
@@ -392,8 +395,10 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
         # The table may run past the prompt (the sampled token's slot): only prompt blocks go.
         src = node.aengine.held_block_table(rid)[: math.ceil(len(prompt) / bs)]
         try:
+            # Tensor parallel: from the blocks gathered with all their heads (node/tp_engine.py).
+            pool, src = send_view(eng, node.tp, src, min(res.num_cached_blocks, len(src)))
             return node.kv_sender.push(
-                request.decode_address, eng.kv_cache,
+                request.decode_address, pool,
                 request_id=rid, fingerprint=eng.fingerprint, src_block_ids=src,
                 block_hashes=hash_prompt_blocks(prompt, bs, eng.fingerprint.encode()),
                 num_tokens=len(prompt), dest_block_ids=list(res.block_ids), token=res.token,

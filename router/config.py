@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from protos.conventions import MAX_MESSAGE_BYTES
 from router.admission import SLO_CLASSES
 from router.liveness import check_deadlines
+from router.planner.config import PlannerConfig
 from security.tls import TlsFiles, tls_files
 
 
@@ -141,6 +142,9 @@ class RouterConfig:
     # Keys accepted on every client route (gRPC metadata or HTTP ``Authorization: Bearer``);
     # empty = no key needed. Kept out of repr, so a logged config shows no secret.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # The planner (router/planner/): roles, the short-prompt threshold and pool sizes from the
+    # measured load; one router leads (a lease in Redis), the others follow its plan.
+    planner: PlannerConfig = PlannerConfig()
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:

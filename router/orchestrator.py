@@ -56,6 +56,7 @@ from router.migration import Exclusions, NodeFailed, continuation, is_node_failu
 from router.node_client import NodeClient
 from router.node_view import IndexAccuracy, NodeRefresher, PrefillLedger
 from router.placement import NoCapacityError, PlacementPolicy
+from router.planner.signals import RequestWindow
 from router.prepare import Preparer
 from router.relay import DecodeRelay
 from router.request_metrics import StreamObserver
@@ -85,6 +86,7 @@ class Orchestrator:
         self.metrics = metrics if metrics is not None else RouterMetrics(config.model_name)
         self.costs = costs
         self.accuracy = IndexAccuracy()
+        self.window = RequestWindow()  # finished requests: the planner's signals
         self.ledger = PrefillLedger()
         self.tokenizer = tokenizer
         self.refresher = refresher
@@ -171,6 +173,7 @@ class Orchestrator:
         finally:
             if sent:
                 observer.finish()
+                self.window.add(observer.planner_sample(prep.placement, prep.slo_class))
             self.inflight -= 1
             metrics.running.dec()
             self._running.pop(client_id, None)

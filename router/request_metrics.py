@@ -9,7 +9,11 @@ as the chunks went by.
 """
 from __future__ import annotations
 
+import time
+
 from protos.pdserve.v1 import serving_pb2 as pb
+from router.placement import Placement
+from router.planner.signals import RequestSample
 from telemetry.metrics import RequestMetrics
 from telemetry.request_recorder import RequestRecorder
 from tokens.stop import FinishReason
@@ -44,3 +48,13 @@ class StreamObserver:
 
     def finish(self, now: float | None = None) -> None:
         self.recorder.finish(self.prompt_tokens, now, generated=self.generation_tokens)
+
+    def planner_sample(self, placement: Placement, slo_class: str) -> RequestSample:
+        """The finished request as the planner's window holds it (router/planner/signals.py)."""
+        rec, now = self.recorder, self.recorder.clock()
+        first = rec.first_token_at
+        out = self.generation_tokens or rec.generated
+        return RequestSample(time.time(), self.prompt_tokens, placement.predicted_cached_tokens, out,
+                             None if first is None else max(0.0, first - rec.arrival),
+                             None if first is None or out < 2 else max(0.0, now - first) / (out - 1),
+                             slo_class, placement.prefill_node is None)

@@ -38,6 +38,8 @@ from router.index_guard import GuardedLookup, LookupBreaker
 from router.node_view import NodeRefresher
 from router.orchestrator import Orchestrator, RouterError
 from router.placement import PrefixLoadPolicy, TtftPolicy
+from router.planner.config import add_planner_arguments, planner_config
+from router.planner.loop import router_planner
 from router.tokenizer import PromptTokenizer
 from router.tool_requests import CallCollector, parses_calls
 from security import tls as tls_
@@ -159,25 +161,13 @@ class RouterServer:
                             lambda: accuracy.summary()["exact_fraction"] if accuracy.requests else None)
         metrics.watch_transfers(costs.transfer_fits)
         metrics.watch_degraded(lambda: refresher.degraded is not None, lambda: (lookup.failures, lookup.skipped))
-        # Client routes need an API key when keys are configured (health stays open).
-        interceptors = [ApiKeyInterceptor(ApiKeys(cfg.api_keys))] if cfg.api_keys else []
-        # A bound on the RPCs held at once (memory under overload): Generate is bounded by
-        # max_inflight (429 + retry hint) well before; the rest covers Abort, health, reflection.
-        # Clients may ping (keepalive) without being cut off as abusive; the router itself does
-        # not ping its clients (protos/conventions.py keepalive_server_options).
-        server = grpc.aio.server(options=grpc_options(cfg.max_message_bytes) + keepalive_server_options(),
-                                 interceptors=interceptors,
-                                 maximum_concurrent_rpcs=cfg.rpc_limit)
-        # Requests are parsed by us: malformed bytes get INVALID_ARGUMENT naming the field.
-        add_parsing_servicer(PdServeService(orch), pb.DESCRIPTOR.services_by_name["PdServe"], server)
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        port = tls_.add_port(server, f"{cfg.host}:{cfg.port}", cfg.tls, require_client_auth=cfg.tls_client_auth)
-        if port == 0:
-            raise OSError(f"could not bind {cfg.host}:{cfg.port}")
+        planner = (router_planner(cfg.planner, client, cfg.namespace, refresher, costs, orch, policy,
+                                  metrics.planner_decision) if cfg.planner.enabled else None)
+        server, health_servicer, port = _grpc_server(cfg, orch)
         refresher.start()
         await server.start()
+        if planner is not None:
+            planner.start()
         self.address = f"{cfg.host}:{port}"
         http = None
         if cfg.http_port is not None:
@@ -198,6 +188,8 @@ class RouterServer:
             await self._stopping.wait()
         finally:
             health_task.cancel()
+            if planner is not None:
+                await asyncio.to_thread(planner.stop)
             if http is not None:
                 await http.stop()
             await server.stop(self._grace)
@@ -206,6 +198,28 @@ class RouterServer:
             client.close()
             lookup_client.close()
             tracing.flush()  # the batch exporter holds the last requests' spans
+
+
+def _grpc_server(cfg: RouterConfig, orch: Orchestrator):
+    """The client-facing gRPC server, bound (not started): (server, its health servicer, port)."""
+    # Client routes need an API key when keys are configured (health stays open).
+    interceptors = [ApiKeyInterceptor(ApiKeys(cfg.api_keys))] if cfg.api_keys else []
+    # A bound on the RPCs held at once (memory under overload): Generate is bounded by
+    # max_inflight (429 + retry hint) well before; the rest covers Abort, health, reflection.
+    # Clients may ping (keepalive) without being cut off as abusive; the router itself does
+    # not ping its clients (protos/conventions.py keepalive_server_options).
+    server = grpc.aio.server(options=grpc_options(cfg.max_message_bytes) + keepalive_server_options(),
+                             interceptors=interceptors,
+                             maximum_concurrent_rpcs=cfg.rpc_limit)
+    # Requests are parsed by us: malformed bytes get INVALID_ARGUMENT naming the field.
+    add_parsing_servicer(PdServeService(orch), pb.DESCRIPTOR.services_by_name["PdServe"], server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = tls_.add_port(server, f"{cfg.host}:{cfg.port}", cfg.tls, require_client_auth=cfg.tls_client_auth)
+    if port == 0:
+        raise OSError(f"could not bind {cfg.host}:{cfg.port}")
+    return server, health_servicer, port
 
 
 async def _track_health(servicer, orch: Orchestrator, every_s: float) -> None:
@@ -290,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-migrations", type=int, default=2,
                    help="times a request whose node failed is placed again (0: the stream ends with the error)")
     add_deadline_arguments(p)
+    add_planner_arguments(p)
     p.add_argument("--straggler-factor", type=float, default=3.0,
                    help="leave out a decode node whose step time is this many times the fastest one's or its "
                    "own recent best (0: never)")
@@ -318,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_progress_factor=args.decode_progress_factor, decode_progress_floor_s=args.decode_progress_floor_s,
         decode_progress_ceiling_s=args.decode_progress_ceiling_s,
         prefill_deadline_factor=args.prefill_deadline_factor, prefill_deadline_floor_s=args.prefill_deadline_floor_s,
-        otlp_endpoint=args.otlp_endpoint, **security_fields(args, os.environ),
+        otlp_endpoint=args.otlp_endpoint, planner=planner_config(args), **security_fields(args, os.environ),
     ))
     print(f"router listening on grpc={server.address} http={server.http_address}", flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):

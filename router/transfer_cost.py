@@ -30,10 +30,15 @@ class TransferCost:
 # GB/s and 1.30 ms fixed; tcp 3.19 GB/s, 0.41 ms; shm 4.18 GB/s, 0.20 ms). A pair's own
 # measurements replace them within a few transfers; they matter for the first requests and for
 # the split between fixed cost and bandwidth while a pair has only seen one size of prompt.
+# dist (a gloo group beside the data port) has no quiet-VM run: its prior is tcp's scaled by
+# what dist did against tcp in the same (busy) run of 2026-12-02 (docs/benchmarks.md, dist):
+# bandwidth 1.41 / 1.75 GB/s = 0.81x, fixed cost 0.76 / 0.68 ms one-block latency = 1.12x. The
+# group's set-up (about 8 ms, once per kept data connection) is amortized and left out.
 TRANSPORT_PRIORS: dict[str, TransferCost] = {
     "grpc": TransferCost(1.3e-3, 1.1e9),
     "tcp": TransferCost(0.41e-3, 3.2e9),
     "shm": TransferCost(0.20e-3, 4.2e9),
+    "dist": TransferCost(0.41e-3 * 1.12, 3.2e9 * 0.81),
 }
 # A report implying more than this is a clock or accounting error, not a transport (HBM itself
 # copies at a few TB/s).
@@ -158,8 +163,8 @@ def first_transport(sender: Sequence[str], receiver: Sequence[str]) -> str:
     a transport for; a shared-memory one only on the sender's own host (same host key); gRPC
     when none is left (also with TLS, where neither end advertises a fast transport).
 
-        sender   (prefill): "shm://<host key>/", "tcp://"      what it sends over, no address
-        receiver (decode):  "shm://<host key>/host:port", "tcp://host:port"
+        sender   (prefill): "shm://<host key>/", "dist://", "tcp://"      what it sends over, no address
+        receiver (decode):  "shm://<host key>/host:port", "dist://host:port", "tcp://host:port"
 
     A guess until the pair's first transfer says which one carried it: the receiver may still
     refuse to map the sender's shared memory (another /dev/shm on the same kernel)."""

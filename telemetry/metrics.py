@@ -47,6 +47,19 @@ def name(short: str) -> str:
     return PREFIX + short
 
 
+class PoolMetrics:
+    """``pdserve:pool_changes_total{role,action}``: node actors the pool controller added or
+    removed (deploy/pool_controller.py); on the router's /metrics under `pdserve up`."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self._changes = Counter(name("pool_changes_total"), "Node actors the pool controller added or removed.",
+                                ["model_name", "role", "action"], registry=registry)
+        self.model_name = model_name
+
+    def changed(self, role: str, action: str) -> None:
+        self._changes.labels(model_name=self.model_name, role=role, action=action).inc()
+
+
 class RequestMetrics:
     """Per-request latencies and token counts, as seen by one process (the router sees what
     clients see; a node sees its own part of the request)."""
@@ -105,6 +118,9 @@ class RouterMetrics:
                                       "on a request's call, by how (unavailable, keepalive, progress_deadline, "
                                       "lease_lapsed, step_error, prefill_deadline).", ["model_name", "reason"],
                                       registry=self.registry)
+        self._planner = Counter(name("planner_decisions"), "Planner rounds of the leading router, by action (hold, "
+                                "switch_roles, set_threshold, scale_up, scale_down) and reason (router/planner/).",
+                                ["model_name", "action", "reason"], registry=self.registry)
         self._model = model_name
         # Exported at 0 from the start, so rate() and dashboards see every series at once.
         for reason in MIGRATIONS:
@@ -119,6 +135,9 @@ class RouterMetrics:
 
     def decision(self, reason: str) -> None:
         self._decisions.labels(model_name=self._model, reason=reason).inc()
+
+    def planner_decision(self, action: str, reason: str) -> None:
+        self._planner.labels(model_name=self._model, action=action, reason=reason).inc()
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(model_name=self._model, reason=reason).inc()
@@ -371,14 +390,33 @@ class EngineCollector(Collector):
         yield from (blocks, usage, capacity, hits, offload, onboard, seconds, errors)
 
 
+class _Forward(Collector):
+    """Whatever ``registry`` holds now (MetricsServer.serve swaps it)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self):
+        return self.registry.collect()
+
+
 class MetricsServer:
     """prometheus_client's own HTTP exporter on ``host:port`` (0 = a free port), for processes
     that have no HTTP server of their own (the nodes). ``address`` is what the node registers."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        # What it serves can be swapped (``serve``): a node that switches role keeps its
+        # endpoint (stopping one costs the exporter's 0.5 s poll) and shows the new role's registry.
+        self._current = _Forward(registry)
+        served = CollectorRegistry()
+        served.register(self._current)
+        self._server, self._thread = start_http_server(port, addr=host, registry=served)
         self.port: int = self._server.server_port
         self.address = f"{host}:{self.port}"
+
+    def serve(self, registry: CollectorRegistry) -> None:
+        """Serve ``registry`` from the next scrape on."""
+        self._current.registry = registry
 
     def stop(self) -> None:
         self._server.shutdown()

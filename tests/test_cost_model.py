@@ -367,6 +367,27 @@ def test_a_pair_with_no_transfer_yet_is_predicted_by_its_senders_first_transport
     assert book.transfer_model("p", "d-here") == book._pairs[("p", "d-here")].fits["tcp"].model
 
 
+def test_a_pair_whose_first_transport_is_dist_is_priced_by_the_dist_prior():
+    """Both ends run with --kv-dist (dist:// between shm and tcp): on another host the sender
+    tries dist first, so the pair starts at dist's prior (slower than tcp's on CPU), and its
+    own dist transfers replace it."""
+    sends = (f"shm://{BOOT}/", "dist://", "tcp://")
+    far = ("shm://another-boot/10.0.0.2:7000", "dist://10.0.0.2:7000", "tcp://10.0.0.2:7000")
+    assert first_transport(sends, far) == "dist"
+    assert first_transport(PREFILL_SENDS, far) == "tcp"  # a sender without --kv-dist
+    book = CostBook(kv_bytes_per_token=BLOCK // 16)
+    book.note_endpoints({"p": sends, "d": far, "p-tcp": PREFILL_SENDS})
+    prior = TRANSPORT_PRIORS["dist"]
+    assert book.transfer_model("p", "d") == prior
+    assert book.transfer_model("p-tcp", "d") == TRANSPORT_PRIORS["tcp"]
+    assert TRANSPORT_PRIORS["shm"].bandwidth > TRANSPORT_PRIORS["tcp"].bandwidth > prior.bandwidth
+    assert prior.bandwidth > TRANSPORT_PRIORS["grpc"].bandwidth
+    measured = TransferCost(0.5e-3, 2.0e9)
+    for blocks in [1, 4, 16, 64] * 10:
+        book.add_transfer("p", "d", blocks * BLOCK, measured.seconds(blocks * BLOCK), transport="dist")
+    assert book.transfer_model("p", "d").bandwidth == pytest.approx(2.0e9, rel=0.1)
+
+
 def test_the_node_view_tells_the_book_what_each_node_advertises():
     from kv_index.nodes import NodeInfo
     from router.node_view import NodeRefresher

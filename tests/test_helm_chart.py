@@ -368,6 +368,58 @@ def test_worker_groups_match_their_values(example):
         assert g["template"]["spec"].get("affinity", {}) == want.get("affinity", {})
 
 
+def test_pools_follow_the_planner_within_the_worker_groups_bounds():
+    """pools.followTargets: the supervisor follows the planner's targets within each group's
+    minReplicas..maxReplicas (its flags parsed by its own parser), KubeRay's in-tree autoscaler
+    adds and removes the pods, and only then does the head mount a service-account token."""
+    import argparse
+
+    from deploy import nodes
+    from deploy.cli import _add_engine_args
+    from deploy.pool_runners import pool_bounds
+
+    def supervisor_args(rc):
+        head = rc["spec"]["headGroupSpec"]["template"]["spec"]
+        p = argparse.ArgumentParser()
+        _add_engine_args(p)
+        nodes.add_arguments(p)
+        return p.parse_args(next(c for c in head["containers"] if c["name"] == "pdserve-nodes")["args"])
+
+    rc = one(render(), "RayCluster")
+    assert "enableInTreeAutoscaling" not in rc["spec"] and "autoscalerOptions" not in rc["spec"]
+    assert rc["spec"]["headGroupSpec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert not supervisor_args(rc).follow_targets
+    assert {g["groupName"]: (g["minReplicas"], g["maxReplicas"]) for g in rc["spec"]["workerGroupSpecs"]} == \
+        {"prefill": (0, 16), "decode": (1, 16)}
+
+    values = {"pools": {"followTargets": True, "cooldownSeconds": 45, "idleTimeoutSeconds": 120,
+                        "startTimeoutSeconds": 600},
+              "prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4},
+              "decode": {"replicas": 2, "minReplicas": 2, "maxReplicas": 6}}
+    rc = one(render(values), "RayCluster")
+    validate_raycluster(rc)  # KubeRay's CRD knows every field
+    assert rc["spec"]["enableInTreeAutoscaling"] is True
+    assert rc["spec"]["autoscalerOptions"] == {"upscalingMode": "Default", "idleTimeoutSeconds": 120}
+    assert rc["spec"]["headGroupSpec"]["template"]["spec"]["automountServiceAccountToken"] is True
+    assert {g["groupName"]: (g["minReplicas"], g["replicas"], g["maxReplicas"])
+            for g in rc["spec"]["workerGroupSpecs"]} == {"prefill": (1, 1, 4), "decode": (2, 2, 6)}
+    a = supervisor_args(rc)
+    assert (a.follow_targets, a.pool_cooldown_s, a.pool_start_timeout_s) == (True, 45.0, 600.0)
+    assert (a.min_prefill_nodes, a.max_prefill_nodes, a.min_decode_nodes, a.max_decode_nodes) == (1, 4, 2, 6)
+    assert (a.prefill_nodes, a.decode_nodes) == (None, None)  # "auto" (the pods there) until a target is set
+    bounds = pool_bounds(a)  # the supervisor accepts them as they are
+    assert [(bounds.low(r), bounds.high(r)) for r in ("prefill", "decode")] == [(1, 4), (2, 6)]
+
+    # bounds that cannot hold are refused: by the schema, or by the template naming both values
+    for bad in ({"decode": {"minReplicas": 0}}, {"prefill": {"minReplicas": -1}}, {"pools": {"followTargets": "yes"}},
+                {"pools": {"idleTimeoutSeconds": -5}}):
+        with pytest.raises(helm_python.HelmValuesError):
+            helm_python.Chart.load(str(CHART)).render(bad, name="pd", namespace="serving")
+    with pytest.raises(Exception, match=r"prefill.minReplicas \(5\) is above prefill.maxReplicas \(2\)"):
+        helm_python.Chart.load(str(CHART)).render({"prefill": {"minReplicas": 5, "maxReplicas": 2}},
+                                                  name="pd", namespace="serving")
+
+
 def test_engine_values_map_onto_pdserve_nodes_flags():
     import argparse
 
@@ -408,6 +460,28 @@ def test_kv_dist_value_reaches_the_nodes():
         _add_engine_args(p)
         nodes.add_arguments(p)
         assert p.parse_args(args).kv_dist is on
+
+
+def test_tensor_parallel_values_reach_the_nodes_and_size_the_gpu_pods():
+    import argparse
+
+    from deploy import nodes
+    from deploy.cli import _add_engine_args
+
+    values = example_values(REPO / "helm" / "examples" / "h100-4p4d.yaml")
+    values["prefill"]["tensorParallel"], values.setdefault("decode", {})["tensorParallel"] = 4, 2
+    rc = one(render(values), "RayCluster")
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]
+    args = next(c for c in head["containers"] if c["name"] == "pdserve-nodes")["args"]
+    p = argparse.ArgumentParser()
+    _add_engine_args(p)
+    nodes.add_arguments(p)
+    assert nodes.tensor_parallel_sizes(p.parse_args(args)) == (4, 2)
+    for g in rc["spec"]["workerGroupSpecs"]:  # one GPU per rank
+        gpu = values[g["groupName"]]["gpu"]
+        (c,) = g["template"]["spec"]["containers"]
+        want = str(gpu["count"] * values[g["groupName"]]["tensorParallel"])
+        assert c["resources"]["limits"][gpu["resourceName"]] == c["resources"]["requests"][gpu["resourceName"]] == want
 
 
 def test_kv_tier_values_reach_the_nodes_and_their_volume():

@@ -10,11 +10,13 @@ import signal
 import time
 
 import pytest
+import torch
 
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import LLMEngine
 from engine.models.config import ModelConfig
 from engine.parallel.executor import start_tp_engine
+from engine.parallel.kv_regroup import LandingArea, gather_blocks, landing_slots, scatter_blocks
 from engine.parallel.plan import (
     TensorParallelConfig,
     TensorParallelError,
@@ -95,20 +97,52 @@ def _greedy(engine: LLMEngine, n: int = 16) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def tp1_tokens(tiny_model) -> list[list[int]]:
-    return _greedy(LLMEngine(_config(tiny_model), load_tokenizer=False))
+def tp1_run(tiny_model) -> tuple[list[list[int]], torch.Tensor]:
+    """TP 1's greedy tokens and its KV pool after them."""
+    engine = LLMEngine(_config(tiny_model), load_tokenizer=False)
+    return _greedy(engine), engine.kv_cache
 
 
-def test_tp2_gives_tp1s_greedy_tokens_and_stops_cleanly(tiny_model, tp1_tokens):
+@pytest.fixture(scope="module")
+def tp1_tokens(tp1_run) -> list[list[int]]:
+    return tp1_run[0]
+
+
+def test_tp2_gives_tp1s_greedy_tokens_and_stops_cleanly(tiny_model, tp1_tokens, tp1_run):
     with start_tp_engine(_config(tiny_model), TensorParallelConfig(size=2, start_timeout_s=60),
                          load_tokenizer=False) as tp:
         # Rank 0 holds one of the two KV heads in a pool of the same number of blocks.
         assert tp.engine.kv_cache.shape[4] == 1 and tp.engine.kv_cache.shape[1] == 96
         assert _greedy(tp.engine) == tp1_tokens
+        # Every rank's KV, gathered with all its heads (what a send carries: kv_regroup.py), is
+        # TP 1's pool (same allocator, same blocks); scattered elsewhere it gathers back the same.
+        full = gather_blocks(tp.kv_pools, range(96))  # [L, 96, 2, bs, 2, D]
+        torch.testing.assert_close(full, tp1_run[1], atol=1e-5, rtol=1e-4)
+        scatter_blocks(full[:, :4], tp.kv_pools, [90, 91, 92, 93])
+        assert torch.equal(gather_blocks(tp.kv_pools, [90, 91, 92, 93]), full[:, :4])
         # A second batch reuses cached prefix blocks on every rank (same tables everywhere).
         assert _greedy(tp.engine) == tp1_tokens
         proc = tp.workers.procs[0]
     assert proc.returncode == 0  # asked to stop, it stopped
+
+
+def test_a_landing_area_is_bounded_and_scatters_into_the_rank_pools():
+    pools = [torch.zeros(2, 10, 2, 4, 1, 3), torch.zeros(2, 10, 2, 4, 1, 3)]  # two ranks' [L, N, 2, bs, 1, D]
+    area = LandingArea(pools, slots=3)
+    assert area.tensor.shape == (2, 3, 2, 4, 2, 3)  # full-head
+    slots = area.take("a", [7, 2])
+    assert slots == (0, 1) and area.take("b", [1, 2]) is None and area.free_slots == 1  # bounded
+    area.tensor[:, 1] = torch.arange(96.0).view(2, 2, 4, 2, 3)
+    area.scatter("a", [1], range(1, 2))  # layer 1 of slot 1 -> engine block 2, heads split by rank
+    assert torch.equal(pools[0][1, 2], area.tensor[1, 1, :, :, :1])
+    assert torch.equal(pools[1][1, 2], area.tensor[1, 1, :, :, 1:])
+    assert pools[0][0].abs().sum() == 0  # layer 0 untouched
+    area.free("a")
+    area.free("a")  # idempotent
+    assert area.free_slots == 3 and sorted(area.take("b", [1, 2, 3])) == [0, 1, 2]
+    assert landing_slots(num_blocks=1000, tp=4, max_model_len=2048, block_size=16) == 250
+    assert landing_slots(num_blocks=1000, tp=8, max_model_len=4096, block_size=16) == 256  # one longest prompt
+    assert landing_slots(num_blocks=100, tp=2, max_model_len=8192, block_size=16) == 100  # never past the pool
 
 
 def test_speculation_and_kv_tiers_are_refused(tiny_model):

@@ -79,3 +79,38 @@ def test_the_ready_line_says_where_the_dashboards_token_is(tmp_path):
     fields = dict(f.split("=", 1) for f in line.split()[2:])
     assert fields["dashboard_token"] == "$RAY_AUTH_TOKEN" and "s3cret" not in line
     assert "dashboard_token" not in ready_line(cluster, {"RAY_AUTH_MODE": "disabled"}, home)
+
+
+def test_tensor_parallel_flags_reach_each_roles_node_config_and_ray_options():
+    import argparse
+    import dataclasses
+
+    from deploy import nodes
+    from deploy.nodes import NodeTemplate, tensor_parallel_sizes
+    from engine.config import EngineConfig
+    from kv_index.nodes import Role
+    from node.config import NodeConfig, ray_actor_options
+
+    cfg = cluster_config_from_args(parse_up("--tensor-parallel", "3", "--decode-tensor-parallel", "1"))
+    assert (cfg.prefill_tensor_parallel, cfg.decode_tensor_parallel) == (3, 1)
+    p = argparse.ArgumentParser()
+    nodes.add_arguments(p)
+    assert tensor_parallel_sizes(p.parse_args(["--prefill-tensor-parallel", "2"])) == (2, 1)
+    with pytest.raises(ValueError, match="tensor_parallel"):
+        cluster_config_from_args(parse_up("--tensor-parallel", "0"))
+    template = NodeTemplate(engine=EngineConfig(model="m"), redis_url="redis://x", prefill_tensor_parallel=3)
+    prefill, decode = template.config(Role.PREFILL, 0), template.config(Role.DECODE, 0)
+    assert (prefill.tensor_parallel, decode.tensor_parallel) == (3, 1)
+    # One CPU (or GPU) per rank for a TP node's actor; a TP 1 node asks what it asked before.
+    assert ray_actor_options(prefill, num_cpus=0)["num_cpus"] == 3
+    assert ray_actor_options(prefill, gpu=True)["num_gpus"] == 3
+    assert ray_actor_options(decode, num_cpus=0)["num_cpus"] == 0 and "num_gpus" not in ray_actor_options(decode)
+    # Speculation (decode) and KV tiers are refused with TP > 1, naming the flag.
+    spec = dataclasses.replace(decode.engine, speculative=dataclasses.replace(decode.engine.speculative, method="ngram"))
+    with pytest.raises(ValueError, match="speculative decoding is not supported with tensor parallelism.*--spec-method off"):
+        NodeConfig(node_id="d", role="decode", redis_url="redis://x", tensor_parallel=2, engine=spec)
+    tiers = dataclasses.replace(decode.engine, cache=dataclasses.replace(decode.engine.cache, host_cache_mib=8))
+    with pytest.raises(ValueError, match="KV tiers"):
+        NodeConfig(node_id="d", role="decode", redis_url="redis://x", tensor_parallel=2, engine=tiers)
+    with pytest.raises(ValueError, match="tensor_parallel must be >= 1"):
+        NodeConfig(node_id="d", role="decode", redis_url="redis://x", tensor_parallel=0)

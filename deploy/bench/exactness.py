@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="one dtype only (same as --dtypes DTYPE)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="run the engine over N ranks (engine/parallel/; CPU processes); N must divide the "
+                        "model's heads: the default models become smollm2-135m (9 and 3 heads: N = 3)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: one tiny random model, 16 output tokens (tests use it)")
 
@@ -86,6 +89,8 @@ def run(args: argparse.Namespace, report) -> dict:
         if args.models == "smollm2-135m,tiny-llama,tiny-qwen2":
             args.models = "tiny-llama"
         args.max_tokens = min(args.max_tokens, 16)
+    if args.tensor_parallel > 1 and args.models == "smollm2-135m,tiny-llama,tiny-qwen2":
+        args.models = "smollm2-135m"  # the tiny models' 4 heads split by 2 or 4 only
     if args.threads:
         torch.set_num_threads(args.threads)
     dtypes = [args.dtype] if args.dtype else [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -109,7 +114,8 @@ def run(args: argparse.Namespace, report) -> dict:
               dv["near_tie"], dv["engine_alone_identical"]] for dv in divs],
         )
     head = by_dtype[dtypes[0]]
-    result = {**_summary(head), "max_tokens": args.max_tokens, "dtype": dtypes[0], "per_model": head}
+    result = {**_summary(head), "max_tokens": args.max_tokens, "dtype": dtypes[0], "per_model": head,
+              "tensor_parallel": args.tensor_parallel}
     if "bfloat16" in by_dtype:
         result["bf16"] = _summary(by_dtype["bfloat16"]) | {"per_model": by_dtype["bfloat16"]}
     return result
@@ -165,19 +171,17 @@ def _prompts(name: str, eng, tiny: bool) -> tuple[list[list[int]], list[list[int
 
 
 def _run_model(name: str, tmp: Path, dtype_name: str, args, report) -> dict:
-    import torch
-    import transformers
-
     from deploy.bench.bench_models import bench_model_dir
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.device import torch_dtype
     from engine.engine import LLMEngine
-    from tokens.sampling_params import SamplingParams
 
     dtype = torch_dtype(dtype_name)
     tiny = name.startswith("tiny-")
     model_dir = tmp / name if tiny and (tmp / name).exists() else bench_model_dir(name, tmp, report.progress)
     report.progress(f"{name}: loading engine and reference ({dtype_name})")
+
+    closers = []
 
     def new_engine(alone: bool = False) -> LLMEngine:
         cfg = EngineConfig(
@@ -187,7 +191,27 @@ def _run_model(name: str, tmp: Path, dtype_name: str, args, report) -> dict:
             # a prompt is one prefill and then 1-row decodes, as in transformers' generate.
             scheduler=SchedulerConfig(max_num_batched_tokens=4096 if alone else 96, max_num_seqs=16),
         )
-        return LLMEngine(cfg, load_tokenizer=not tiny)
+        if args.tensor_parallel == 1:
+            return LLMEngine(cfg, load_tokenizer=not tiny)
+        from engine.parallel.executor import start_tp_engine
+        from engine.parallel.plan import TensorParallelConfig
+
+        tp = start_tp_engine(cfg, TensorParallelConfig(size=args.tensor_parallel), load_tokenizer=not tiny)
+        closers.append(tp.close)
+        return tp.engine
+
+    try:
+        return _compare(name, new_engine, model_dir, dtype, dtype_name, tiny, args, report)
+    finally:
+        for close in closers:
+            close()
+
+
+def _compare(name: str, new_engine, model_dir, dtype, dtype_name: str, tiny: bool, args, report) -> dict:
+    import torch
+    import transformers
+
+    from tokens.sampling_params import SamplingParams
 
     eng = new_engine()
     captured: dict[str, list[torch.Tensor]] = {}

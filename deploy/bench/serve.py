@@ -6,6 +6,7 @@ Two modes:
     pdserve bench serve --api openai --url http://127.0.0.1:8000 --rates 0.5,1,2    # through HTTP
     pdserve bench serve --trace ../shared/data/traces/conversation_trace.jsonl --time-scale 4 --max-len 1024
     pdserve bench serve --compare colocated --json                                   # both layouts, here
+    pdserve bench serve --compare elastic --json          # planner-set roles vs both fixed layouts (serve_elastic.py)
 
 ``--compare colocated`` starts two layouts of the embedded cluster one after the other on the
 same cores and sends both the same request stream: 1 prefill + 1 decode node (disaggregated)
@@ -48,7 +49,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.bench import serve_tiers
+from deploy.bench import serve_elastic, serve_tiers
 from deploy.bench import serve_workload as wl
 from deploy.bench.plotting import figure
 from deploy.bench.serve_client import run_load
@@ -80,10 +81,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=None,
                    help="closed loop: keep N requests in flight instead of arrivals at a rate")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compare", choices=["colocated", "tiers"], default=None,
+    p.add_argument("--compare", choices=["colocated", "tiers", "elastic"], default=None,
                    help="colocated: start 1 prefill + 1 decode and 2 colocated nodes here, one after the other; "
                         "tiers: the same 1 + 1 nodes with KV tiers and prefix fetch off, then on "
-                        "(deploy/bench/serve_tiers.py)")
+                        "(deploy/bench/serve_tiers.py); elastic: fixed 1 + 1, colocated 2 and planner-set roles, "
+                        "interleaved (deploy/bench/serve_elastic.py)")
     p.add_argument("--disagg-local-prefill-tokens", default="256",
                    help="--compare, disaggregated layout: prompts shorter than this are prefilled on the decode node "
                         "(conditional disaggregation); comma-separated candidates make a tuning run")
@@ -101,6 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--records", default=None, help="write every request's record here (JSON lines)")
     p.add_argument("--plot", default=None, help="PNG prefix: PREFIX_cdf.png (TTFT, TPOT CDFs), PREFIX_goodput.png")
     serve_tiers.add_arguments(p)
+    serve_elastic.add_arguments(p)
 
 
 def _workload(args, long_share: float | None = None) -> list[wl.LoadRequest]:
@@ -359,6 +362,8 @@ def _strip(unloaded_summary: dict, points: list[dict], k: dict, layout: Layout) 
 def run(args: argparse.Namespace, report) -> dict:
     if args.compare == "tiers" or args.workload == "multiturn":
         return serve_tiers.compare_tiers(args, report)
+    if args.compare == "elastic":
+        return serve_elastic.compare_elastic(args, report)
     if args.compare:
         return _compare(args, report)
     if not args.url:

@@ -31,6 +31,7 @@ async def send_grpc(client, req: LoadRequest, rec: Record, clock: Callable[[], f
         now = clock()
         if not chunk.token_ids:
             continue
+        rec.streamed_tokens += len(chunk.token_ids)
         if tokens is not None:
             tokens.extend(chunk.token_ids)
         if rec.first_token_s is None:

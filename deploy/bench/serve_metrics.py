@@ -30,6 +30,7 @@ class Record:
     first_token_s: float | None = None
     end_s: float | None = None
     output_tokens: int = 0
+    streamed_tokens: int = 0  # token ids the stream delivered (gRPC; must equal output_tokens)
     cached_tokens: int = 0
     transfer_s: float = 0.0  # KV transfer prefill -> decode, as the router reports it
     spec_draft_tokens: int = 0  # speculative decoding on the decode node (gRPC API only)

@@ -20,12 +20,13 @@ from datetime import timedelta
 
 import torch
 
-from engine.attention.kv_cache import bytes_per_block
+from engine.attention.kv_cache import bytes_per_block, kv_cache_shape
 from engine.config import EngineConfig
 from engine.device import resolve_device, torch_dtype
 from engine.engine import LLMEngine
 from engine.model_runner import ModelRunner, StepBatch
 from engine.models.loader import checkpoint_fingerprint, resolve_source
+from engine.parallel.kv_regroup import SharedPools
 from engine.parallel.plan import TensorParallelConfig, TensorParallelError, check_tensor_parallel, shard_config
 from engine.parallel.shard import load_shard, make_row_parallel
 from engine.parallel.step import StepInputs, broadcast, pack, stop_header
@@ -38,7 +39,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 class Workers:
     """Ranks 1 .. N-1 as child processes, and rank 0's end of the gloo group."""
 
-    def __init__(self, spec: WorkerSpec, tp: TensorParallelConfig):
+    def __init__(self, spec: WorkerSpec, tp: TensorParallelConfig, kv_paths: list[str]):
         self.tp = tp
         self.failure: str | None = None  # set once: the engine is failed from then on
         self.store, self.group = None, None
@@ -47,7 +48,7 @@ class Workers:
         self.store = open_store(0, tp.size, True, tp.start_timeout_s)
         spec = dataclasses.replace(spec, store_port=self.store.port)
         for rank in range(1, tp.size):
-            argv = WorkerSpec.argv(dataclasses.replace(spec, rank=rank))
+            argv = WorkerSpec.argv(dataclasses.replace(spec, rank=rank, kv_path=kv_paths[rank - 1]))
             # stdin is the worker's lifeline (it exits when ours closes); stderr is shared.
             self.procs.append(subprocess.Popen([sys.executable, "-m", "engine.parallel.worker", *argv],
                                                cwd=_REPO, stdin=subprocess.PIPE))
@@ -59,7 +60,7 @@ class Workers:
 
         def connect() -> None:
             try:
-                box["group"] = make_group(self.store, 0, self.tp.size, self.tp.step_timeout_s)
+                box["group"] = make_group(self.store, 0, self.tp.size, self.tp.start_timeout_s)
             except Exception as e:  # reported below, on the caller's thread
                 box["error"] = e
 
@@ -160,11 +161,18 @@ class TPModelRunner(ModelRunner):
 
 class TensorParallelEngine:
     """An LLMEngine over ``tp.size`` ranks; ``engine`` is used as any engine, ``close`` (or the
-    with block) stops the workers."""
+    with block) stops the workers. ``kv_pools``: every rank's pool in rank order (rank 0's is
+    ``engine.kv_cache``, the others map the workers' shared memory), ``[L, N, 2, bs, H_kv/TP, D]``
+    each: what kv_regroup.py gathers a send from and scatters a receive into."""
 
-    def __init__(self, engine: LLMEngine, workers: Workers):
+    def __init__(self, engine: LLMEngine, workers: Workers, kv_pools: list[torch.Tensor]):
         self.engine = engine
         self.workers = workers
+        self.kv_pools = kv_pools
+
+    @property
+    def size(self) -> int:
+        return self.workers.tp.size
 
     def close(self) -> None:
         self.workers.close()
@@ -201,14 +209,21 @@ def start_tp_engine(config: EngineConfig, tp: TensorParallelConfig, progress=Non
                                                                                cc.block_size, dtype))
     config = dataclasses.replace(config, cache=dataclasses.replace(cc, num_blocks=num_blocks))
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // tp.size)
+    # The workers' pools in shared memory rank 0 maps too (kv_regroup.py): [L, N, 2, bs, H_kv/TP, D] each.
+    shared = SharedPools(tp.size, kv_cache_shape(shard_config(full, tp.size), num_blocks, cc.block_size), dtype)
     spec = WorkerSpec(rank=0, size=tp.size, store_port=0, model_dir=str(directory), dtype=config.dtype,
                       num_blocks=num_blocks, block_size=cc.block_size, num_threads=threads,
                       start_timeout_s=tp.start_timeout_s, step_timeout_s=tp.step_timeout_s,
-                      idle_timeout_s=tp.idle_timeout_s)
-    workers = Workers(spec, tp)
+                      idle_timeout_s=tp.idle_timeout_s, kv_path="")
     try:
-        # KV of a shard is a different thing from the whole model's: the size is in the key.
-        loaded = load_shard(directory, 0, tp.size, dtype, device, f"{fingerprint}-tp{tp.size}")
+        workers = Workers(spec, tp, shared.paths)
+    except BaseException:
+        shared.unlink()
+        raise
+    try:
+        # The whole model's fingerprint: a block's KV leaves and arrives with all its heads
+        # (kv_regroup.py), so nodes of any TP size share blocks, hashes and the router's view.
+        loaded = load_shard(directory, 0, tp.size, dtype, device, fingerprint)
         workers.join()
         make_row_parallel(loaded.model, workers.group, tp.step_timeout_s)
         engine = LLMEngine(config, progress=progress, loaded=loaded, tokenizer=tokenizer,
@@ -216,4 +231,6 @@ def start_tp_engine(config: EngineConfig, tp: TensorParallelConfig, progress=Non
     except BaseException:
         workers.close()
         raise
-    return TensorParallelEngine(engine, workers)
+    finally:
+        shared.unlink()  # every worker mapped its file (or is gone): no name left to clean up
+    return TensorParallelEngine(engine, workers, [engine.kv_cache, *shared.pools])

@@ -1,8 +1,9 @@
 """A worker rank (1 .. N-1): ``python -m engine.parallel.worker``, started by rank 0's executor.
 
-It loads its shard and its own paged KV pool, joins the gloo group over rank 0's TCPStore on
-loopback, then runs every step rank 0 broadcasts: the same forward on its heads (the
-all-reduces inside pair it with the other ranks), no sampling. It exits when rank 0 says stop,
+It loads its shard, maps its own paged KV pool (a shared-memory file rank 0 made and maps too),
+joins the gloo group over rank 0's TCPStore on loopback, then runs every step rank 0
+broadcasts: the same forward on its heads (the all-reduces inside pair it with the other
+ranks), no sampling. It exits when rank 0 says stop,
 when its stdin closes (rank 0 is gone), or with an error when a collective fails or times out.
 """
 from __future__ import annotations
@@ -18,9 +19,10 @@ from pathlib import Path
 import torch
 
 from engine.attention import get_attention_backend
-from engine.attention.kv_cache import allocate_kv_cache, copy_blocks
+from engine.attention.kv_cache import copy_blocks, kv_cache_shape
 from engine.attention.metadata import AttentionMetadata
 from engine.device import torch_dtype
+from engine.parallel.kv_regroup import map_pool
 from engine.parallel.shard import load_shard, make_row_parallel
 from engine.parallel.step import HEADER_LEN, OP_STOP, broadcast, payload_len, unpack
 
@@ -40,6 +42,7 @@ class WorkerSpec:
     start_timeout_s: float
     step_timeout_s: float
     idle_timeout_s: float
+    kv_path: str  # this rank's pool file, made by rank 0 (engine/parallel/kv_regroup.py SharedPools)
 
     def argv(self) -> list[str]:
         return [f"--{f.replace('_', '-')}={getattr(self, f)}" for f in self.__slots__]
@@ -49,7 +52,8 @@ class WorkerSpec:
         p = argparse.ArgumentParser(prog="python -m engine.parallel.worker")
         for f, kind in (("rank", int), ("size", int), ("store_port", int), ("model_dir", str), ("dtype", str),
                         ("num_blocks", int), ("block_size", int), ("num_threads", int),
-                        ("start_timeout_s", float), ("step_timeout_s", float), ("idle_timeout_s", float)):
+                        ("start_timeout_s", float), ("step_timeout_s", float), ("idle_timeout_s", float),
+                        ("kv_path", str)):
             p.add_argument(f"--{f.replace('_', '-')}", type=kind, required=True)
         return WorkerSpec(**vars(p.parse_args(argv)))
 
@@ -63,13 +67,15 @@ def open_store(port: int, size: int, is_master: bool, start_timeout_s: float):
                          wait_for_workers=False)
 
 
-def make_group(store, rank: int, size: int, step_timeout_s: float):
+def make_group(store, rank: int, size: int, join_timeout_s: float):
     """The gloo group over ``store`` (no init_process_group: no global state); returns once
-    every rank joined, or raises after the store's timeout."""
+    every rank joined, or raises after ``join_timeout_s``. That is also the group's default
+    timeout, which no collective uses: each passes its own (the step timeout). A join bounded
+    by the step timeout failed on a loaded machine while a worker still loaded its shard."""
     import torch.distributed as dist
 
     return dist.ProcessGroupGloo(dist.PrefixStore("pdserve-tp", store), rank, size,
-                                 timedelta(seconds=step_timeout_s))
+                                 timedelta(seconds=join_timeout_s))
 
 
 def _exit_when_stdin_closes() -> None:
@@ -88,10 +94,13 @@ def serve(spec: WorkerSpec) -> None:
     # The fingerprint is rank 0's business (it owns the KV cache manager).
     loaded = load_shard(Path(spec.model_dir), spec.rank, spec.size, dtype, device, fingerprint="")
     cfg = loaded.config
-    kv_cache = allocate_kv_cache(cfg, spec.num_blocks, spec.block_size, dtype, device)  # [L, N, 2, bs, H_kv/N, D]
+    # In shared memory that rank 0 maps too: it gathers a request's KV heads from every rank
+    # before a send and scatters received ones (engine/parallel/kv_regroup.py).
+    shape = kv_cache_shape(cfg, spec.num_blocks, spec.block_size)  # [L, N, 2, bs, H_kv/TP, D]
+    kv_cache = map_pool(spec.kv_path, shape, dtype)
     backend = get_attention_backend(device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype)
     store = open_store(spec.store_port, spec.size, False, spec.start_timeout_s)
-    group = make_group(store, spec.rank, spec.size, spec.step_timeout_s)
+    group = make_group(store, spec.rank, spec.size, spec.start_timeout_s)
     make_row_parallel(loaded.model, group, spec.step_timeout_s)
     step_timeout, idle_timeout = timedelta(seconds=spec.step_timeout_s), timedelta(seconds=spec.idle_timeout_s)
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)  # [5]

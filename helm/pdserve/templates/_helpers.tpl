@@ -284,6 +284,10 @@ capabilities:
 - {{ $e.specMethod | quote }}
 - --spec-tokens
 - {{ $e.specTokens | int | quote }}
+- --prefill-tensor-parallel
+- {{ .Values.prefill.tensorParallel | default 1 | int | quote }}
+- --decode-tensor-parallel
+- {{ .Values.decode.tensorParallel | default 1 | int | quote }}
 {{- if gt (int .Values.prefill.gpu.count) 0 }}
 - --prefill-gpu
 {{- end }}

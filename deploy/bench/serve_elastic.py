@@ -1,0 +1,370 @@
+"""`pdserve bench serve --compare elastic`: nodes whose roles the planner sets, against the two
+fixed layouts, on the same cores and the same requests.
+
+    pdserve bench serve --compare elastic --json
+    pdserve bench serve --compare elastic --long-shares 0.1,0.4 --phases my_phases.json --json
+
+Three layouts of the embedded cluster, each node pinned to its own core with one torch thread
+(as ``--compare colocated`` runs them):
+
+    fixed      1 prefill + 1 decode node, planner off; prompts under --disagg-local-prefill-tokens
+               prefill on the decode node (that comparison's tuned threshold)
+    colocated  2 decode-role nodes that prefill everything locally, chunked (--colocated-chunk-tokens)
+    elastic    1 prefill + 1 decode node to start, planner active: it switches node roles and sets
+               the short-prompt threshold live (router/planner/); no pool maxima, so the planner
+               moves roles between the two nodes and never adds one
+
+Workloads: each fixed mix of ``--long-shares`` (default 0.1, 0.2, 0.4) at ``--rate`` requests
+per second, and the shifting workload of ``--phases FILE`` (serve_phases.py; the shipped
+phases/elastic_default.json: chat-heavy, document-heavy, a burst).
+
+Interleaved, A B C C B A (serve_elastic_figures.schedule): every layout is started twice, once
+per pass, so a machine that drifts through the run favours none. In each pass a layout serves
+a warm-up, its unloaded requests (the SLO's base), then two streams:
+
+- the fixed mixes back to back, each as ``--lead-s`` seconds not measured then ``--mix-seconds``
+  measured, at one rate. The lead puts every layout in its steady state before the measured
+  requests (the running batch full, the elastic planner settled on what it wants for this mix,
+  the previous mix's requests gone). Pass 1 and pass 2 draw different requests (one half each)
+  and every layout gets the same ones;
+- the phases play, the same requests in both passes, all measured: how fast the planner follows.
+
+SLO: per request kind, ``--slo-ttft-factor`` x the best layout's unloaded median TTFT and
+``--slo-tpot-factor`` x its unloaded TPOT, over both passes (serve_metrics.slo_from_unloaded).
+Goodput per layout and workload pools both passes (serve_elastic_figures.pooled). Result::
+
+    {"elastic_vs_best_static_min", "elastic_vs_best_static_phases", "dropped", "targets", "met",
+     "workloads": [{"name", "kind", "by_layout": {layout: {goodput_rps, slo_attainment, sent,
+     completed, refused, dropped, mismatched, role_switches, planner_decisions, ...}},
+     "best_static", "elastic_vs_best_static"}], "slo", "layouts", "schedule", "seconds", ...}
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, fields
+
+from deploy.bench import serve_elastic_figures as fig
+from deploy.bench import serve_phases as ph
+from deploy.bench import serve_workload as wl
+from deploy.bench.serve_client import run_load
+from deploy.bench.serve_elastic_sampler import RoleSampler
+from deploy.bench.serve_metrics import Record, slo_from_unloaded, summarize
+
+DEFAULT_SHARES = (0.1, 0.2, 0.4)
+DEFAULT_RATE = 1.0  # requests per second of the fixed mixes (near the static layouts' knees here)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("elastic comparison (--compare elastic)")
+    g.add_argument("--phases", default=str(ph.DEFAULT_FILE),
+                   help="the shifting workload: a JSON list of {seconds, rate, long_share[, name]} played in order "
+                        "('' for none)")
+    g.add_argument("--elastic-layouts", default=",".join((fig.FIXED, fig.COLOCATED, fig.ELASTIC)),
+                   help="which layouts to run, in the first pass's order")
+    g.add_argument("--elastic-planner", choices=["active", "advisory"], default="active",
+                   help="the elastic layout's planner mode (advisory: it decides and reports only)")
+    g.add_argument("--mix-seconds", type=float, default=10.0,
+                   help="measured seconds of each fixed mix in each pass (two passes per layout)")
+    g.add_argument("--lead-s", type=float, default=12.0,
+                   help="unmeasured seconds of each fixed mix served before its measured ones (every layout)")
+    g.add_argument("--planner-interval-s", type=float, default=2.0, help="the elastic planner's round")
+    g.add_argument("--planner-cooldown-s", type=float, default=8.0,
+                   help="the elastic planner's cool-down after an action")
+    g.add_argument("--planner-window-s", type=float, default=None,
+                   help="the elastic planner's signal window (default: --lead-s, at most 15 s: a window that "
+                        "outlasts a mix or a phase steers the planner by the previous one)")
+    g.add_argument("--elastic-chunk-tokens", type=int, default=None,
+                   help="the elastic nodes' step budget (default: --colocated-chunk-tokens: a node may end up "
+                        "prefilling long prompts beside its decodes)")
+
+
+@dataclass(frozen=True, slots=True)
+class ElasticLayout:
+    name: str
+    prefill: int
+    decode: int
+    planner: str  # off | advisory | active
+    local_prefill_tokens: int  # the router's short_prompt_tokens to start with
+    chunk_tokens: int  # the engines' per-step token budget
+
+
+def layouts(args) -> list[ElasticLayout]:
+    local, chunks = _one(args.disagg_local_prefill_tokens), _one(args.colocated_chunk_tokens)
+    known = {
+        fig.FIXED: ElasticLayout(fig.FIXED, 1, 1, "off", local, args.disagg_chunk_tokens),
+        fig.COLOCATED: ElasticLayout(fig.COLOCATED, 0, 2, "off", 0, chunks),
+        fig.ELASTIC: ElasticLayout(fig.ELASTIC, 1, 1, args.elastic_planner, local, args.elastic_chunk_tokens or chunks),
+    }
+    names = [n.strip() for n in args.elastic_layouts.split(",") if n.strip()]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise SystemExit(f"--elastic-layouts: unknown {bad or 'empty'}; known: {', '.join(known)}")
+    return [known[n] for n in names]
+
+
+def _one(text) -> int:
+    values = [int(x) for x in str(text).split(",") if x.strip()]
+    if len(values) != 1:
+        raise SystemExit(f"--compare elastic runs each layout at one setting, got {text!r} (tune with --compare "
+                         "colocated first)")
+    return values[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One workload's stretch of a stream: requests arriving in [start, end) are its own, those
+    in [measured_from, end) are measured."""
+
+    workload: str
+    kind: str  # "mix" or "phases"
+    start: float
+    measured_from: float
+    end: float
+    long_share: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """Requests sent in one go: the fixed mixes back to back, or the phases play."""
+
+    name: str
+    phases: tuple[ph.Phase, ...]
+    segments: tuple[Segment, ...]
+    seed: int
+    per_pass: bool  # True: each pass draws its own requests (the fixed mixes' halves)
+
+    def requests(self, pass_index: int, cap: int | None) -> list[wl.LoadRequest]:
+        return ph.phased(self.phases, self.seed + (7 * pass_index if self.per_pass else 0), max_tokens_cap=cap)
+
+
+def streams(args) -> list[Stream]:
+    shares = [float(x) for x in args.long_shares.split(",") if x.strip()] if args.long_shares else DEFAULT_SHARES
+    rate = args.rate or DEFAULT_RATE
+    if not (rate > 0 and args.mix_seconds > 0 and args.lead_s >= 0 and all(0 <= s <= 1 for s in shares)):
+        raise SystemExit(f"--compare elastic needs --rate > 0, --mix-seconds > 0, --lead-s >= 0 and long shares in "
+                         f"[0, 1], got {rate}, {args.mix_seconds}, {args.lead_s}, {list(shares)}")
+    phases, segments, t = [], [], 0.0
+    for s in shares:
+        if args.lead_s > 0:
+            phases.append(ph.Phase(args.lead_s, rate, s, f"lead {s:g}"))
+        phases.append(ph.Phase(args.mix_seconds, rate, s, f"long {s:g}"))
+        segments.append(Segment(f"long_share={s:g}", "mix", t, t + max(0.0, args.lead_s),
+                                t + max(0.0, args.lead_s) + args.mix_seconds, s))
+        t = segments[-1].end
+    out = [Stream("mixes", tuple(phases), tuple(segments), args.seed * 1000, per_pass=True)] if shares else []
+    if args.phases:
+        try:
+            play = tuple(ph.load_phases(args.phases))
+        except ph.PhasesError as e:
+            raise SystemExit(f"--phases: {e}") from None
+        out.append(Stream("phases", play, (Segment("phases", "phases", 0.0, 0.0, ph.total_seconds(play)),),
+                          args.seed * 1000 + 500, per_pass=False))
+    return out
+
+
+@dataclass(slots=True)
+class Run:
+    """One workload served by one layout in one pass."""
+
+    records: list[Record]  # every request of the workload (lead included)
+    measured: list[Record]
+    samples: list[tuple[float, dict[str, str]]]  # t from the workload's start
+    thresholds: list[tuple[float, int]]
+    decisions: dict[str, float]  # "action/reason" -> planner rounds
+    plans: list[tuple[float, str, str, str]]  # (t, action, reason, detail) where they changed
+
+
+def cut(stream: Stream, records: list[Record], sampler: RoleSampler) -> dict[str, Run]:
+    """A stream's records, roles and decisions, split by workload. A segment's roles and
+    decisions run from its start to the next one's (the last: to the stream's end)."""
+    out = {}
+    for i, seg in enumerate(stream.segments):
+        until = stream.segments[i + 1].start if i + 1 < len(stream.segments) else math.inf
+        own = [r for r in records if seg.start <= r.scheduled_s < seg.end]
+        shift = [(t - seg.start, v) for t, v in fig.between(sampler.samples, seg.start, until)]
+        out[seg.workload] = Run(own, [r for r in own if r.scheduled_s >= seg.measured_from], shift,
+                                [(t - seg.start, v) for t, v in fig.between(sampler.thresholds, seg.start, until)],
+                                fig.counter_delta(sampler.decisions, seg.start, until),
+                                [(round(t - seg.start, 1), *x) for t, *x in fig.between(sampler.plans, seg.start, until)])
+    return out
+
+
+def _cluster_config(args, layout: ElasticLayout):
+    from deploy.launcher import ClusterConfig
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    planner = {}
+    if "planner" in {f.name for f in fields(ClusterConfig)}:
+        planner = dict(planner=layout.planner)
+        if layout.planner != "off":
+            # No pool maxima: the planner moves roles between the nodes running and the total
+            # stays (router/planner/config.py), so the layouts share the same two cores.
+            planner.update(planner_interval_s=args.planner_interval_s, planner_cooldown_s=args.planner_cooldown_s,
+                           planner_window_s=planner_window_s(args))
+    elif layout.planner != "off":
+        raise SystemExit("the elastic layout needs the planner (ClusterConfig.planner), which this tree does not "
+                         "have; run --elastic-layouts fixed,colocated")
+    engine = EngineConfig(model=args.model, dtype="float32", cache=CacheConfig(kv_cache_bytes=args.kv_cache_mib * 2**20),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=layout.chunk_tokens))
+    return ClusterConfig(engine=engine, prefill_nodes=layout.prefill, decode_nodes=layout.decode, grpc_port=0,
+                         http_port=0, dashboard_port=0, node_threads=1, pin_cores=True,
+                         short_prompt_tokens=layout.local_prefill_tokens,
+                         namespace=f"bench-elastic-{layout.name}-{os.getpid()}", **planner)
+
+
+# The longest default window: a phase of the shipped shifting workload lasts 10-20 s.
+PHASE_WINDOW_S = 15.0
+
+
+def planner_window_s(args) -> float:
+    """The elastic planner's signal window: --planner-window-s, else a mix's lead (at most
+    PHASE_WINDOW_S). The cluster's 60 s would mostly describe the previous mix or phase when the
+    planner settles on the next one (a lead of 12 s, phases of 10-20 s); a lead-long window holds
+    only the current mix by the time its measured seconds start."""
+    if args.planner_window_s is not None:
+        return args.planner_window_s
+    return min(args.lead_s if args.lead_s > 0 else args.mix_seconds, PHASE_WINDOW_S)
+
+
+def _unloaded(cluster, per_kind: int, seed: int) -> list[Record]:
+    """``per_kind`` requests of each kind, one at a time: what nothing else delays."""
+    pool = wl.synthetic(8 * per_kind + 8, 1.0, wl.mixed(0.5), seed=seed)
+    chosen = []
+    for kind in ("chat", "long"):
+        chosen += [r for r in pool if r.kind == kind][:per_kind]
+    records = []
+    for r in chosen:
+        records += asyncio.run(run_load([wl.LoadRequest(0.0, r.prompt, r.max_tokens, r.kind)],
+                                        target=cluster.address, api="grpc"))
+    return records
+
+
+def _slot(args, layout: ElasticLayout, pass_index: int, plan: list[Stream], report):
+    """One layout's pass: start it, warm up, unloaded requests, every stream; stop it."""
+    from deploy.launcher import LocalCluster
+
+    report.progress(f"pass {pass_index + 1}: {layout.name}: {layout.prefill} prefill + {layout.decode} decode node(s), "
+                    f"planner {layout.planner}, local prefill below {layout.local_prefill_tokens}, chunk "
+                    f"{layout.chunk_tokens}")
+    cluster = LocalCluster(_cluster_config(args, layout), report.progress).start()
+    runs: dict[str, Run] = {}
+    try:
+        warm = wl.synthetic(2, 1.0, wl.mixed(0.5), seed=args.seed * 1000 + 900 + pass_index)
+        asyncio.run(run_load(warm, target=cluster.address, api="grpc"))
+        # --unloaded-requests per kind and layout, split over its two passes.
+        unloaded = _unloaded(cluster, max(1, args.unloaded_requests // 2), args.seed * 1000 + 950 + pass_index)
+        for stream in plan:
+            reqs = stream.requests(pass_index, args.max_tokens_cap)
+            report.progress(f"{layout.name}: {stream.name}: {len(reqs)} requests over {ph.total_seconds(stream.phases):.0f} s")
+            with RoleSampler(cluster) as sampler:
+                records = asyncio.run(run_load(reqs, target=cluster.address, api="grpc", progress=report.progress))
+            for name, run in cut(stream, records, sampler).items():
+                runs[name] = run
+                c = fig.counts(run.records)
+                report.progress(f"{layout.name}: {name}: {c['completed']}/{c['sent']} completed, {c['refused']} "
+                                f"refused, {c['dropped']} dropped, {fig.role_switches(run.samples)} role switch(es)")
+    finally:
+        cluster.stop()
+    return unloaded, runs
+
+
+def compare_elastic(args, report) -> dict:
+    if args.api != "grpc":
+        raise SystemExit("--compare elastic measures through the gRPC API (it counts streamed tokens)")
+    t0, load0 = time.monotonic(), os.getloadavg()[0]
+    lays, plan = layouts(args), streams(args)
+    unloaded: dict[str, list[Record]] = {lay.name: [] for lay in lays}
+    runs: dict[tuple[str, str], list[Run]] = {}
+    by_name = {lay.name: lay for lay in lays}
+    order = fig.schedule([lay.name for lay in lays])
+    for pass_index, name in order:
+        u, r = _slot(args, by_name[name], pass_index, plan, report)
+        unloaded[name] += u
+        for wname, run in r.items():
+            runs.setdefault((name, wname), []).append(run)  # pass 1 first: the schedule runs it first
+    slo = slo_from_unloaded(list(unloaded.values()), args.slo_ttft_factor, args.slo_tpot_factor)
+    report.progress(f"SLO TTFT <= {', '.join(f'{k} {v:.3f}s' for k, v in slo.ttft_by_kind)}, "
+                    f"TPOT <= {slo.tpot_s:.4f}s")
+    segments = [(stream, seg) for stream in plan for seg in stream.segments]
+    results = [_workload_result(stream, seg, lays, runs, slo) for stream, seg in segments]
+    phases = next((s.phases for s in plan if s.name == "phases"), None)
+    out = fig.summary(results)
+    out.update(
+        workloads=results,
+        slo={**slo.as_json(), "ttft_factor": args.slo_ttft_factor, "tpot_factor": args.slo_tpot_factor,
+             "base": "per request kind, the best layout's unloaded median over both passes"},
+        unloaded={n: summarize(u) for n, u in unloaded.items()},
+        layouts=[{"name": x.name, "prefill": x.prefill, "decode": x.decode, "planner": x.planner,
+                  "local_prefill_tokens": x.local_prefill_tokens, "chunk_tokens": x.chunk_tokens} for x in lays],
+        schedule=[f"{name}#{p + 1}" for p, name in order],
+        rate=args.rate or DEFAULT_RATE, mix_seconds=args.mix_seconds, lead_s=args.lead_s,
+        phases=[{"name": p.label(i), "seconds": p.seconds, "rate": p.rate, "long_share": p.long_share}
+                for i, p in enumerate(phases)] if phases else None,
+        planner=({"mode": args.elastic_planner, "interval_s": args.planner_interval_s,
+                  "cooldown_s": args.planner_cooldown_s, "window_s": planner_window_s(args)}
+                 if fig.ELASTIC in by_name else None),
+        seed=args.seed, cores=len(os.sched_getaffinity(0)), seconds=time.monotonic() - t0,
+        load_average={"before": load0, "after": os.getloadavg()[0]},
+    )
+    report.table(["workload", *[x.name for x in lays], "best static", "elastic / best", "elastic dropped"],
+                 [[w["name"], *[w["by_layout"][x.name]["goodput_rps"] for x in lays], w["best_static"],
+                   w["elastic_vs_best_static"], w["by_layout"].get(fig.ELASTIC, {}).get("dropped")] for w in results])
+    if args.records:
+        _write_records(args.records, runs)
+    if args.plot:
+        from deploy.bench.serve_elastic_plot import plot
+
+        plot(args.plot, out)
+    return out
+
+
+def _workload_result(stream: Stream, seg: Segment, lays: list[ElasticLayout], runs, slo) -> dict:
+    by_layout = {}
+    for lay in lays:
+        rs = runs[lay.name, seg.workload]
+        measured = [x for r in rs for x in r.measured]
+        decisions: dict[str, float] = {}
+        for r in rs:
+            for k, v in r.decisions.items():
+                decisions[k] = decisions.get(k, 0.0) + v
+        by_layout[lay.name] = {
+            **fig.pooled([r.measured for r in rs], slo), **fig.counts([x for r in rs for x in r.records]),
+            "measured": len(measured), "role_switches": sum(fig.role_switches(r.samples) for r in rs),
+            "nodes_max": max((len(s) for r in rs for _, s in r.samples), default=0), "planner_decisions": decisions,
+            "ttft_p99_s": summarize(measured)["ttft_s"]["p99"], "tpot_p99_s": summarize(measured)["tpot_s"]["p99"],
+        }
+        if any(r.plans for r in rs):
+            by_layout[lay.name]["plan_changes"] = [r.plans for r in rs]  # per pass: why it acted or held
+        if seg.kind == "phases":
+            by_layout[lay.name]["roles_over_time"] = [
+                {"pass": i + 1, "prefill_nodes": fig.role_counts(r.samples, "prefill"),
+                 "thresholds": fig.steps(r.thresholds)} for i, r in enumerate(rs)]
+            by_layout[lay.name]["by_phase"] = _by_phase(stream.phases, [r.measured for r in rs], slo)
+    out = {"name": seg.workload, "kind": seg.kind, "long_share": seg.long_share, "by_layout": by_layout}
+    out.update(fig.vs_best_static({n: v["goodput_rps"] for n, v in by_layout.items()}))
+    return out
+
+
+def _by_phase(phases, passes: list[list[Record]], slo) -> list[dict]:
+    """SLO attainment of the requests sent in each phase (both passes together)."""
+    out = []
+    for i, p in enumerate(phases):
+        recs = [r for recs in passes for r in recs if ph.phase_index(phases, r.scheduled_s) == i]
+        out.append({"phase": p.label(i), "requests": len(recs),
+                    "slo_attainment": sum(slo.met(r) for r in recs) / len(recs) if recs else None})
+    return out
+
+
+def _write_records(path: str, runs) -> None:
+    with open(path, "w") as f:
+        for (layout, workload), rs in runs.items():
+            for i, run in enumerate(rs):
+                measured = {id(r) for r in run.measured}
+                for rec in run.records:
+                    f.write(json.dumps({"layout": layout, "workload": workload, "pass": i + 1,
+                                        "measured": id(rec) in measured, **rec.as_json()}) + "\n")

@@ -1,0 +1,193 @@
+"""The planner's decision: a pure function of one round's signals, its own state and its
+config. The layouts it may reach (router/planner/model.py estimates each) are every split of
+the live nodes between the roles within the pool bounds, each with a short-prompt threshold
+from the allowed range (powers of two, and the one in force); with ``resize``, also one
+node more or one fewer (pool targets).
+
+Why it does not flap:
+
+- hysteresis in value: a new layout or threshold must promise ``switch_margin`` more goodput
+  than the current one, or, the current one saturated, a busiest pool that much less loaded;
+  pools grow above ``scale_up_util`` but shrink only when one node fewer stays under
+  ``scale_down_util``;
+- hysteresis in time: the same target must win ``confirm_rounds`` rounds in a row;
+- a cool-down: no action within ``cooldown_s`` of the last one (a switched node drains, a new
+  one warms up; the window must show the new layout before it is judged).
+
+Every decision names an action and a reason (metric labels, few values) and a one-line
+detail with the figures behind it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from kv_index.nodes import Role
+from router.planner.config import PlannerConfig
+from router.planner.model import Calibration, Layout, LayoutEstimate, calibrate, estimate
+from router.planner.signals import NodeSignal, PlannerSignals, measured_attainment
+
+# Actions (the metric's action label).
+HOLD, SWITCH_ROLES, SET_THRESHOLD, SCALE_UP, SCALE_DOWN = "hold", "switch_roles", "set_threshold", "scale_up", "scale_down"
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerState:
+    """What the planner carries from one round to the next."""
+
+    last_action_at: float | None = None  # wall clock of the last action (None: never acted)
+    pending: Layout | None = None  # the target that won the last rounds
+    pending_rounds: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: str  # HOLD, SWITCH_ROLES, SET_THRESHOLD, SCALE_UP, SCALE_DOWN
+    reason: str  # a label: warming_up, cooldown, confirming, no_gain, prefill_bound, decode_bound, ...
+    detail: str  # one line: what and why, with the figures
+    layout: Layout  # the target layout (the current one when holding)
+    threshold: int  # the short-prompt threshold to apply
+    roles: dict[str, Role] = field(default_factory=dict)  # node id -> role to request (changes only)
+    pool_targets: dict[Role, int] | None = None  # None: leave the targets as they are
+    figures: dict[str, float] = field(default_factory=dict)
+    state: PlannerState = PlannerState()  # the state for the next round
+
+    @property
+    def acts(self) -> bool:
+        return self.action != HOLD
+
+
+def thresholds(cfg: PlannerConfig, current: int) -> list[int]:
+    """The thresholds tried: powers of two within the range, and the current one (clamped)."""
+    out = {min(max(current, cfg.min_short_prompt_tokens), cfg.max_short_prompt_tokens)}
+    t = 1
+    while t <= cfg.max_short_prompt_tokens:
+        if t >= cfg.min_short_prompt_tokens:
+            out.add(t)
+        t *= 2
+    return sorted(out)
+
+
+def layouts(total: int, cfg: PlannerConfig, current: int) -> list[Layout]:
+    """Every split of ``total`` nodes within the bounds (maxima None: up to ``total``)."""
+    max_p = cfg.max_prefill_nodes if cfg.max_prefill_nodes is not None else total
+    max_d = cfg.max_decode_nodes if cfg.max_decode_nodes is not None else total
+    out = []
+    for p in range(cfg.min_prefill_nodes, min(max_p, total) + 1):
+        d = total - p
+        if not cfg.min_decode_nodes <= d <= max_d:
+            continue
+        if p == 0:
+            out.append(Layout(0, d, current))
+        else:
+            out.extend(Layout(p, d, t) for t in thresholds(cfg, current))
+    return out
+
+
+def best(cands: list[LayoutEstimate], current: Layout) -> LayoutEstimate:
+    """The most goodput; then the least loaded busiest pool; then the least change."""
+    def key(e: LayoutEstimate) -> tuple:
+        return (-round(e.goodput_rps, 6), round(e.max_util, 3), abs(e.layout.prefill - current.prefill),
+                abs(e.layout.threshold - current.threshold))
+    return min(cands, key=key)
+
+
+def role_changes(nodes: tuple[NodeSignal, ...], target: Layout) -> dict[str, Role]:
+    """Which nodes switch role to move toward ``target``: as many as one pool lacks and the
+    other has in excess (the rest is the pool controller's: nodes added or removed), the least
+    busy first (they drain soonest)."""
+    cur = {r: [n for n in nodes if n.role == r] for r in Role}
+    want = {Role.PREFILL: target.prefill, Role.DECODE: target.decode}
+    out: dict[str, Role] = {}
+    for src, dst in ((Role.DECODE, Role.PREFILL), (Role.PREFILL, Role.DECODE)):
+        k = min(want[dst] - len(cur[dst]), len(cur[src]) - want[src])
+        movers = sorted(cur[src], key=lambda n: (n.running + n.waiting, n.backlog_s, n.node_id))[:max(k, 0)]
+        out.update({n.node_id: dst for n in movers})
+    return out
+
+
+def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decision:
+    """One round: hold, or move toward the layout with the most predicted goodput."""
+    current = Layout(s.count(Role.PREFILL), s.count(Role.DECODE), s.short_prompt_tokens)
+    base = {"rate_rps": round(s.rate_rps, 4), "requests": len(s.requests), "long_share": round(s.long_share(), 4),
+            "prefill_nodes": current.prefill, "decode_nodes": current.decode,
+            **{f"measured_attainment_{c}": round(v, 4) for c, v in measured_attainment(s.requests).items()},
+            **{f"{r.value}_{k}": round(v, 4) for r in Role for k, v in s.pool(r).items() if k != "nodes"}}
+
+    def hold(reason: str, detail: str, figures: dict, st: PlannerState = state) -> Decision:
+        return Decision(HOLD, reason, detail, current, current.threshold, figures=figures, state=st)
+
+    if len(s.requests) < cfg.min_requests:
+        return hold("warming_up", f"{len(s.requests)} requests in the window, {cfg.min_requests} needed", base,
+                    replace(state, pending=None, pending_rounds=0))
+    if current.decode < 1:
+        return hold("no_decode_node", "no live decode node: nothing to plan", base)
+    if s.draining:
+        # A node is switching role or leaving: the figures describe neither layout yet.
+        return hold("switching", f"{s.draining} node(s) draining (a role switch or a removal under way)", base,
+                    replace(state, pending=None, pending_rounds=0))
+    # The window measured the current layout (since the last action): its figures over the
+    # model's correct every layout's (router/planner/model.py, calibrate).
+    cal = (calibrate(s, estimate(current, s, cfg.ttft_slo_factor, cfg.tpot_slo_factor), cfg.calibration_min_samples,
+                     cfg.calibration_min_scale, cfg.calibration_max_scale, since=state.last_action_at)
+           if cfg.calibrate else Calibration())
+    base.update(cal.figures())
+    est = {}
+
+    def of(layout: Layout) -> LayoutEstimate:
+        if layout not in est:
+            est[layout] = estimate(layout, s, cfg.ttft_slo_factor, cfg.tpot_slo_factor, cal)
+        return est[layout]
+
+    cur = of(current)
+    n = current.nodes
+    here = best([of(lay) for lay in layouts(n, cfg, current.threshold)] or [cur], current)
+    target, action, reason = here, None, None
+    if cfg.resizes:
+        lo = cfg.min_prefill_nodes + cfg.min_decode_nodes
+        hi = cfg.max_prefill_nodes + cfg.max_decode_nodes
+        if here.max_util > cfg.scale_up_util and n + 1 <= hi:
+            target, action, reason = best([of(lay) for lay in layouts(n + 1, cfg, current.threshold)], current), \
+                SCALE_UP, "overloaded"
+        elif n - 1 >= lo:
+            fewer = [of(lay) for lay in layouts(n - 1, cfg, current.threshold)]
+            small = best(fewer, current) if fewer else None
+            if small is not None and small.max_util < cfg.scale_down_util and \
+                    small.goodput_rps >= here.goodput_rps * (1 - 1e-3):
+                target, action, reason = small, SCALE_DOWN, "underused"
+    figures = {**base, **cur.figures("current"), **target.figures("target")}
+    gain = (target.goodput_rps - cur.goodput_rps) / cur.goodput_rps if cur.goodput_rps > 0 else (
+        1.0 if target.goodput_rps > 0 else 0.0)
+    figures["predicted_gain"] = round(gain, 4)
+    if action is None:
+        if target.layout == current:
+            return hold("no_gain", f"{current} is the best layout predicted ({_fig(cur)})", figures,
+                        replace(state, pending=None, pending_rounds=0))
+        # Past saturation every layout's predicted goodput is 0, yet the less overloaded one
+        # serves more before its queues run away (a burst ends): it wins by the margin on load.
+        relief = cur.max_util >= 1 and target.max_util < cur.max_util * (1 - cfg.switch_margin)
+        if gain < cfg.switch_margin and not relief:
+            return hold("no_gain", f"{target.layout} would gain {gain:+.0%} over {current} (< {cfg.switch_margin:.0%})",
+                        figures, replace(state, pending=None, pending_rounds=0))
+        if (target.layout.prefill, target.layout.decode) == (current.prefill, current.decode):
+            action, reason = SET_THRESHOLD, "threshold_gain"
+        else:
+            action = SWITCH_ROLES
+            reason = "prefill_bound" if target.layout.prefill > current.prefill else "decode_bound"
+    detail = f"{current} -> {target.layout}: predicted {_fig(cur)} -> {_fig(target)}"
+    rounds = state.pending_rounds + 1 if state.pending == target.layout else 1
+    nxt = replace(state, pending=target.layout, pending_rounds=rounds)
+    if rounds < cfg.confirm_rounds:
+        return hold("confirming", f"{detail} (round {rounds} of {cfg.confirm_rounds})", figures, nxt)
+    if state.last_action_at is not None and s.at - state.last_action_at < cfg.cooldown_s:
+        left = cfg.cooldown_s - (s.at - state.last_action_at)
+        return hold("cooldown", f"{detail} (cool-down: {left:.0f} s left)", figures, nxt)
+    targets = ({Role.PREFILL: target.layout.prefill, Role.DECODE: target.layout.decode}
+               if cfg.resizes and action != SET_THRESHOLD else None)
+    return Decision(action, reason, detail, target.layout, target.layout.threshold,
+                    roles=role_changes(s.nodes, target.layout), pool_targets=targets, figures=figures,
+                    state=PlannerState(last_action_at=s.at))
+
+
+def _fig(e: LayoutEstimate) -> str:
+    return (f"goodput {e.goodput_rps:.3f} req/s (attainment {e.attainment:.0%}), prefill util {e.prefill_util:.2f}, "
+            f"decode util {e.decode_util:.2f}, TPOT {e.tpot_s * 1e3:.0f} ms")

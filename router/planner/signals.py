@@ -1,0 +1,178 @@
+"""What the planner decides from, as plain data, and how the router gathers it.
+
+``PlannerSignals`` is one round's picture: the live nodes and their load (from the registry's
+heartbeats, ``router/node_view.py``), the requests this router finished over the last window
+(``RequestWindow``, fed by the orchestrator), and the fitted costs (``router/cost_model.py``:
+the pooled prefill fit, a decode-step fit from the decode nodes' heartbeats, the KV transfer
+model). Tests build it by hand; ``build_signals`` builds it from the live router.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from kv_index.nodes import NodeInfo, Role
+from router.admission import SLO_CLASSES
+from router.cost_model import CostBook, DecodeCost, OnlineFit, PrefillCost
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSample:
+    """One finished request as the router saw it. ``tpot_s`` is None for a single token."""
+
+    at: float  # wall clock when it finished
+    prompt_tokens: int
+    cached_tokens: int  # predicted from the index at placement
+    output_tokens: int
+    ttft_s: float | None
+    tpot_s: float | None
+    slo_class: str = "relaxed"
+    local: bool = False  # prefilled on its decode node
+
+    @property
+    def uncached(self) -> int:
+        return max(0, self.prompt_tokens - self.cached_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSignal:
+    node_id: str
+    role: Role
+    waiting: int = 0
+    running: int = 0
+    running_tokens: int = 0
+    kv_usage: float = 0.0
+    step_s: float = 0.0
+    backlog_s: float = 0.0  # predicted wait before a new request starts here
+    kv_capacity_tokens: int = 0  # tokens its KV pool holds (0: unknown)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerSignals:
+    at: float  # wall clock of the round
+    span_s: float  # seconds the requests cover (their rate is len(requests) / span_s)
+    nodes: tuple[NodeSignal, ...]
+    requests: tuple[RequestSample, ...]
+    prefill: PrefillCost = PrefillCost()  # the cluster's typical node (pooled fit)
+    decode: DecodeCost = DecodeCost()  # fitted from the decode nodes' heartbeats
+    transfer_fixed_s: float = 0.0
+    transfer_s_per_token: float = 0.0
+    short_prompt_tokens: int = 64  # the threshold in force
+    draining: int = 0  # registered nodes out of the view: draining (a role switch, a removal)
+
+    @property
+    def rate_rps(self) -> float:
+        return len(self.requests) / self.span_s if self.span_s > 0 else 0.0
+
+    def count(self, role: Role) -> int:
+        return sum(1 for n in self.nodes if n.role == role)
+
+    def pool(self, role: Role) -> dict[str, float]:
+        """Per pool: nodes, queued requests, mean predicted wait and KV usage (figures for logs)."""
+        ns = [n for n in self.nodes if n.role == role]
+        k = max(len(ns), 1)
+        return {"nodes": len(ns), "queue": sum(n.waiting for n in ns), "wait_s": sum(n.backlog_s for n in ns) / k,
+                "kv_usage": sum(n.kv_usage for n in ns) / k}
+
+    def long_share(self) -> float:
+        """Share of requests whose uncached prompt reaches the threshold in force."""
+        if not self.requests:
+            return 0.0
+        return sum(r.uncached >= self.short_prompt_tokens for r in self.requests) / len(self.requests)
+
+
+def measured_attainment(requests: Iterable[RequestSample]) -> dict[str, float]:
+    """Per SLO class, the share of finished requests that met its TTFT budget and TBT."""
+    met: dict[str, list[int]] = {}
+    for r in requests:
+        slo = SLO_CLASSES.get(r.slo_class, SLO_CLASSES["relaxed"])
+        ok = ((r.ttft_s is None or r.ttft_s <= slo.ttft_budget_s(r.prompt_tokens))
+              and (r.tpot_s is None or r.tpot_s <= slo.tbt_s))
+        met.setdefault(r.slo_class, []).append(ok)
+    return {c: sum(v) / len(v) for c, v in sorted(met.items())}
+
+
+class RequestWindow:
+    """The requests this router finished recently: the orchestrator adds each one (its event
+    loop), the planner thread reads a copy. At most ``keep``; older than the window: dropped."""
+
+    def __init__(self, keep: int = 4096) -> None:
+        self._lock = threading.Lock()
+        self._samples: deque[RequestSample] = deque(maxlen=keep)
+
+    def add(self, sample: RequestSample) -> None:
+        with self._lock:
+            self._samples.append(sample)
+
+    def since(self, t: float) -> tuple[RequestSample, ...]:
+        with self._lock:
+            while self._samples and self._samples[0].at < t:
+                self._samples.popleft()
+            return tuple(self._samples)
+
+
+# Heartbeats (with a running batch) before a node's own figures replace the prior: a CPU node's
+# step is 5x the prior's, and a prior pinned beside the data would tilt the fit toward itself.
+MIN_HEARTBEATS = 8
+
+
+class DecodeFit:
+    """A decode step's cost (``DecodeCost``) fitted from the decode nodes' heartbeats (their step
+    time at their running batch and context): least squares over an exponentially forgotten window, the
+    prior until ``MIN_HEARTBEATS`` came. ``CostBook.decode`` is a prior only: the router's
+    placement reads it for the TBT check; the planner needs the nodes' real speed. A direction
+    the heartbeats leave open (every step at one batch size) gets 0 (``solve``)."""
+
+    def __init__(self, prior: DecodeCost = DecodeCost(), forget: float = 0.98) -> None:
+        self._fit = OnlineFit(3, forget)
+        self._seen: dict[str, float] = {}  # node id -> the heartbeat (updated_at) last taken
+        self.model = prior
+
+    def observe(self, nodes: Iterable[NodeInfo]) -> None:
+        for n in nodes:
+            if n.role != Role.DECODE or n.step_s <= 0 or n.running < 1 or self._seen.get(n.node_id) == n.updated_at:
+                continue
+            self._seen[n.node_id] = n.updated_at
+            # The node's best recent step at this batch (router/step_history.py) where known: a
+            # decode node's average step also carries the chunks of prompts it prefilled itself,
+            # which the model counts apart (rho_l); its fastest steps are decode alone.
+            step = n.step_best_s if 0 < n.step_best_s < n.step_s else n.step_s
+            self._fit.add(_decode_features(n.running, n.running_tokens), step)
+        if self._fit.n >= MIN_HEARTBEATS:
+            c = self._fit.coef()
+            self.model = DecodeCost(max(c[0], 1e-4), max(c[1], 0.0) / 1e2, max(c[2], 0.0) / 1e6)
+
+
+def _decode_features(batch: int, ctx: int) -> tuple[float, float, float]:
+    return 1.0, batch / 1e2, ctx / 1e6  # scaled: the normal equations stay well conditioned
+
+
+def build_signals(nodes: Iterable[NodeInfo], requests: tuple[RequestSample, ...], costs: CostBook,
+                  decode: DecodeCost, backlog_s: Mapping[str, float], short_prompt_tokens: int,
+                  now: float, window_s: float, draining: int = 0, observed_since: float | None = None) -> PlannerSignals:
+    """One round's signals from the router's view (``nodes``: live, not draining; ``draining``:
+    how many registered nodes it left out), its finished requests since ``now - window_s``, its
+    cost book and its ledger of prefill work. ``observed_since``: when the router began to
+    record requests (wall clock): the requests' rate is over the window or that, whichever is
+    shorter (None: since the oldest request, which overstates the rate of a short burst)."""
+    nodes = tuple(nodes)
+    prefill_ids = [n.node_id for n in nodes if n.role == Role.PREFILL]
+    decode_ids = [n.node_id for n in nodes if n.role == Role.DECODE]
+    src, dst = (prefill_ids[0], decode_ids[0]) if prefill_ids and decode_ids else ("", "")
+    xfer = costs.transfer_model(src, dst)
+
+    def wait(n: NodeInfo) -> float:
+        if n.node_id in backlog_s:
+            return backlog_s[n.node_id]
+        return costs.prefill(n.node_id).predict(n.running_tokens) if n.role == Role.PREFILL else 0.0
+
+    sig = tuple(NodeSignal(n.node_id, n.role, n.waiting, n.running, n.running_tokens, n.kv_usage, n.step_s, wait(n),
+                           n.num_blocks * n.block_size) for n in nodes)
+    start = observed_since if observed_since is not None else min((r.at for r in requests), default=now)
+    return PlannerSignals(
+        at=now, span_s=max(min(window_s, now - start), 1.0), nodes=sig, requests=requests,
+        prefill=costs.reference_prefill(), decode=decode, transfer_fixed_s=xfer.fixed_s,
+        transfer_s_per_token=costs.kv_bytes_per_token / xfer.bandwidth if xfer.bandwidth > 0 else 0.0,
+        short_prompt_tokens=short_prompt_tokens, draining=draining)

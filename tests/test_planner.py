@@ -1,0 +1,355 @@
+"""The planner's decisions as pure logic over recorded signal series (router/planner/): plain
+data in, a decision out; no model, no socket.
+
+The series are built like the serve benchmark's workload (docs/benchmarks.md, serve): chat
+turns of 48-128 prompt and 64-128 output tokens, long documents of 768-1024 prompt and 8-16
+output tokens, Poisson-like arrivals, on costs like the 2-core dev VM's one-core nodes
+(prefill ~4 ms a token, a decode step 60 ms + 12 ms a sequence).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kv_index.nodes import Role
+from router.cost_model import DecodeCost, PrefillCost
+from router.planner.config import PlannerConfig
+from router.planner.decide import HOLD, SCALE_UP, SET_THRESHOLD, SWITCH_ROLES, PlannerState, decide
+from router.planner.model import Layout, estimate
+from router.planner.signals import NodeSignal, PlannerSignals, RequestSample, measured_attainment
+
+PREFILL = PrefillCost(0.02, 4e-3, 0.0)
+DECODE = DecodeCost(0.06, 0.012, 0.0)
+DISAGG = ("prefill", "decode")
+COLOCATED = ("decode", "decode")
+
+
+def signals(long_share: float, rate: float, roles=DISAGG, threshold: int = 256, n: int = 60, seed: int = 0,
+            at: float = 1000.0) -> PlannerSignals:
+    rng = random.Random(seed)
+    span = n / rate
+    reqs = []
+    for i in range(n):
+        if rng.random() < long_share:
+            p, o = rng.randint(768, 1024), rng.randint(8, 16)
+        else:
+            p, o = rng.randint(48, 128), rng.randint(64, 128)
+        reqs.append(RequestSample(at - span + i * span / n, p, 0, o, None, None))
+    nodes = tuple(NodeSignal(f"node-{i}", Role(r)) for i, r in enumerate(roles))
+    return PlannerSignals(at, span, nodes, tuple(reqs), PREFILL, DECODE, 2e-4, 1e-7, threshold)
+
+
+def run(series, cfg: PlannerConfig, state: PlannerState = PlannerState()):
+    """Decide over a series, applying each action to the next signals' roles and threshold as
+    an active planner would (the series' node roles are what the cluster would then run)."""
+    out = []
+    roles, threshold = None, None
+    for s in series:
+        if roles is not None:
+            s = PlannerSignals(s.at, s.span_s, tuple(NodeSignal(n.node_id, roles.get(n.node_id, n.role))
+                                                     for n in s.nodes), s.requests, s.prefill, s.decode,
+                               s.transfer_fixed_s, s.transfer_s_per_token, threshold)
+        d = decide(s, state, cfg)
+        state = d.state
+        roles = {n.node_id: d.roles.get(n.node_id, n.role) for n in s.nodes}
+        threshold = d.threshold
+        out.append(d)
+    return out
+
+
+def test_chat_heavy_goes_colocated():
+    d = decide(signals(0.1, 0.6), PlannerState(), PlannerConfig(confirm_rounds=1))
+    assert (d.action, d.reason) == (SWITCH_ROLES, "decode_bound")
+    assert d.layout == Layout(0, 2, 256)
+    assert d.roles == {"node-0": Role.DECODE}
+    assert d.pool_targets is None  # resizing off (no maxima): role mix only
+    assert d.figures["target_goodput_rps"] > d.figures["current_goodput_rps"] * 1.15
+    assert "2 colocated" in d.detail
+
+
+def test_document_heavy_goes_disaggregated():
+    d = decide(signals(0.4, 0.6, roles=COLOCATED), PlannerState(), PlannerConfig(confirm_rounds=1))
+    assert (d.action, d.reason) == (SWITCH_ROLES, "prefill_bound")
+    assert (d.layout.prefill, d.layout.decode) == (1, 1)
+    assert len(d.roles) == 1 and set(d.roles.values()) == {Role.PREFILL}
+
+
+def test_the_model_crosses_over_like_the_benchmark():
+    """Disaggregation wins at a high share of long prompts, colocated at a low one (1P+1D gave
+    1.46x colocated goodput at 40% long documents, 0.40x at 10%)."""
+    ratio = {share: estimate(Layout(1, 1, 256), signals(share, 0.6)).goodput_rps
+             / estimate(Layout(0, 2, 256), signals(share, 0.6)).goodput_rps for share in (0.1, 0.4)}
+    assert ratio[0.1] < 0.5 and ratio[0.4] > 1.3
+
+
+def test_light_load_holds():
+    d = decide(signals(0.1, 0.15), PlannerState(), PlannerConfig(confirm_rounds=1))
+    assert (d.action, d.reason) == (HOLD, "no_gain")  # every layout meets the SLO: nothing to gain
+
+
+def test_warming_up_until_the_window_holds_enough_requests():
+    d = decide(signals(0.1, 0.6, n=5), PlannerState(), PlannerConfig())
+    assert (d.action, d.reason) == (HOLD, "warming_up")
+    assert d.figures["requests"] == 5
+
+
+def test_threshold_moves_when_only_it_gains():
+    cur = Layout(1, 1, 2048)  # everything prefilled on the decode node: it saturates
+    d = decide(signals(0.4, 0.45, threshold=cur.threshold), PlannerState(), PlannerConfig(confirm_rounds=1))
+    assert d.action in (SET_THRESHOLD, SWITCH_ROLES)
+    if d.action == SET_THRESHOLD:
+        assert (d.layout.prefill, d.layout.decode) == (1, 1) and d.threshold < 2048 and not d.roles
+
+
+def test_a_change_must_win_rounds_in_a_row_then_waits_out_the_cooldown():
+    cfg = PlannerConfig(confirm_rounds=2, cooldown_s=30.0, interval_s=5.0)
+    series = [signals(0.1, 0.6, at=1000.0 + 5 * i, seed=i) for i in range(12)]
+    ds = run(series, cfg)
+    assert [d.reason for d in ds[:2]] == ["confirming", "decode_bound"]
+    assert ds[1].action == SWITCH_ROLES
+    # Colocated now: the best layout; it holds from there on.
+    assert all(d.action == HOLD for d in ds[2:]), [(d.action, d.reason) for d in ds]
+
+
+def test_a_one_round_burst_changes_nothing():
+    cfg = PlannerConfig(confirm_rounds=2)
+    series = [signals(0.2, 0.15, at=1000.0 + 5 * i, seed=i) for i in range(6)]
+    series[3] = signals(0.1, 0.9, at=1015.0, seed=99)  # a burst of chat, one round long
+    ds = run(series, cfg)
+    assert [d.action for d in ds] == [HOLD] * 6
+    assert ds[3].reason == "confirming"
+
+
+def test_a_sustained_burst_scales_up_once_then_holds():
+    cfg = PlannerConfig(confirm_rounds=2, cooldown_s=30.0, max_prefill_nodes=2, max_decode_nodes=3, resize=True)
+    series = [signals(0.1, 1.0, roles=COLOCATED, at=1000.0 + 5 * i, seed=i) for i in range(7)]
+    ds = run(series, cfg)
+    acts = [d for d in ds if d.action != HOLD]
+    assert len(acts) == 1 and acts[0].action == SCALE_UP and acts[0].reason == "overloaded"
+    assert sum(acts[0].pool_targets.values()) == 3
+    assert all(d.reason in ("confirming", "cooldown", "overloaded", "no_gain") for d in ds)
+
+
+def test_an_oscillating_mix_does_not_flap():
+    """The mix swings between chat-heavy and document-heavy every round: hysteresis in time
+    (confirm_rounds) keeps any change from winning twice in a row, and the cool-down spaces
+    whatever does act."""
+    cfg = PlannerConfig(confirm_rounds=2, cooldown_s=30.0)
+    series = [signals(0.1 if i % 2 else 0.4, 0.6, at=1000.0 + 5 * i, seed=i) for i in range(24)]
+    ds = run(series, cfg)
+    acts = [(i, d) for i, d in enumerate(ds) if d.action != HOLD]
+    assert len(acts) <= 1, [(i, d.action, d.detail) for i, d in acts]
+    # And with a change allowed every round, the cool-down alone still spaces the actions.
+    ds = run(series, PlannerConfig(confirm_rounds=1, cooldown_s=30.0))
+    times = [1000.0 + 5 * i for i, d in enumerate(ds) if d.action != HOLD]
+    assert all(b - a >= 30.0 for a, b in zip(times, times[1:])), times
+
+
+def test_every_decision_has_an_action_a_reason_and_figures():
+    for d in run([signals(s, r, at=1000.0 + i) for i, (s, r) in enumerate([(0.1, 0.2), (0.4, 0.6), (0.1, 0.6)])],
+                 PlannerConfig(confirm_rounds=1, cooldown_s=0.0)):
+        assert d.action and d.reason and d.detail
+        assert {"rate_rps", "long_share", "current_goodput_rps", "target_goodput_rps"} <= set(d.figures)
+
+
+def test_without_resize_the_bounds_shape_the_role_mix_only():
+    """Two nodes stay two (the serve benchmark's elastic layout): maxima cap each role, and no
+    pool target is written however loaded the pools are."""
+    cfg = PlannerConfig(confirm_rounds=1, max_prefill_nodes=1, max_decode_nodes=2)
+    d = decide(signals(0.1, 1.0, roles=COLOCATED), PlannerState(), cfg)
+    assert d.pool_targets is None and d.action in (HOLD, SWITCH_ROLES) and d.layout.nodes == 2
+    d = decide(signals(0.1, 0.6, roles=DISAGG), PlannerState(), cfg)
+    assert d.layout == Layout(0, 2, 256) and d.pool_targets is None
+    assert decide(signals(0.9, 0.6, roles=COLOCATED), PlannerState(), cfg).layout.prefill <= 1
+
+
+def test_decode_keeps_a_node_whatever_the_mix():
+    d = decide(signals(0.9, 0.6, roles=DISAGG), PlannerState(), PlannerConfig(confirm_rounds=1))
+    assert d.layout.decode >= 1
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(min_prefill_nodes=2, max_prefill_nodes=1), "min_prefill_nodes (2) is above max_prefill_nodes (1)"),
+    (dict(min_decode_nodes=3, max_decode_nodes=2), "min_decode_nodes (3) is above max_decode_nodes (2)"),
+    (dict(min_decode_nodes=0), "decode nodes are the only ones that decode"),
+    (dict(min_prefill_nodes=-1), "min_prefill_nodes must be >= 0"),
+    (dict(mode="auto"), "planner mode must be one of off, advisory, active"),
+    (dict(interval_s=10.0, lease_s=15.0), "lease_s (15.0) must exceed two rounds"),
+    (dict(min_short_prompt_tokens=512, max_short_prompt_tokens=64), "short-prompt threshold range"),
+    (dict(scale_down_util=0.9, scale_up_util=0.8), "scale_down_util"),
+    (dict(resize=True, max_prefill_nodes=2), "resize needs max_prefill_nodes and max_decode_nodes"),
+])
+def test_impossible_bounds_are_refused_with_the_reason(kwargs, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        PlannerConfig(**kwargs)
+
+
+def test_measured_attainment_per_class():
+    reqs = [RequestSample(0, 100, 0, 10, 0.1, 0.01, "interactive"), RequestSample(0, 100, 0, 10, 5.0, 0.01,
+                                                                                   "interactive"),
+            RequestSample(0, 100, 0, 10, 5.0, 0.5, "relaxed")]
+    assert measured_attainment(reqs) == {"interactive": 0.5, "relaxed": 1.0}
+
+
+def test_a_decode_pool_short_of_kv_is_no_layout_to_move_to():
+    s = signals(0.4, 0.6, roles=COLOCATED)
+    roomy = decide(s, PlannerState(), PlannerConfig(confirm_rounds=1))
+    assert roomy.layout == Layout(1, 1, 256)  # document-heavy: 1P+1D, as above
+    # KV for ~10 chat turns per node: one decode node running the whole batch cannot hold it.
+    tight = PlannerSignals(s.at, s.span_s, tuple(NodeSignal(n.node_id, n.role, kv_capacity_tokens=2000)
+                                                 for n in s.nodes), s.requests, s.prefill, s.decode,
+                           s.transfer_fixed_s, s.transfer_s_per_token, s.short_prompt_tokens)
+    assert estimate(roomy.layout, tight).kv_util > 1 > estimate(Layout(0, 2, 256), tight).kv_util
+    assert estimate(roomy.layout, tight).goodput_rps == 0
+    d = decide(tight, PlannerState(), PlannerConfig(confirm_rounds=1))
+    # Still 1P+1D, with a threshold whose faster decode keeps fewer sequences (and tokens) resident.
+    assert d.layout != roomy.layout and d.figures["target_kv_util"] < 1
+
+
+def test_no_decision_while_a_node_drains():
+    s = signals(0.1, 0.6)
+    s = PlannerSignals(s.at, s.span_s, s.nodes, s.requests, s.prefill, s.decode, s.transfer_fixed_s,
+                       s.transfer_s_per_token, s.short_prompt_tokens, draining=1)
+    d = decide(s, PlannerState(pending=Layout(0, 2, 256), pending_rounds=1), PlannerConfig())
+    assert (d.action, d.reason) == (HOLD, "switching") and d.state.pending is None
+
+
+def test_decode_fit_learns_the_nodes_step_times_from_heartbeats():
+    from kv_index.nodes import NodeInfo
+    from router.planner.signals import DecodeFit
+
+    fit = DecodeFit()  # the prior: 12 ms a step, far faster than these CPU nodes
+    for i in range(60):
+        batch, ctx = 1 + i % 8, 100 + (i * 397) % 3000
+        fit.observe([NodeInfo("d", "decode", "a:1", "fp", 16, 64, running=batch, running_tokens=ctx,
+                              step_s=DECODE.step_s(batch, ctx), updated_at=float(i))])
+    assert fit.model.step_s(1, 200) == pytest.approx(DECODE.step_s(1, 200), rel=0.1)
+    assert fit.model.step_s(8, 1600) == pytest.approx(DECODE.step_s(8, 1600), rel=0.1)
+
+
+def test_build_signals_from_the_routers_view():
+    from kv_index.nodes import NodeInfo
+    from router.cost_model import CostBook
+    from router.planner.signals import build_signals
+
+    nodes = [NodeInfo("p", "prefill", "a:1", "fp", 16, 64, waiting=2, running_tokens=300),
+             NodeInfo("d", "decode", "a:2", "fp", 16, 64, running=3, kv_usage=0.5)]
+    reqs = tuple(RequestSample(990.0 + i, 100, 16, 20, 0.2, 0.05) for i in range(5))
+    s = build_signals(nodes, reqs, CostBook(), DECODE, {"p": 1.5}, 64, now=1000.0, window_s=60.0, draining=1)
+    assert (s.count(Role.PREFILL), s.count(Role.DECODE), s.draining) == (1, 1, 1)
+    assert s.span_s == 10.0 and s.rate_rps == 0.5
+    assert s.pool(Role.PREFILL)["wait_s"] == 1.5 and s.pool(Role.DECODE)["kv_usage"] == 0.5
+    assert s.nodes[1].kv_capacity_tokens == 1024 and s.transfer_s_per_token > 0
+    assert reqs[0].uncached == 84
+    # The rate is over the time the router has recorded, not over the requests' own burst.
+    later = build_signals(nodes, reqs[-2:], CostBook(), DECODE, {}, 64, now=1000.0, window_s=60.0, observed_since=980.0)
+    assert later.span_s == 20.0 and later.rate_rps == 0.1
+
+
+def test_decode_fit_prefers_a_nodes_best_steps_to_its_average():
+    """A colocated node's average step carries the prompt chunks it prefilled; the planner counts
+    those apart, so the fit takes the node's best recent step at that batch where known."""
+    from kv_index.nodes import NodeInfo
+    from router.planner.signals import DecodeFit
+
+    fit = DecodeFit()
+    for i in range(20):
+        batch, ctx = 1 + i % 8, 100 + (i * 397) % 3000
+        pure = DECODE.step_s(batch, ctx)
+        fit.observe([NodeInfo("d", "decode", "a:1", "fp", 16, 64, running=batch, running_tokens=ctx,
+                              step_s=pure + 0.3, step_best_s=pure, updated_at=float(i))])
+    assert fit.model.step_s(4, 1000) == pytest.approx(DECODE.step_s(4, 1000), rel=0.05)
+
+
+# The serve benchmark's elastic run at 10% long documents (docs/benchmarks.md, Elastic): the
+# decode fit made one decode node's batch cheap, so the model predicted 1P+1D fine (TPOT 59-127
+# ms) and the planner held it, while its requests measured ~150 ms TPOT against an 80 ms SLO.
+BENCH_DECODE = DecodeCost(0.06, 0.004, 0.0)
+
+
+def measured(s: PlannerSignals, tpot_s: float, ttft_s: float, seed: int = 0) -> PlannerSignals:
+    """``s`` with its requests' measured TPOT and TTFT around the given means (+-10%)."""
+    rng = random.Random(seed)
+    reqs = tuple(RequestSample(r.at, r.prompt_tokens, r.cached_tokens, r.output_tokens,
+                               ttft_s * rng.uniform(0.9, 1.1),
+                               tpot_s * rng.uniform(0.9, 1.1) if r.output_tokens > 1 else None)
+                 for r in s.requests)
+    return PlannerSignals(s.at, s.span_s, s.nodes, reqs, s.prefill, BENCH_DECODE, s.transfer_fixed_s,
+                          s.transfer_s_per_token, s.short_prompt_tokens)
+
+
+def test_a_layout_measured_slow_is_not_predicted_fine():
+    """The recorded case: uncalibrated, the planner holds 1P+1D (threshold 32); calibrated on the
+    measured ~150 ms TPOT, a decode node's decode work is ~3x the fit's and two colocated nodes (half
+    that work each) win; measured fine on those, it stays."""
+    series = [measured(signals(0.1, 0.6, threshold=32, at=1000.0 + 5 * i, seed=i), 0.15, 1.8, seed=i)
+              for i in range(3)]
+    blind = run(series, PlannerConfig(confirm_rounds=2, calibrate=False))
+    assert [(d.action, d.reason) for d in blind] == [(HOLD, "no_gain")] * 3
+    assert blind[0].figures["current_attainment"] > 0.9  # the model's illusion
+    ds = run(series, PlannerConfig(confirm_rounds=2))
+    assert [(d.action, d.reason) for d in ds[:2]] == [(HOLD, "confirming"), (SWITCH_ROLES, "decode_bound")]
+    assert ds[1].layout.prefill == 0 and ds[1].layout.decode == 2 and ds[1].roles == {"node-0": Role.DECODE}
+    f = ds[1].figures
+    assert f["calib_tpot_samples"] >= 50 and 0.14 < f["measured_tpot_s"] < 0.16
+    assert 2.5 < f["calib_decode_work_scale"] < 3.5 and f["calib_local_prefill_scale"] == 1.0
+    # 1P+1D predicted as measured; two colocated nodes near what the benchmark measured (91%).
+    assert f["current_attainment"] < 0.1 and f["target_attainment"] > 0.8
+    assert f["current_tpot_s"] == pytest.approx(f["measured_tpot_s"], rel=0.02)
+    # Two colocated nodes, measured at ~85 ms: the same correction, and nothing to go back to.
+    after = [measured(signals(0.1, 0.6, roles=COLOCATED, threshold=32, at=1030.0 + 5 * i, seed=10 + i), 0.085, 1.5,
+                      seed=10 + i) for i in range(8)]
+    ds = run(after, PlannerConfig(confirm_rounds=2), ds[1].state)
+    assert all(d.action == HOLD for d in ds), [(d.action, d.reason, d.detail) for d in ds]
+
+
+def test_calibrated_document_heavy_still_goes_and_stays_disaggregated():
+    # Colocated at 40% long documents, measured slow (decodes stall behind document prefills).
+    s = measured(signals(0.4, 0.6, roles=COLOCATED), 0.2, 3.0)
+    d = decide(s, PlannerState(), PlannerConfig(confirm_rounds=1))
+    assert (d.action, d.reason) == (SWITCH_ROLES, "prefill_bound") and (d.layout.prefill, d.layout.decode) == (1, 1)
+    # On 1P+1D, measured a little slower than the model says: it keeps both roles.
+    series = [measured(signals(0.4, 0.6, at=1000.0 + 5 * i, seed=i), 0.08, 1.2, seed=i) for i in range(8)]
+    ds = run(series, PlannerConfig(confirm_rounds=2))
+    assert all((d.layout.prefill, d.layout.decode) == (1, 1) for d in ds), [(d.action, d.detail) for d in ds]
+    assert all(d.action in (HOLD, SET_THRESHOLD) for d in ds)
+
+
+def test_a_calibrated_oscillating_mix_does_not_flap():
+    cfg = PlannerConfig(confirm_rounds=2, cooldown_s=30.0)
+    series = [measured(signals(0.1 if i % 2 else 0.4, 0.6, at=1000.0 + 5 * i, seed=i), 0.15 if i % 2 else 0.08,
+                       1.5, seed=i) for i in range(24)]
+    acts = [(i, d) for i, d in enumerate(run(series, cfg)) if d.action != HOLD]
+    assert len(acts) <= 1, [(i, d.action, d.detail) for i, d in acts]
+
+
+def test_calibration_needs_samples_and_is_clamped():
+    from router.planner.model import calibrate
+
+    s = measured(signals(0.1, 0.6, threshold=32), 0.15, 1.8)
+    cur = estimate(Layout(1, 1, 32), s)
+    few = PlannerSignals(s.at, s.span_s, s.nodes, s.requests[:5], s.prefill, s.decode, s.transfer_fixed_s,
+                         s.transfer_s_per_token, 32)
+    c = calibrate(few, estimate(Layout(1, 1, 32), few))
+    assert (c.decode_work_scale, c.tpot_scale, c.ttft_scale, c.tpot_samples) == (1.0, 1.0, 1.0, 5)
+    slow = measured(s, 5.0, 100.0)  # far past any factor: clamped
+    c = calibrate(slow, cur)
+    assert (c.decode_work_scale, c.tpot_scale, c.ttft_scale) == (4.0, 4.0, 4.0)
+    fast = measured(s, 0.001, 0.001)
+    c = calibrate(fast, cur)
+    assert (c.decode_work_scale, c.tpot_scale, c.ttft_scale) == (0.5, 0.5, 0.5)
+    with pytest.raises(ValueError, match="calibration"):
+        PlannerConfig(calibration_max_scale=0.9)
+
+
+def test_calibration_reads_only_what_the_current_layout_served():
+    """After a switch the window still holds the old layout's requests: they do not calibrate
+    the new one (1P+1D's ~150 ms would make two colocated nodes look as slow)."""
+    from router.planner.model import calibrate
+
+    s = measured(signals(0.1, 0.6, roles=COLOCATED, threshold=32), 0.15, 1.8)
+    cur = estimate(Layout(0, 2, 32), s)
+    assert calibrate(s, cur).decode_work_scale > 1.5
+    c = calibrate(s, cur, since=s.at - 1.0)  # the action a second ago: too few requests since
+    assert (c.decode_work_scale, c.tpot_scale, c.tpot_samples) == (1.0, 1.0, 0)
