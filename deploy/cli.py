@@ -173,6 +173,7 @@ def cmd_generate_remote(a: argparse.Namespace) -> int:
 def cluster_config_from_args(a: argparse.Namespace):
     from deploy.launcher import ClusterConfig
     from deploy.nodes import tensor_parallel_sizes
+    from router.planner.config import PLANNER_FIELDS
     from security.api_keys import keys_from
 
     return ClusterConfig(
@@ -187,9 +188,7 @@ def cluster_config_from_args(a: argparse.Namespace):
         prefill_deadline_floor_s=a.prefill_deadline_floor_s,
         max_step_failures=a.max_step_failures, max_start_failures=a.max_start_failures,
         prefix_fetch=a.prefix_fetch,
-        **{f: getattr(a, f) for f in ("planner", "planner_interval_s", "planner_cooldown_s", "planner_window_s",
-                                      "planner_resize", "min_prefill_nodes", "max_prefill_nodes",
-                                      "min_decode_nodes", "max_decode_nodes")},
+        **{f: getattr(a, f) for f in PLANNER_FIELDS},
         **dict(zip(("prefill_tensor_parallel", "decode_tensor_parallel"), tensor_parallel_sizes(a))),
     )
 

@@ -127,16 +127,11 @@ class ClusterConfig:
             raise ValueError(f"need max_step_failures >= 0 and max_start_failures >= 1, got "
                              f"{self.max_step_failures} and {self.max_start_failures}")
 
-
     @property
     def planner_config(self):
-        from router.planner.config import PlannerConfig, lease_for
+        from router.planner.config import planner_config
 
-        return PlannerConfig(mode=self.planner, interval_s=self.planner_interval_s, cooldown_s=self.planner_cooldown_s,
-                             lease_s=lease_for(self.planner_interval_s), min_prefill_nodes=self.min_prefill_nodes,
-                             max_prefill_nodes=self.max_prefill_nodes, min_decode_nodes=self.min_decode_nodes,
-                             max_decode_nodes=self.max_decode_nodes, resize=self.planner_resize,
-                             window_s=self.planner_window_s)
+        return planner_config(self)
 
 
 def router_config(cfg: ClusterConfig, **fields):

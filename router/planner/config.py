@@ -142,8 +142,14 @@ def add_planner_arguments(p: argparse.ArgumentParser) -> None:
                            + ("many" if bound == "min" else "many (default: the nodes running)"))
 
 
-def planner_config(args: argparse.Namespace) -> PlannerConfig:
-    """The PlannerConfig of parsed ``add_planner_arguments`` flags (ValueError: refused)."""
+# The flags' destinations, which are also ClusterConfig's field names (deploy/launcher.py).
+PLANNER_FIELDS = ("planner", "planner_interval_s", "planner_cooldown_s", "planner_window_s", "planner_resize",
+                  "min_prefill_nodes", "max_prefill_nodes", "min_decode_nodes", "max_decode_nodes")
+
+
+def planner_config(args) -> PlannerConfig:
+    """The PlannerConfig of parsed ``add_planner_arguments`` flags, or of anything with the same
+    attributes (``PLANNER_FIELDS``: a ClusterConfig); ValueError: refused."""
     return PlannerConfig(mode=args.planner, interval_s=args.planner_interval_s, cooldown_s=args.planner_cooldown_s,
                          lease_s=lease_for(args.planner_interval_s),
                          min_prefill_nodes=args.min_prefill_nodes, max_prefill_nodes=args.max_prefill_nodes,
