@@ -27,9 +27,11 @@ Each pass:
     act       add: spawn a node actor with a fresh id (the lowest free index of its role);
               remove: the actor's ``stop(drain_timeout_s)`` (it heartbeats ``draining`` so
               routers place nothing new there, finishes what it holds, leaves the index), then
-              ``ray.kill``; both logged with their reason, counted
-              (``pdserve:pool_changes_total{role,action}`` where a metrics registry is given) and
-              noted in Redis for `pdserve status`
+              ``ray.kill`` and, should its process outlive that (a frozen worker), SIGKILL
+              (deploy/ray_reap.py); a node that never registered is killed at once (nothing to
+              drain, and its ``stop`` would wait behind its constructor); both logged with their
+              reason, counted (``pdserve:pool_changes_total{role,action}`` where a metrics
+              registry is given) and noted in Redis for `pdserve status`
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from deploy.ray_reap import actor_process, reap
 from kv_index.nodes import NodeInfo, Role
 
 log = logging.getLogger(__name__)
@@ -270,7 +273,8 @@ class PoolController:
             self.spawn(c.role, c.node_id)
             self._first_seen[c.node_id] = now
         else:
-            self._remove(c.node_id)
+            victim = next((n for n in nodes if n.node_id == c.node_id), None)
+            self._remove(c.node_id, drain=victim is None or victim.state != STARTING)
         self.last_change_at = self.clock()  # the cool-down counts from the end of a drain
         if self.metrics is not None:
             self.metrics.changed(c.role.value, c.action)
@@ -280,8 +284,11 @@ class PoolController:
             log.warning("pool change not noted in Redis: %s", e)
         return d
 
-    def _remove(self, name: str) -> None:
-        """Drain the node (its requests finish, it leaves the index), then end its actor."""
+    def _remove(self, name: str, drain: bool = True) -> None:
+        """Drain the node (its requests finish, it leaves the index), then end its actor.
+        ``drain`` False: a node that never registered, which no router placed anything on; its
+        ``stop`` would only queue behind a constructor that may never return (a hung or frozen
+        start, an actor with no room), holding every other change for the drain's bound."""
         import ray
 
         try:
@@ -291,12 +298,16 @@ class PoolController:
             self.on_removed(name)
             return
         t0 = time.monotonic()
-        try:
-            ray.get(handle.stop.remote(drain_timeout_s=self.drain_timeout_s), timeout=self.drain_timeout_s + 10)
-        except ray.exceptions.RayError as e:  # a node that never started, or died: nothing to drain
-            log.info("%s did not drain cleanly (%s); killing it", name, type(e).__name__)
+        where = actor_process(name)  # before the kill: ray.kill may leave a frozen process behind
+        if drain:
+            try:
+                ray.get(handle.stop.remote(drain_timeout_s=self.drain_timeout_s), timeout=self.drain_timeout_s + 10)
+            except ray.exceptions.RayError as e:  # a node that never started, or died: nothing to drain
+                log.info("%s did not drain cleanly (%s); killing it", name, type(e).__name__)
         ray.kill(handle, no_restart=True)
-        log.info("%s removed after %.1f s of draining", name, time.monotonic() - t0)
+        if where is not None:
+            reap(name, where)
+        log.info("%s removed after %.1f s%s", name, time.monotonic() - t0, " of draining" if drain else "")
         self.on_removed(name)
 
     def run(self, stop: threading.Event, interval_s: float) -> None:

@@ -123,11 +123,15 @@ class AsyncEngine:
         # Fault injection (tests and `pdserve chaos`: a slow node): seconds to sleep after each
         # step. Set in the node's own process only; nothing on the wire reaches it.
         self.step_delay_s = 0.0
-        # Liveness: bumped by the loop on every iteration (after each step, and every
-        # IDLE_TICK_S while it sleeps), never inside a step. A decode node heartbeats a silent
-        # stream only while this moves (decode_node/server.py), so an engine wedged in a step
-        # goes quiet and the router's progress deadline moves its requests.
-        self.progress = 0
+        # Liveness (``progress``): bumped by the loop on every iteration (after each step, and
+        # every IDLE_TICK_S while it sleeps) and by each decoder layer a step completes. A
+        # decode node heartbeats a silent stream only while it moves (decode_node/server.py),
+        # so an engine wedged in a step (stuck in a layer, or between steps) goes quiet and the
+        # router's progress deadline moves its requests; one merely slow (a long prompt chunk
+        # beside a full batch on a CPU core: 3-5 s steps were seen in the elastic benchmark)
+        # still moves, layer by layer.
+        self._ticks = 0
+        self._layers_done = 0  # written by the model's layer hooks, on the loop thread only
         self._tiers_woke = False  # a tier worker finished something (loop thread resets it)
         engine.set_tiers_notifier(self._wake_for_tiers)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -309,8 +313,24 @@ class AsyncEngine:
         # Fire and forget: a client disconnect callback must not block on the loop.
         self.call(lambda eng: eng.abort(request_id))
 
+    @property
+    def progress(self) -> int:
+        """A counter that moves while the engine does: loop iterations and decoder layers run."""
+        return self._ticks + self._layers_done
+
+    def _count_layers(self) -> None:
+        """Hook every decoder layer of the engine's model (where it has a ``layers`` list): one
+        more layer done moves ``progress``. Installed on the loop thread, before its first step."""
+        model = getattr(getattr(self.engine, "runner", None), "model", None)
+        for layer in getattr(model, "layers", None) or ():
+            layer.register_forward_hook(self._layer_done)
+
+    def _layer_done(self, module, args, output) -> None:
+        self._layers_done += 1
+
     def _run(self) -> None:
         busy = False
+        self._count_layers()
         self._publish_events()  # what the engine found at start (its disk tier's blocks)
         try:
             while True:
@@ -319,7 +339,7 @@ class AsyncEngine:
                         # A sleeping loop is idle, not wedged: a request waiting for blocks
                         # that only a command can free keeps its heartbeats.
                         self._cond.wait(IDLE_TICK_S)
-                        self.progress += 1
+                        self._ticks += 1
                     if self._stopping:
                         break
                     commands, self._commands = self._commands, deque()
@@ -327,7 +347,7 @@ class AsyncEngine:
                 for cmd in commands:
                     self._run_command(cmd)
                 busy = self._step()
-                self.progress += 1
+                self._ticks += 1
         except BaseException as err:  # the loop is gone (logged here, not re-raised): a dead engine is a dead node
             log.exception("engine loop crashed")
             self.unhealthy_reason = self.unhealthy_reason or f"engine loop died: {err!r}"

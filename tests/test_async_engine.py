@@ -153,3 +153,34 @@ def test_shutdown_fails_open_streams_and_refuses_commands(tiny_dir):
         list(stream.iter(timeout=30))
     with pytest.raises(EngineStoppedError):
         ae.abort("x")
+
+
+def test_progress_moves_layer_by_layer_inside_a_slow_step_and_stops_in_a_wedged_one(aengine):
+    """A step that is merely slow (a long prompt chunk beside a full batch on a CPU core) still
+    moves ``progress`` as each decoder layer finishes, so a decode node heartbeats its silent
+    streams; a loop that stands between steps (``step_delay_s``: wedged) does not."""
+    layers = aengine.engine.runner.model.layers
+    at_layer: list[tuple[int, int]] = []  # (layer, progress as it starts), inside the step
+    hooks = [layer.register_forward_pre_hook(lambda m, a, i=i: at_layer.append((i, aengine.progress)))
+             for i, layer in enumerate(layers)]
+    try:
+        list(aengine.add_request([5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=1)).iter(timeout=30))
+    finally:
+        for h in hooks:
+            h.remove()
+    first = at_layer[:len(layers)]  # the one step
+    assert [i for i, _ in first] == list(range(len(layers)))
+    assert [p - first[0][1] for _, p in first] == list(range(len(layers)))  # one more per layer done
+    aengine.step_delay_s = 1.0  # wedged after each step: no layer runs, no iteration ends
+    stream = aengine.add_request([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4))
+    samples, t0 = [], time.monotonic()
+    while time.monotonic() - t0 < 2.5:
+        samples.append((time.monotonic(), aengine.progress))
+        time.sleep(0.05)
+    still = longest = 0.0
+    for (t1, p1), (t2, p2) in zip(samples, samples[1:]):
+        still = still + (t2 - t1) if p2 == p1 else 0.0
+        longest = max(longest, still)
+    assert longest >= 0.7, samples  # the loop stood still for most of each 1 s wedge
+    aengine.step_delay_s = 0.0
+    list(stream.iter(timeout=30))

@@ -168,7 +168,7 @@ def test_the_mixes_play_back_to_back_with_a_lead_and_each_pass_draws_its_half():
     docs = [r for r in first if r.arrival_s >= 15]
     assert sum(r.kind == "long" for r in docs) > sum(r.kind == "long" for r in first if r.arrival_s < 15)
     assert play.requests(0, None) == play.requests(1, None)  # the phases play: the same in both passes
-    assert [s.workload for s in play.segments] == ["phases"] and play.segments[0].end == 50.0
+    assert [s.workload for s in play.segments] == ["phases"] and play.segments[0].end == 100.0
     assert [lay.name for lay in serve_elastic.layouts(args)] == ["fixed", "colocated", "elastic"]
     with pytest.raises(SystemExit, match="unknown"):
         serve_elastic.layouts(_args("--elastic-layouts", "fixed,both"))
@@ -205,7 +205,7 @@ def test_a_stream_is_cut_into_its_workloads_by_arrival_and_time():
 def test_the_plot_draws_goodput_and_the_roles_over_time(tmp_path):
     from deploy.bench.serve_elastic_plot import plot
 
-    by = {name: {"goodput_rps": g, "role_switches": 0, "dropped": 0} for name, g in
+    by = {name: {"grid_goodput_rps": g, "role_switches": 0, "dropped": 0} for name, g in
           (("fixed", 0.5), ("colocated", 0.7), ("elastic", 0.8))}
     by["elastic"] = {**by["elastic"], "role_switches": 2, "roles_over_time": [
         {"pass": 1, "prefill_nodes": [(0.0, 1), (12.0, 0), (30.0, 1), (60.0, 1)], "thresholds": [(0.0, 256), (12.0, 2048)]},
@@ -231,15 +231,41 @@ def test_the_layouts_share_two_pinned_cores_and_only_the_elastic_one_plans():
     assert elastic.max_prefill_nodes is None and elastic.max_decode_nodes is None and not elastic.planner_resize
     assert (elastic.planner_interval_s, elastic.planner_cooldown_s, elastic.planner_window_s) == (2.0, 8.0, 20.0)
     assert configs["fixed"].short_prompt_tokens == elastic.short_prompt_tokens == 256
+    # The planner is told the SLO grid's middle point, what the layouts are scored around.
+    assert (elastic.planner_ttft_slo_factor, elastic.planner_tpot_slo_factor) == (5.0, 3.0)
+    assert serve_elastic.planner_slo(_args("--slo-grid-tpot-factors", "4,1.5")) == (5.0, 4.0)
+    # --static-planner advisory: the static layouts' routers decide too (and change nothing), each
+    # layout's rounds recorded per pass.
+    args = _args("--static-planner", "advisory", "--planner-records", "/tmp/r")
+    lays = {lay.name: lay for lay in serve_elastic.layouts(args)}
+    fixed = serve_elastic._cluster_config(args, lays["fixed"], 1)
+    assert (fixed.planner, fixed.planner_record, fixed.planner_tpot_slo_factor) == ("advisory", "/tmp/r_fixed_pass2.jsonl", 3.0)
+    assert serve_elastic._cluster_config(args, lays["elastic"], 0).planner == "active"
+    assert configs["fixed"].planner_record is None
+    with pytest.raises(SystemExit, match="need numbers > 0"):
+        serve_elastic.grid_factors(_args("--slo-grid-ttft-factors", "0,3"))
+
+
+def test_grid_goodput_is_the_mean_of_each_slo_points_pooled_goodput():
+    """Two requests over 10 s of one pass: TPOT 0.09 s and 0.15 s (10 tokens, first token at
+    0.1 s); with a TPOT bound of 0.1 one meets it, of 0.2 both: the grid's mean lies between."""
+    def r(i, sent, tpot):
+        return Record(i, "chat", 64, 10, sent, sent, first_token_s=sent + 0.1, end_s=sent + 0.1 + 9 * tpot,
+                      output_tokens=10)
+    a, b = r(0, 0.0, 0.09), r(1, 8.55, 0.15)  # b ends at 8.55 + 0.1 + 1.35 = 10.0
+    g = fig.grid_goodput([[a, b]], [Slo(1.0, 0.1), Slo(1.0, 0.2)])
+    assert g["grid_points"] == pytest.approx([0.1, 0.2]) and g["grid_goodput_rps"] == pytest.approx(0.15)
 
 
 def test_the_elastic_planner_window_fits_the_workload():
-    """By default the window is a mix's lead (at most 15 s): the cluster's 60 s would mostly hold
-    the previous mix or phase when the planner settles on the next one."""
+    """By default the window is a mix's length (lead and measured), at most 30 s: the cluster's
+    60 s would mostly hold the previous mix or phase when the planner settles on the next one,
+    and a much shorter one holds too few requests to tell the layouts apart."""
     def window(*argv):
         args = _args(*argv)
         lay = next(x for x in serve_elastic.layouts(args) if x.planner != "off")
         return serve_elastic._cluster_config(args, lay).planner_window_s
-    assert window() == 12.0  # the default lead
-    assert window("--lead-s", "40") == 15.0 and window("--lead-s", "0", "--mix-seconds", "8") == 8.0
-    assert window("--lead-s", "40", "--planner-window-s", "30") == 30.0
+    assert window() == 30.0  # lead 20 + 40 measured, capped
+    assert window("--lead-s", "5", "--mix-seconds", "10") == 15.0
+    assert window("--lead-s", "0", "--mix-seconds", "8") == 8.0
+    assert window("--lead-s", "40", "--planner-window-s", "12") == 12.0

@@ -263,7 +263,7 @@ def test_an_absurd_report_moves_the_fit_a_bounded_step():
 
 def test_orchestrator_feeds_the_book_from_prefill_responses():
     from protos.pdserve.v1 import kv_pb2
-    from router.orchestrator import learn_transfer
+    from router.cost_lessons import learn_transfer
 
     book = CostBook(kv_bytes_per_token=1)
     # A node from before the transports: no transport named, nothing streamed; it pushed over gRPC.

@@ -8,6 +8,7 @@ output tokens, Poisson-like arrivals, on costs like the 2-core dev VM's one-core
 """
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -353,3 +354,136 @@ def test_calibration_reads_only_what_the_current_layout_served():
     assert calibrate(s, cur).decode_work_scale > 1.5
     c = calibrate(s, cur, since=s.at - 1.0)  # the action a second ago: too few requests since
     assert (c.decode_work_scale, c.tpot_scale, c.tpot_samples) == (1.0, 1.0, 0)
+
+
+def test_the_window_stretches_back_to_hold_min_requests_and_no_further():
+    from router.planner.signals import RequestSample, RequestWindow
+
+    w = RequestWindow()
+    for t in (10.0, 50.0, 80.0, 95.0, 99.0):
+        w.add(RequestSample(at=t, prompt_tokens=64, cached_tokens=0, output_tokens=8, ttft_s=0.1, tpot_s=0.05))
+    # 12 s window at t=100: two requests inside; four wanted: the last four, within 4 windows (48 s).
+    assert [r.at for r in w.recent(100.0, 12.0, 4)] == [80.0, 95.0, 99.0]  # t=50 is past 4 windows
+    assert [r.at for r in w.recent(100.0, 12.0, 2)] == [95.0, 99.0]  # enough inside: the window alone
+    assert [r.at for r in w.recent(100.0, 30.0, 2)] == [80.0, 95.0, 99.0]
+    # What fell past the stretch is gone for good (the deque does not grow without bound).
+    assert [r.at for r in w.recent(100.0, 100.0, 9)] == [80.0, 95.0, 99.0]
+
+
+def test_a_recorded_round_reads_back_as_the_same_signals_and_decision(tmp_path):
+    """router/planner/record.py: what the planner saw, as JSON lines, replays to the same decision."""
+    from router.planner.record import RoundRecorder, read_rounds
+
+    path = str(tmp_path / "rounds.jsonl")
+    rec = RoundRecorder(path)
+    series = [signals(0.4, 0.45, threshold=2048, seed=i, at=1000.0 + 5 * i) for i in range(3)]
+    cfg = PlannerConfig(confirm_rounds=1)
+    decisions = [decide(s, PlannerState(), cfg) for s in series]
+    for s, d in zip(series, decisions):
+        rec(s, d)
+    rec.close()
+    rounds = read_rounds(path)
+    assert [s for s, _ in rounds] == series  # every field, roles and costs included
+    assert [(d["action"], d["reason"], d["threshold"]) for _, d in rounds] == [
+        (d.action, d.reason, d.threshold) for d in decisions]
+    assert [decide(s, PlannerState(), cfg).detail for s, _ in rounds] == [d.detail for d in decisions]
+    with open(path, "a") as f:
+        f.write('{"signals": {"nodes": []}, "decision": {}}\n')
+    with pytest.raises(ValueError, match=r"rounds.jsonl:4: not a planner round's signals"):
+        read_rounds(path)
+
+
+def test_prompts_cached_whole_cost_no_prefill_and_no_division_by_zero():
+    """A request placed again after a migration finds its whole prompt cached: its local
+    prefill costs 0 s. Every local prefill of such a window once divided by a zero mean (the
+    planner's rounds were skipped, 'float division by zero', in the elastic benchmark)."""
+    s = signals(0.0, 0.2, threshold=2048)
+    cached = tuple(RequestSample(r.at, r.prompt_tokens, r.prompt_tokens, r.output_tokens, None, None)
+                   for r in s.requests)
+    s = PlannerSignals(s.at, s.span_s, s.nodes, cached, s.prefill, s.decode, s.transfer_fixed_s,
+                       s.transfer_s_per_token, 2048)
+    e = estimate(Layout(1, 1, 2048), s)
+    assert e.local_util == 0.0 and e.attainment > 0.9
+    assert decide(s, PlannerState(), PlannerConfig(confirm_rounds=1)).action in (HOLD, SET_THRESHOLD, SWITCH_ROLES)
+
+
+def test_the_offered_load_counts_requests_when_they_arrive_not_when_they_finish():
+    """Past saturation a layout finishes fewer requests than arrive: the planner judges layouts at
+    the rate admitted (RequestWindow.arrived), not at the rate finished."""
+    from router.planner.signals import RequestWindow
+
+    w = RequestWindow()
+    for i in range(40):
+        w.arrived(1000.0 + i * 0.5)  # 2 a second over 20 s
+    assert w.offered_rps(1020.0, 10.0) == pytest.approx(2.0, rel=0.06)
+    assert w.offered_rps(1020.0, 10.0, since=1016.0) == pytest.approx(2.0, rel=0.15)  # a router up for 4 s
+    assert w.offered_rps(1100.0, 10.0) == 0.0  # nothing lately (and the old ones are dropped)
+    finished = signals(0.1, 0.4)  # 0.4 a second finished...
+    offered = PlannerSignals(finished.at, finished.span_s, finished.nodes, finished.requests, finished.prefill,
+                             finished.decode, finished.transfer_fixed_s, finished.transfer_s_per_token,
+                             finished.short_prompt_tokens, offered_rps=1.2)  # ...of 1.2 sent
+    assert finished.rate_rps == pytest.approx(0.4) and offered.rate_rps == 1.2
+    # Judged at the rate finished, 1P+1D looks fine; at the rate sent, it is saturated.
+    assert estimate(Layout(1, 1, 256), finished).decode_util < estimate(Layout(1, 1, 256), offered).decode_util
+    assert estimate(Layout(1, 1, 256), offered).attainment < estimate(Layout(1, 1, 256), finished).attainment
+
+
+def test_past_saturation_the_less_overloaded_layout_wins_with_kv_capacities_known():
+    """Every layout saturated predicts 0 goodput; the one whose busiest pool is less overloaded
+    still serves more before its queues run away (relief). A saturated decode pool's KV figure
+    is infinite: it must not make every saturated layout look alike (it did once the nodes
+    heartbeated their KV capacity, and the elastic benchmark's 1P+1D, three times over its
+    capacity at 2 requests a second of chat, held: 'no_gain')."""
+    s = signals(0.05, 2.0)
+    nodes = tuple(NodeSignal(n.node_id, n.role, kv_capacity_tokens=5824) for n in s.nodes)
+    s = PlannerSignals(s.at, s.span_s, nodes, s.requests, s.prefill, s.decode, s.transfer_fixed_s,
+                       s.transfer_s_per_token, s.short_prompt_tokens)
+    one, two = estimate(Layout(1, 1, 256), s), estimate(Layout(0, 2, 256), s)
+    assert one.goodput_rps == two.goodput_rps == 0.0 and math.isinf(one.kv_util)
+    assert one.max_util == one.decode_util > two.max_util >= 1.0
+    d = decide(s, PlannerState(), PlannerConfig(confirm_rounds=1))
+    assert (d.action, d.reason, d.layout.prefill, d.layout.decode) == (SWITCH_ROLES, "decode_bound", 0, 2)
+
+
+def test_the_tpot_slo_is_a_factor_of_the_tpot_measured_alone_not_of_the_fits_intercept():
+    from router.planner.signals import RequestWindow
+
+    w = RequestWindow()
+    assert w.unloaded_tpot_s() == 0.0  # nothing finished: unknown
+    for t in (0.30, 0.041, 0.25, 0.039, 0.28, 0.5):
+        w.add(RequestSample(1000.0, 64, 0, 32, 0.1, t))
+    w.add(RequestSample(1000.0, 64, 0, 1, 0.1, None))  # a single token: no TPOT
+    assert w.unloaded_tpot_s() == 0.041  # the second fastest
+    # DECODE's step at batch 1 is 72 ms, so 2x is 144 ms; measured alone, 40 ms: 2x is 80 ms.
+    s = signals(0.0, 0.2)
+    fit_only = estimate(Layout(1, 1, 256), s)
+    measured = PlannerSignals(s.at, s.span_s, s.nodes, s.requests, s.prefill, s.decode, s.transfer_fixed_s,
+                              s.transfer_s_per_token, s.short_prompt_tokens, unloaded_tpot_s=0.040)
+    strict = estimate(Layout(1, 1, 256), measured)
+    assert 0.08 < fit_only.tpot_s < 0.144 and fit_only.attainment > 0.9  # well within 2x the fit's step
+    assert strict.tpot_s == fit_only.tpot_s and strict.attainment < 0.5  # near or past 2x the measured one
+
+
+def test_a_recorded_overload_of_one_decode_node_moves_its_prefill_node_to_decode():
+    """Real rounds (router/planner/record.py), recorded by the advisory planner of the elastic
+    benchmark's fixed 1P+1D layout on seed 0 (2026-12-02) while its phases played chat at 0.8-2.3
+    requests a second: the decode node measured 0.3-2 s TPOT (about 40 ms alone). Replayed, the
+    planner moves the prefill node to decode (two colocated nodes: half the decode load each),
+    after confirming, and never the other way."""
+    from pathlib import Path
+
+    from router.planner.record import read_rounds
+
+    rounds = read_rounds(str(Path(__file__).parent / "data" / "planner_rounds_fixed_chat_overload.jsonl"))
+    assert len(rounds) >= 30 and all(s.offered_rps >= 0.4 for s, _ in rounds)
+    cfg = PlannerConfig(interval_s=2.0, cooldown_s=8.0, window_s=15.0, tpot_slo_factor=3.0)
+    state, acts = PlannerState(), []
+    for s, _ in rounds:  # the recorded layout as it ran (nothing was applied: it was advisory)
+        d = decide(s, state, cfg)
+        state = d.state
+        if d.acts:
+            acts.append(d)
+    assert acts and all((d.action, d.reason) == (SWITCH_ROLES, "decode_bound") for d in acts)
+    assert all((d.layout.prefill, d.layout.decode) == (0, 2) for d in acts)
+    assert acts[0].roles == {next(n.node_id for n in rounds[0][0].nodes if n.role == Role.PREFILL): Role.DECODE}
+    assert acts[0].figures["current_decode_util"] > 1 > acts[0].figures["target_decode_util"] * 0.5

@@ -6,9 +6,12 @@
   through ``RoleStore.request`` (the planner's path) while they run. Every request completes
   once with the output of a run without switches, the node's cached blocks stay in the index,
   and its /metrics counted both switches.
+- The fallback, driven by a real fault: the port the decode role must bind is held by a socket
+  of the test, so the switch fails and the node serves its old role again over the same engine.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import urllib.request
@@ -272,11 +275,153 @@ def test_prefill_node_turns_decode_and_back_under_live_streams(tiny_dir, tok_dir
         print(f"\nrole switch: {submitted} requests, {moved:.0f} moved on the timed-out switch; "
               + ", ".join(f"{what} {wish:.2f} s from the wish ({own:.3f} s on the node)" for what, wish, own in took))
     finally:
-        if router is not None:
-            router.stop()
-        try:
-            ray.get([a.stop.remote(drain_timeout_s=5.0) for a in actors.values()], timeout=60)
-        finally:
-            for a in actors.values():
-                ray.kill(a, no_restart=True)
-            r.close()
+        stop_cluster(router, actors, r)
+
+
+def stop_cluster(router, actors: dict, r) -> None:
+    """The live tests' teardown: the router, then every node actor (drained, then killed), then
+    the Redis client."""
+    import ray
+
+    if router is not None:
+        router.stop()
+    try:
+        ray.get([a.stop.remote(drain_timeout_s=5.0) for a in actors.values()], timeout=60)
+    finally:
+        for a in actors.values():
+            ray.kill(a, no_restart=True)
+        r.close()
+
+
+# ---------------------------------------------------------------- a new role that cannot start
+class DecodeOnTakenPort:
+    """The node actor's server factory (deploy/nodes.py build_any_role), except that its decode
+    role is deployed with a KV data port another process holds: that role's server fails to
+    bind it (EADDRINUSE) when the node switches to it. The prefill role keeps a free port.
+    Both roles share every configured port, so only a role-specific setting like this one
+    leaves the old role able to start again (a port taken from both would fail both)."""
+
+    roles = (Role.PREFILL, Role.DECODE)
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    def __call__(self, config: NodeConfig, engine=None):
+        from dataclasses import replace
+
+        from deploy.nodes import build_any_role
+
+        if config.role is Role.DECODE:
+            config = replace(config, kv_data_port=self.port)
+        return build_any_role(config, engine)
+
+
+def _generate(client, ids: list[int]) -> list[int]:
+    got: list[int] = []
+    with client.generate(token_ids=ids, max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0) as stream:
+        for chunk in stream:
+            got.extend(chunk.token_ids)
+        assert stream.completion.finish_reason == "length"
+    return got
+
+
+def test_a_new_role_that_cannot_start_gives_the_node_its_old_role_back_on_the_same_engine(
+        tiny_dir, tok_dir, redis_url, local_ray):
+    """The real fault: the port the decode role must bind is held by a listening socket of this
+    test. prefill-0 is told to turn decode: the switch answers "failed", the node serves as
+    prefill again (registry role, a new address, requests prefilled there and token-identical)
+    in the same process over the same engine (its cache and counters kept), and its /metrics
+    counted the failure."""
+    import socket
+
+    import ray
+    from ray import cloudpickle
+
+    import pdserve
+    from deploy.nodes import server_builder
+    from engine.engine import LLMEngine
+    from kv_index.reader import IndexReader
+    from node.actor import spawn_node
+    from router.config import RouterConfig
+    from router.server import serve
+    from tokens.block_hash import hash_prompt_blocks
+    from tokens.sampling_params import SamplingParams
+
+    # The factory travels to the actor by value: pytest imports this file under a name the
+    # actor's process cannot import.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    held = socket.create_server(("127.0.0.1", 0))  # listening: nothing else may bind it
+    ns = f"switchfail-{uuid.uuid4().hex[:6]}"
+    eng = engine_config(tiny_dir, num_blocks=512)
+    common = dict(redis_url=redis_url, namespace=ns, lease_s=1.5, heartbeat_s=0.1, load_tokenizer=False,
+                  engine=eng, grpc_workers=8, drain_timeout_s=10.0)
+    actors = {"prefill-0": spawn_node(NodeConfig(node_id="prefill-0", role="prefill", **common),
+                                      DecodeOnTakenPort(held.getsockname()[1]), num_cpus=0),
+              "decode-0": spawn_node(NodeConfig(node_id="decode-0", role="decode", **common),
+                                     server_builder(Role.DECODE), num_cpus=0)}
+    p0 = actors["prefill-0"]
+    r = redis.Redis.from_url(redis_url)
+    reader = IndexReader(r, ns=ns)
+    router = client = None
+    try:
+        assert ray.get([a.ready.remote() for a in actors.values()], timeout=60) == [True, True]
+        router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0,
+                                    namespace=ns, max_model_len=512, http_port=None, node_refresh_s=0.1,
+                                    short_prompt_tokens=32, vocab_size=512))
+        client = pdserve.Client(router.address, timeout=DEADLINE_S, retries=0)
+
+        def routed_to(address: str) -> bool:
+            return any(n.node_id == "prefill-0" and n.grpc_address == address
+                       for n in router.orchestrator.refresher.view.nodes)
+
+        old_address = ray.get(p0.address.remote(), timeout=30)
+        assert wait_for(lambda: routed_to(old_address) and serves(reader, "decode-0", Role.DECODE), 20, every=0.05)
+        ref_engine = LLMEngine(eng, load_tokenizer=False)
+
+        def expected(ids: list[int]) -> list[int]:
+            params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+            return list(ref_engine.generate([ids], params)[0].outputs[0].token_ids)
+
+        ids = prompt(7, 60)
+        assert _generate(client, ids) == expected(ids)
+        before = ray.get(p0.stats.remote(), timeout=30)
+        assert before["prefills"] == 1
+        fp = reader.live_nodes()["prefill-0"].fingerprint.encode()
+        hashes = hash_prompt_blocks(ids, eng.cache.block_size, fp)
+        cached = reader.match(hashes, ["prefill-0"])["prefill-0"].blocks
+        assert cached > 0
+        metrics_address = reader.live_nodes()["prefill-0"].metrics_address
+
+        result = ray.get(p0.switch_role.remote("decode", 5.0), timeout=60)
+        assert result["outcome"] == "failed", result
+        assert "decode server failed to start" in result["reason"] and "Address already in use" in result["reason"]
+        new_address = result["address"]
+        assert new_address and new_address != old_address  # the old role on a fresh gRPC port
+        assert ray.get(p0.address.remote(), timeout=30) == new_address
+
+        # The registry: the old role at the new address, not draining; its blocks still listed.
+        assert wait_for(lambda: serves(reader, "prefill-0", Role.PREFILL)
+                        and reader.live_nodes()["prefill-0"].grpc_address == new_address, 10, every=0.05)
+        assert reader.match(hashes, ["prefill-0"])["prefill-0"].blocks == cached
+        # Served as prefill again, over the same engine: the same process (no restart), the
+        # engine's cumulative counters go on, and the prompt it prefilled before is a cache hit.
+        assert wait_for(lambda: routed_to(new_address), 10, every=0.05)
+        assert _generate(client, ids) == expected(ids)
+        after = ray.get(p0.stats.remote(), timeout=30)
+        assert after["role"] == "prefill" and after["pid"] == before["pid"] and after["healthy"]
+        assert after["prefills"] == 1  # this server's first: the router placed it here again
+        assert after["prefix_cache_query_tokens"] > before["prefix_cache_query_tokens"]
+        assert after["prefix_cache_hit_tokens"] > before["prefix_cache_hit_tokens"]
+        other = prompt(8, 50)  # and a prompt it never saw
+        assert _generate(client, other) == expected(other)
+        assert ray.get(p0.stats.remote(), timeout=30)["prefills"] == 2
+
+        metrics = switch_metrics(metrics_address)  # the same endpoint, the fallback server's registry
+        assert metrics[("prefill", "decode", "failed")] == 1
+        assert metrics.get(("prefill", "decode", "ok"), 0) == 0
+    finally:
+        held.close()
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        if client is not None:
+            client.close()
+        stop_cluster(router, actors, r)

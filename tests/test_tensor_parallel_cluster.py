@@ -7,7 +7,9 @@ processes on a gloo group), real Redis, real gRPC and the router, on the tiny ra
   LandingArea); the greedy output equals one TP 1 engine's;
 - when one of the TP 2 decode node's ranks is SIGKILLed mid-stream the node fails as a whole:
   the stream migrates to a TP 1 decode node (its KV again from the TP 2 prefill node) and
-  completes with the same tokens.
+  completes with the same tokens;
+- a TP 2 decode node whose landing area is full refuses a reservation over gRPC with
+  RESOURCE_EXHAUSTED and a retry hint, and the router prefills on the decode node instead.
 
 Which transport carries the KV here is shm (one host); dist and tcp between TP sizes are the
 in-process test's.
@@ -269,3 +271,88 @@ def test_a_tp2_prefill_node_fetches_a_prefix_from_a_tp2_holder_and_sends_over_di
         assert landing.free_slots == landing.tensor.shape[1]  # the fetch's slots came back
     finally:
         nodes.close()
+
+
+def test_a_full_landing_area_answers_resource_exhausted_with_a_retry_hint_and_the_router_recomputes(
+        tiny_dir, tok_dir, redis_url, reference, caplog):
+    """A TP 2 decode node whose landing area has room for one prompt (engine/parallel/kv_regroup.py
+    landing_slots: max_model_len 64 at 4-token blocks, 32-block pool: 16 slots) holds a
+    reservation of 9 slots taken over the real wire. The next ReserveBlocks, over gRPC, is
+    refused with RESOURCE_EXHAUSTED and the node's retry hint while the engine's pool still has
+    room, and takes nothing; a request through the router meets the same refusal, which the
+    router reports and answers by prefilling on the decode node (same tokens). Once the held
+    reservation is released the next request is disaggregated again and every slot comes back."""
+    import logging
+
+    import grpc
+
+    from decode_node.server import RETRY_AFTER_MS
+    from protos.conventions import retry_after_ms
+    from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
+    from router.config import RouterConfig
+    from router.server import serve
+    from tests.clusters import start_node
+
+    ns = f"tpfull-{uuid.uuid4().hex[:6]}"
+    from engine.config import SchedulerConfig
+    from tests.helpers import engine_config
+
+    eng = engine_config(tiny_dir, block_size=4, num_blocks=32,
+                        scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8, max_model_len=64))
+    common = dict(redis_url=redis_url, namespace=ns, lease_s=1.5, heartbeat_s=0.2, grpc_workers=8)
+    prefill = start_node("prefill", "prefill-0", eng, **common)
+    decode = start_node("decode", "decode-0", eng, tensor_parallel=2, reservation_lease_s=60.0, **common)
+    router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0, namespace=ns,
+                                max_model_len=512, http_port=None, node_refresh_s=0.1, short_prompt_tokens=8,
+                                vocab_size=512))
+    client = pdserve.Client(router.address, timeout=60, retries=0)
+    channel = grpc.insecure_channel(decode.address)
+    kv = kv_pb2_grpc.KVTransferStub(channel)
+
+    def reserve(rid: str, ids: list[int]):
+        return kv.ReserveBlocks(kv_pb2.ReserveBlocksRequest(
+            request_id=rid, model_fingerprint=decode.engine.fingerprint, block_size=decode.engine.block_size,
+            num_tokens=len(ids), prompt_token_ids=ids), timeout=30)
+
+    try:
+        landing = decode.inbox.landing
+        slots = landing.tensor.shape[1]
+        assert slots == 16 and decode.engine.num_blocks == 32
+        assert wait_for(lambda: _sees(router, "prefill-0", "decode-0"), timeout=20, every=0.1)
+
+        held = reserve("held-0", prompt(30, 36))  # 9 blocks: 7 landing slots left, 23 pool blocks
+        assert len(held.block_ids) == 9 and landing.free_slots == slots - 9
+        with pytest.raises(grpc.RpcError) as refused:
+            reserve("refused-1", prompt(31, 36))
+        err = refused.value
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+        assert retry_after_ms(err.trailing_metadata()) == RETRY_AFTER_MS
+        assert "landing area" in err.details()
+        # The refusal took nothing: no reservation, no slot (its engine blocks went back).
+        assert decode.reservations.get("refused-1") is None and landing.free_slots == slots - 9
+        assert len(decode.reservations) == 1
+
+        # Through the router: its ReserveBlocks is refused the same way; it says so and
+        # prefills on the decode node instead (short prompts do that anyway).
+        ids = prompt(32, 36)
+        # DEBUG: a refusal within the rate limit's window of an earlier one is logged there.
+        with caplog.at_level(logging.DEBUG, logger="router.orchestrator"):
+            assert _generate(client, ids) == reference(ids)
+        assert any("ReserveBlocks" in r.getMessage() and "RESOURCE_EXHAUSTED" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+        assert prefill.num_prefills == 0 and decode.num_decodes == 1
+
+        # Room again: disaggregated, the KV pushed into the landing area and scattered.
+        assert kv.ReleaseReservation(kv_pb2.ReleaseReservationRequest(request_id="held-0"), timeout=30).found
+        assert landing.free_slots == slots
+        ids = prompt(33, 36)
+        assert _generate(client, ids) == reference(ids)
+        assert prefill.num_prefills == 1 and prefill.num_transfer_failures == 0
+        assert decode.num_transfer_failures == 0 and decode.num_decodes == 2
+        assert wait_for(lambda: landing.free_slots == slots, timeout=10, every=0.05)
+    finally:
+        channel.close()
+        client.close()
+        router.stop()
+        for s in (prefill, decode):
+            s.stop(grace_s=0)

@@ -29,14 +29,20 @@ a warm-up, its unloaded requests (the SLO's base), then two streams:
   and every layout gets the same ones;
 - the phases play, the same requests in both passes, all measured: how fast the planner follows.
 
-SLO: per request kind, ``--slo-ttft-factor`` x the best layout's unloaded median TTFT and
-``--slo-tpot-factor`` x its unloaded TPOT, over both passes (serve_metrics.slo_from_unloaded).
+SLO: per request kind, a factor x the best layout's unloaded median TTFT and a factor x its
+unloaded TPOT, over both passes (serve_metrics.slo_from_unloaded). The headline goodput of a
+layout on a workload is the mean over a grid of factors (``--slo-grid-ttft-factors`` 3, 5, 10
+x ``--slo-grid-tpot-factors`` 2, 3, 4; serve_elastic_figures.grid_goodput says why); the single
+point ``--slo-ttft-factor`` x ``--slo-tpot-factor`` (5, 2, the earlier runs' SLO) is kept as
+``at_slo``. The elastic planner is told the grid's middle point (5x TTFT, 3x TPOT) as its SLO.
 Goodput per layout and workload pools both passes (serve_elastic_figures.pooled). Result::
 
     {"elastic_vs_best_static_min", "elastic_vs_best_static_phases", "dropped", "targets", "met",
-     "workloads": [{"name", "kind", "by_layout": {layout: {goodput_rps, slo_attainment, sent,
-     completed, refused, dropped, mismatched, role_switches, planner_decisions, ...}},
-     "best_static", "elastic_vs_best_static"}], "slo", "layouts", "schedule", "seconds", ...}
+     "at_slo": {the two ratios at the single SLO point},
+     "workloads": [{"name", "kind", "by_layout": {layout: {grid_goodput_rps, grid_points,
+     goodput_rps, slo_attainment, sent, completed, refused, dropped, mismatched, role_switches,
+     planner_decisions, ...}}, "best_static", "elastic_vs_best_static", "at_slo", "slo_grid"}],
+     "slo", "layouts", "schedule", "seconds", ...}
 """
 from __future__ import annotations
 
@@ -56,7 +62,10 @@ from deploy.bench.serve_elastic_sampler import RoleSampler
 from deploy.bench.serve_metrics import Record, slo_from_unloaded, summarize
 
 DEFAULT_SHARES = (0.1, 0.2, 0.4)
-DEFAULT_RATE = 1.0  # requests per second of the fixed mixes (near the static layouts' knees here)
+# Requests per second of the fixed mixes: chosen on seed 0 (2026-12-02): at 0.8 the fixed layout's one
+# decode node (about 50-60 tokens a second at a full batch on one core) ran 3-10x past its capacity
+# at 10% documents and its TTFT reached 90 s; at 0.5 it serves every mix, near its limit at 10%.
+DEFAULT_RATE = 0.5
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,9 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="which layouts to run, in the first pass's order")
     g.add_argument("--elastic-planner", choices=["active", "advisory"], default="active",
                    help="the elastic layout's planner mode (advisory: it decides and reports only)")
-    g.add_argument("--mix-seconds", type=float, default=10.0,
+    g.add_argument("--mix-seconds", type=float, default=40.0,
                    help="measured seconds of each fixed mix in each pass (two passes per layout)")
-    g.add_argument("--lead-s", type=float, default=12.0,
+    g.add_argument("--lead-s", type=float, default=20.0,
                    help="unmeasured seconds of each fixed mix served before its measured ones (every layout)")
     g.add_argument("--planner-interval-s", type=float, default=2.0, help="the elastic planner's round")
     g.add_argument("--planner-cooldown-s", type=float, default=8.0,
@@ -78,9 +87,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--planner-window-s", type=float, default=None,
                    help="the elastic planner's signal window (default: --lead-s, at most 15 s: a window that "
                         "outlasts a mix or a phase steers the planner by the previous one)")
+    g.add_argument("--slo-grid-ttft-factors", default="3,5,10",
+                   help="the SLO grid's TTFT factors (x unloaded TTFT per kind): goodput is the mean over the grid")
+    g.add_argument("--slo-grid-tpot-factors", default="2,3,4",
+                   help="the SLO grid's TPOT factors (x unloaded TPOT); the elastic planner targets the grid's "
+                        "middle point")
+    g.add_argument("--static-planner", choices=["off", "advisory"], default="off",
+                   help="advisory: the static layouts' routers run the planner too, deciding and changing nothing "
+                        "(with --planner-records: what it would have done on them)")
+    g.add_argument("--planner-records", default=None, metavar="PREFIX",
+                   help="every planner round's signals and decision to PREFIX_<layout>_pass<N>.jsonl "
+                        "(router/planner/record.py; the stream starts' wall clocks are in the result)")
     g.add_argument("--elastic-chunk-tokens", type=int, default=None,
                    help="the elastic nodes' step budget (default: --colocated-chunk-tokens: a node may end up "
                         "prefilling long prompts beside its decodes)")
+
+
+def grid_factors(args) -> tuple[list[float], list[float]]:
+    """The SLO grid's TTFT and TPOT factors (each sorted, > 0)."""
+    try:
+        out = tuple(sorted(float(x) for x in text.split(",") if x.strip())
+                    for text in (args.slo_grid_ttft_factors, args.slo_grid_tpot_factors))
+    except ValueError:
+        out = ([], [])
+    if not all(out) or min(min(out[0]), min(out[1])) <= 0:
+        raise SystemExit(f"--slo-grid-ttft-factors / --slo-grid-tpot-factors need numbers > 0, got "
+                         f"{args.slo_grid_ttft_factors!r} / {args.slo_grid_tpot_factors!r}")
+    return out
+
+
+def planner_slo(args) -> tuple[float, float]:
+    """The elastic planner's SLO (TTFT, TPOT factors): the grid's middle point, what the
+    comparison scores layouts around (it is told the SLO the static layouts are judged by)."""
+    ttft, tpot = grid_factors(args)
+    return ttft[len(ttft) // 2], tpot[len(tpot) // 2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,18 +234,23 @@ def cut(stream: Stream, records: list[Record], sampler: RoleSampler) -> dict[str
     return out
 
 
-def _cluster_config(args, layout: ElasticLayout):
+def _cluster_config(args, layout: ElasticLayout, pass_index: int = 0):
     from deploy.launcher import ClusterConfig
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
     planner = {}
     if "planner" in {f.name for f in fields(ClusterConfig)}:
-        planner = dict(planner=layout.planner)
-        if layout.planner != "off":
+        mode = layout.planner if layout.planner != "off" else args.static_planner
+        planner = dict(planner=mode)
+        if mode != "off":
             # No pool maxima: the planner moves roles between the nodes running and the total
             # stays (router/planner/config.py), so the layouts share the same two cores.
+            ttft_f, tpot_f = planner_slo(args)
             planner.update(planner_interval_s=args.planner_interval_s, planner_cooldown_s=args.planner_cooldown_s,
-                           planner_window_s=planner_window_s(args))
+                           planner_window_s=planner_window_s(args), planner_ttft_slo_factor=ttft_f,
+                           planner_tpot_slo_factor=tpot_f)
+            if args.planner_records:
+                planner.update(planner_record=f"{args.planner_records}_{layout.name}_pass{pass_index + 1}.jsonl")
     elif layout.planner != "off":
         raise SystemExit("the elastic layout needs the planner (ClusterConfig.planner), which this tree does not "
                          "have; run --elastic-layouts fixed,colocated")
@@ -217,18 +262,20 @@ def _cluster_config(args, layout: ElasticLayout):
                          namespace=f"bench-elastic-{layout.name}-{os.getpid()}", **planner)
 
 
-# The longest default window: a phase of the shipped shifting workload lasts 10-20 s.
-PHASE_WINDOW_S = 15.0
+# The longest default window: the shipped shifting workload's phases last 20-40 s.
+PHASE_WINDOW_S = 30.0
 
 
 def planner_window_s(args) -> float:
-    """The elastic planner's signal window: --planner-window-s, else a mix's lead (at most
-    PHASE_WINDOW_S). The cluster's 60 s would mostly describe the previous mix or phase when the
-    planner settles on the next one (a lead of 12 s, phases of 10-20 s); a lead-long window holds
-    only the current mix by the time its measured seconds start."""
+    """The elastic planner's signal window: --planner-window-s, else a mix's length (lead and
+    measured seconds), at most PHASE_WINDOW_S. Longer, the window would mostly describe the
+    previous mix or phase when the planner settles on the next one; shorter, it holds too few
+    requests at these rates to tell the layouts apart (a 15 s window at 0.5 requests a second
+    holds about 7 arrivals: the offered rate it measures swings by +-40%, and the planner of
+    the tuning run changed its mind round after round)."""
     if args.planner_window_s is not None:
         return args.planner_window_s
-    return min(args.lead_s if args.lead_s > 0 else args.mix_seconds, PHASE_WINDOW_S)
+    return min(max(args.lead_s, 0.0) + args.mix_seconds, PHASE_WINDOW_S)
 
 
 def _unloaded(cluster, per_kind: int, seed: int) -> list[Record]:
@@ -251,8 +298,9 @@ def _slot(args, layout: ElasticLayout, pass_index: int, plan: list[Stream], repo
     report.progress(f"pass {pass_index + 1}: {layout.name}: {layout.prefill} prefill + {layout.decode} decode node(s), "
                     f"planner {layout.planner}, local prefill below {layout.local_prefill_tokens}, chunk "
                     f"{layout.chunk_tokens}")
-    cluster = LocalCluster(_cluster_config(args, layout), report.progress).start()
+    cluster = LocalCluster(_cluster_config(args, layout, pass_index), report.progress).start()
     runs: dict[str, Run] = {}
+    starts = []
     try:
         warm = wl.synthetic(2, 1.0, wl.mixed(0.5), seed=args.seed * 1000 + 900 + pass_index)
         asyncio.run(run_load(warm, target=cluster.address, api="grpc"))
@@ -261,6 +309,8 @@ def _slot(args, layout: ElasticLayout, pass_index: int, plan: list[Stream], repo
         for stream in plan:
             reqs = stream.requests(pass_index, args.max_tokens_cap)
             report.progress(f"{layout.name}: {stream.name}: {len(reqs)} requests over {ph.total_seconds(stream.phases):.0f} s")
+            starts.append({"layout": layout.name, "pass": pass_index + 1, "stream": stream.name,
+                           "wall_start": time.time()})
             with RoleSampler(cluster) as sampler:
                 records = asyncio.run(run_load(reqs, target=cluster.address, api="grpc", progress=report.progress))
             for name, run in cut(stream, records, sampler).items():
@@ -270,7 +320,7 @@ def _slot(args, layout: ElasticLayout, pass_index: int, plan: list[Stream], repo
                                 f"refused, {c['dropped']} dropped, {fig.role_switches(run.samples)} role switch(es)")
     finally:
         cluster.stop()
-    return unloaded, runs
+    return unloaded, runs, starts
 
 
 def compare_elastic(args, report) -> dict:
@@ -282,22 +332,30 @@ def compare_elastic(args, report) -> dict:
     runs: dict[tuple[str, str], list[Run]] = {}
     by_name = {lay.name: lay for lay in lays}
     order = fig.schedule([lay.name for lay in lays])
+    stream_starts = []
     for pass_index, name in order:
-        u, r = _slot(args, by_name[name], pass_index, plan, report)
+        u, r, starts = _slot(args, by_name[name], pass_index, plan, report)
+        stream_starts += starts
         unloaded[name] += u
         for wname, run in r.items():
             runs.setdefault((name, wname), []).append(run)  # pass 1 first: the schedule runs it first
     slo = slo_from_unloaded(list(unloaded.values()), args.slo_ttft_factor, args.slo_tpot_factor)
+    ttft_grid, tpot_grid = grid_factors(args)
+    grid = [(ft, fp, slo_from_unloaded(list(unloaded.values()), ft, fp)) for ft in ttft_grid for fp in tpot_grid]
     report.progress(f"SLO TTFT <= {', '.join(f'{k} {v:.3f}s' for k, v in slo.ttft_by_kind)}, "
-                    f"TPOT <= {slo.tpot_s:.4f}s")
+                    f"TPOT <= {slo.tpot_s:.4f}s; grid TTFT x {ttft_grid}, TPOT x {tpot_grid}")
     segments = [(stream, seg) for stream in plan for seg in stream.segments]
-    results = [_workload_result(stream, seg, lays, runs, slo) for stream, seg in segments]
+    results = [_workload_result(stream, seg, lays, runs, slo, grid) for stream, seg in segments]
     phases = next((s.phases for s in plan if s.name == "phases"), None)
     out = fig.summary(results)
+    at_slo = fig.summary([{**w, "elastic_vs_best_static": w["at_slo"]["elastic_vs_best_static"]} for w in results])
     out.update(
+        at_slo={k: at_slo[k] for k in ("elastic_vs_best_static_min", "elastic_vs_best_static_phases")},
         workloads=results,
         slo={**slo.as_json(), "ttft_factor": args.slo_ttft_factor, "tpot_factor": args.slo_tpot_factor,
-             "base": "per request kind, the best layout's unloaded median over both passes"},
+             "base": "per request kind, the best layout's unloaded median over both passes",
+             "grid": {"ttft_factors": ttft_grid, "tpot_factors": tpot_grid,
+                      "headline": "goodput is the mean over the grid's points; at_slo: the single point above"}},
         unloaded={n: summarize(u) for n, u in unloaded.items()},
         layouts=[{"name": x.name, "prefill": x.prefill, "decode": x.decode, "planner": x.planner,
                   "local_prefill_tokens": x.local_prefill_tokens, "chunk_tokens": x.chunk_tokens} for x in lays],
@@ -306,13 +364,15 @@ def compare_elastic(args, report) -> dict:
         phases=[{"name": p.label(i), "seconds": p.seconds, "rate": p.rate, "long_share": p.long_share}
                 for i, p in enumerate(phases)] if phases else None,
         planner=({"mode": args.elastic_planner, "interval_s": args.planner_interval_s,
-                  "cooldown_s": args.planner_cooldown_s, "window_s": planner_window_s(args)}
+                  "cooldown_s": args.planner_cooldown_s, "window_s": planner_window_s(args),
+                  "slo_factors": dict(zip(("ttft", "tpot"), planner_slo(args)))}
                  if fig.ELASTIC in by_name else None),
+        stream_starts=stream_starts, static_planner=args.static_planner,
         seed=args.seed, cores=len(os.sched_getaffinity(0)), seconds=time.monotonic() - t0,
         load_average={"before": load0, "after": os.getloadavg()[0]},
     )
     report.table(["workload", *[x.name for x in lays], "best static", "elastic / best", "elastic dropped"],
-                 [[w["name"], *[w["by_layout"][x.name]["goodput_rps"] for x in lays], w["best_static"],
+                 [[w["name"], *[w["by_layout"][x.name]["grid_goodput_rps"] for x in lays], w["best_static"],
                    w["elastic_vs_best_static"], w["by_layout"].get(fig.ELASTIC, {}).get("dropped")] for w in results])
     if args.records:
         _write_records(args.records, runs)
@@ -323,7 +383,10 @@ def compare_elastic(args, report) -> dict:
     return out
 
 
-def _workload_result(stream: Stream, seg: Segment, lays: list[ElasticLayout], runs, slo) -> dict:
+def _workload_result(stream: Stream, seg: Segment, lays: list[ElasticLayout], runs, slo, grid) -> dict:
+    """One workload's figures per layout: ``grid_goodput_rps`` (the headline: the mean over the
+    SLO grid ``grid``, (ttft factor, tpot factor, Slo) triples) and every single-SLO figure at
+    ``slo``; the elastic layout's ratio to the best static one on the grid and at ``slo``."""
     by_layout = {}
     for lay in lays:
         rs = runs[lay.name, seg.workload]
@@ -333,6 +396,7 @@ def _workload_result(stream: Stream, seg: Segment, lays: list[ElasticLayout], ru
             for k, v in r.decisions.items():
                 decisions[k] = decisions.get(k, 0.0) + v
         by_layout[lay.name] = {
+            **fig.grid_goodput([r.measured for r in rs], [g[2] for g in grid]),
             **fig.pooled([r.measured for r in rs], slo), **fig.counts([x for r in rs for x in r.records]),
             "measured": len(measured), "role_switches": sum(fig.role_switches(r.samples) for r in rs),
             "nodes_max": max((len(s) for r in rs for _, s in r.samples), default=0), "planner_decisions": decisions,
@@ -346,7 +410,11 @@ def _workload_result(stream: Stream, seg: Segment, lays: list[ElasticLayout], ru
                  "thresholds": fig.steps(r.thresholds)} for i, r in enumerate(rs)]
             by_layout[lay.name]["by_phase"] = _by_phase(stream.phases, [r.measured for r in rs], slo)
     out = {"name": seg.workload, "kind": seg.kind, "long_share": seg.long_share, "by_layout": by_layout}
-    out.update(fig.vs_best_static({n: v["goodput_rps"] for n, v in by_layout.items()}))
+    out.update(fig.vs_best_static({n: v["grid_goodput_rps"] for n, v in by_layout.items()}))
+    out["at_slo"] = fig.vs_best_static({n: v["goodput_rps"] for n, v in by_layout.items()})
+    out["slo_grid"] = [{"ttft_factor": ft, "tpot_factor": fp,
+                        "goodput_rps": {n: round(v["grid_points"][i], 4) for n, v in by_layout.items()}}
+                       for i, (ft, fp, _) in enumerate(grid)]
     return out
 
 

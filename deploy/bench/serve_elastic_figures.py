@@ -70,6 +70,16 @@ def pooled(passes: Sequence[Sequence[Record]], slo: Slo) -> dict:
             "good": good, "seconds": seconds, "goodput_rps_by_pass": per_pass}
 
 
+def grid_goodput(passes: Sequence[Sequence[Record]], slos: Sequence[Slo]) -> dict:
+    """A layout's goodput over a grid of SLOs (each a pair of TTFT and TPOT factors): the mean
+    over the grid, and each point's. Why a grid: a loaded layout's TPOT sits near any one
+    factor of the unloaded TPOT, so at one point a few requests decide whether a pass scores
+    most or nothing (two runs at 2x flipped the static layouts' order); the mean over
+    factors on both sides of that edge moves smoothly with the layout's latency."""
+    points = [pooled(passes, slo)["goodput_rps"] for slo in slos]
+    return {"grid_goodput_rps": sum(points) / len(points) if points else 0.0, "grid_points": points}
+
+
 def role_switches(samples: Sequence[tuple[float, Mapping[str, str]]]) -> int:
     """How many times a node's served role changed across registry samples ((t, {node: role})).
     A node missing from a sample (re-registering) is skipped, not counted as a change."""

@@ -44,8 +44,9 @@ class PlannerConfig:
     # shrink when one node fewer would keep every pool below scale_down_util.
     scale_up_util: float = 0.85
     scale_down_util: float = 0.5
-    # The signal window: requests of the last window_s seconds; no decision before it holds
-    # min_requests of them (the figures say nothing yet).
+    # The signal window: requests of the last window_s seconds, stretched back (up to four
+    # windows) to the last min_requests when it holds fewer; no decision before min_requests
+    # requests finished (the figures say nothing yet).
     window_s: float = 60.0
     min_requests: int = 8
     # Per-request SLO the model scores layouts against: this many times the request's unloaded
@@ -60,6 +61,9 @@ class PlannerConfig:
     calibration_min_samples: int = 8
     calibration_min_scale: float = 0.5
     calibration_max_scale: float = 4.0
+    # Append each round's signals and decision to this file as JSON lines (router/planner/record.py):
+    # the input series to judge and tune the planner offline. None: no recording.
+    record: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -131,6 +135,13 @@ def add_planner_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--planner-window-s", type=float, default=d["window_s"],
                    help="seconds of finished requests a decision reads (shorter: it follows a shifting mix sooner, "
                    "on fewer requests)")
+    p.add_argument("--planner-ttft-slo-factor", type=float, default=d["ttft_slo_factor"],
+                   help="the SLO the planner scores layouts against: this many times a request's unloaded TTFT")
+    p.add_argument("--planner-tpot-slo-factor", type=float, default=d["tpot_slo_factor"],
+                   help="... and this many times the unloaded TPOT (a decode step at batch 1)")
+    p.add_argument("--planner-record", default=d["record"], metavar="FILE",
+                   help="append every round's signals and decision to FILE as JSON lines (to replay the planner "
+                   "offline: router/planner/record.py)")
     p.add_argument("--planner-resize", action="store_true", default=d["resize"],
                    help="let pool sizes follow the planner too (pool targets, one node more or fewer within the "
                    "bounds; needs --max-prefill-nodes and --max-decode-nodes); default: only node roles change")
@@ -144,6 +155,7 @@ def add_planner_arguments(p: argparse.ArgumentParser) -> None:
 
 # The flags' destinations, which are also ClusterConfig's field names (deploy/launcher.py).
 PLANNER_FIELDS = ("planner", "planner_interval_s", "planner_cooldown_s", "planner_window_s", "planner_resize",
+                  "planner_ttft_slo_factor", "planner_tpot_slo_factor", "planner_record",
                   "min_prefill_nodes", "max_prefill_nodes", "min_decode_nodes", "max_decode_nodes")
 
 
@@ -154,7 +166,9 @@ def planner_config(args) -> PlannerConfig:
                          lease_s=lease_for(args.planner_interval_s),
                          min_prefill_nodes=args.min_prefill_nodes, max_prefill_nodes=args.max_prefill_nodes,
                          min_decode_nodes=args.min_decode_nodes, max_decode_nodes=args.max_decode_nodes,
-                         resize=args.planner_resize, window_s=args.planner_window_s)
+                         resize=args.planner_resize, window_s=args.planner_window_s,
+                         ttft_slo_factor=args.planner_ttft_slo_factor, tpot_slo_factor=args.planner_tpot_slo_factor,
+                         record=args.planner_record)
 
 
 def lease_for(interval_s: float) -> float:

@@ -24,6 +24,7 @@ from kv_index.pool_targets import PoolTargets
 from kv_index.roles import RoleStore
 from router.planner.config import PlannerConfig
 from router.planner.decide import Decision, PlannerState, decide
+from router.planner.record import RoundRecorder
 from router.planner.signals import DecodeFit, PlannerSignals, build_signals
 from telemetry import tracing
 from telemetry.log_limit import RateLimitedLog
@@ -56,7 +57,8 @@ class PlannerLoop:
     def __init__(self, config: PlannerConfig, plans: PlanStore, roles: RoleRequests, targets: TargetSetter,
                  signals: Callable[[], PlannerSignals], apply_threshold: Callable[[int], None], holder: str,
                  on_decision: Callable[[str, str], None] = lambda action, reason: None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 record: Callable[[PlannerSignals, Decision], None] | None = None) -> None:
         self.config = config
         self.plans = plans
         self.roles = roles
@@ -66,6 +68,7 @@ class PlannerLoop:
         self.holder = holder
         self.on_decision = on_decision  # the metric
         self.clock = clock
+        self.record = record  # each round's signals and decision (router/planner/record.py)
         self.state = PlannerState()
         self.leading = False
         self.last: Decision | None = None
@@ -87,6 +90,8 @@ class PlannerLoop:
             except Exception as e:  # Redis gone: the lease lapses by itself
                 log.warning("planner could not release its lease: %s", e)
             self.leading = False
+        if self.record is not None and hasattr(self.record, "close"):
+            self.record.close()
 
     def _run(self) -> None:
         while not self._stop.wait(self.config.interval_s):
@@ -103,8 +108,8 @@ class PlannerLoop:
                 self._follow()
                 return None
             return self._lead()
-        except Exception as e:  # Redis down or hung (bounded): stand still this round
-            self._errors.warning("redis", "planner round skipped: %s", e)
+        except Exception as e:  # Redis down or hung (bounded), or a bug: stand still this round
+            self._errors.warning(type(e).__name__, "planner round skipped: %s: %s", type(e).__name__, e)
             return None
 
     def _follow(self) -> None:
@@ -117,6 +122,11 @@ class PlannerLoop:
         with tracing.tracer().start_as_current_span("planner.decide") as span:
             s = self.signals()
             d = decide(s, self.state, cfg)
+            if self.record is not None:
+                try:
+                    self.record(s, d)
+                except OSError as e:  # a full disk costs the recording, not the planner
+                    self._errors.warning("record", "planner round not recorded: %s", e)
             applied = cfg.acts and d.acts
             span.set_attributes({"planner.action": d.action, "planner.reason": d.reason, "planner.mode": cfg.mode,
                                  "planner.applied": applied, "planner.detail": d.detail,
@@ -164,10 +174,15 @@ def router_planner(config: PlannerConfig, client, namespace: str, refresher, cos
         decode_fit.observe(view.nodes)
         now = time.time()
         draining = len(view.live) - len(view.nodes) if view.live is not None else 0
-        return build_signals(view.nodes, orchestrator.window.since(now - config.window_s), costs, decode_fit.model,
-                             orchestrator.ledger.backlog_s(), policy.short_prompt_tokens, now, config.window_s,
-                             max(draining, 0), observed_since=started)
+        requests = orchestrator.window.recent(now, config.window_s, config.min_requests)
+        # A window stretched back to hold min_requests covers their time, not window_s.
+        span = max(config.window_s, now - min((r.at for r in requests), default=now))
+        return build_signals(view.nodes, requests, costs, decode_fit.model, orchestrator.ledger.backlog_s(),
+                             policy.short_prompt_tokens, now, span, max(draining, 0), observed_since=started,
+                             offered_rps=orchestrator.window.offered_rps(now, config.window_s, since=started),
+                             unloaded_tpot_s=orchestrator.window.unloaded_tpot_s())
 
     holder = f"router@{socket.gethostname()}:{os.getpid()}/{uuid.uuid4().hex[:6]}"
     return PlannerLoop(config, PlanStore(client, namespace), RoleStore(client, namespace),
-                       PoolTargets(client, namespace), signals, threshold_setter(policy), holder, on_decision)
+                       PoolTargets(client, namespace), signals, threshold_setter(policy), holder, on_decision,
+                       record=RoundRecorder(config.record) if config.record else None)

@@ -18,7 +18,8 @@ a pool's nodes. ``S(u)`` = the prefill fit, ``X(u)`` = the KV transfer fit.
     local request             ttft  = lam_l E[S_l^2] / (2 (1 - U_d)) + S(u) + tpot
 
 A request meets its SLO when ``ttft <= min(class budget, ttft_slo_factor x S(u))`` and its
-TPOT does: ``tpot_target = min(class TBT, tpot_slo_factor x a step at batch 1)``. Its TPOT is
+TPOT does: ``tpot_target = min(class TBT, tpot_slo_factor x the unloaded TPOT)`` (the one the
+router measured, ``PlannerSignals.unloaded_tpot_s``, else the fit's step at batch 1). Its TPOT is
 the decode-only one, ``tpot0 = fixed_s / (1 - a (per_seq_s + per_ctx_token_s * ctx))``, plus the
 local prefills that land on its node while it decodes, each stalling it for its whole length:
 the colocated layout's tail (a running decode waits behind every chunk of a long document its
@@ -85,7 +86,13 @@ class LayoutEstimate:
 
     @property
     def max_util(self) -> float:
-        return max(self.prefill_util, self.decode_util, self.kv_util)
+        """The busiest pool's load. A saturated decode pool's KV figure is infinite (Little's
+        law with an unbounded TPOT) and would make every saturated layout look alike; its
+        decode utilization (>= 1) already says it is saturated, and by how much, which is what
+        compares two saturated layouts (``decide``'s relief: the less overloaded one serves
+        more before its queues run away)."""
+        kv = self.kv_util if math.isfinite(self.kv_util) else 0.0
+        return max(self.prefill_util, self.decode_util, kv)
 
     def figures(self, prefix: str) -> dict[str, float]:
         return {f"{prefix}_goodput_rps": round(self.goodput_rps, 4), f"{prefix}_attainment": round(self.attainment, 4),
@@ -142,7 +149,9 @@ def calibrate(s: PlannerSignals, current: LayoutEstimate, min_samples: int = 8, 
             # fixed / (1 - k_u u_dec - (1 + (k_u - 1) w) rho_l) = measured, solved for k_u
             k_u = clamp((1 - fixed / m_tpot - (1 - w) * rho_l) / (u_dec + w * rho_l))
             k_l = 1 + (k_u - 1) * w
-        k_tpot = clamp(m_tpot / (fixed / (1 - k_u * u_dec - k_l * rho_l)))
+        # 1 - k_u u_dec - k_l rho_l stays > 0: k_u solves it to fixed / m_tpot; clamped down it
+        # grows, clamped up to <= 1 it stays >= 1 - decode_util.
+        k_tpot = clamp(m_tpot * (1 - k_u * u_dec - k_l * rho_l) / fixed)
     if ok(ttfts, current.ttft_s):
         k_ttft = clamp(m_ttft / current.ttft_s)
     return Calibration(k_u, k_l, k_tpot, k_ttft, len(tpots), len(ttfts), m_tpot, m_ttft)
@@ -210,7 +219,8 @@ def estimate(layout: Layout, s: PlannerSignals, ttft_slo_factor: float = 5.0,
         p = math.exp(-(mu - mu_small))
         if k == 0 or mu_small == 0:
             return p
-        fits = int(slack / (prefix[k] / k))
+        mean = prefix[k] / k
+        fits = int(slack / mean) if mean > 0 else 200  # prompts cached whole stall nothing
         term = cdf = math.exp(-mu_small)
         for i in range(1, min(fits, 200) + 1):
             term *= mu_small / i
@@ -229,7 +239,7 @@ def estimate(layout: Layout, s: PlannerSignals, ttft_slo_factor: float = 5.0,
         ttft *= k_ttft
         ttft_sum += ttft
         ttft_target = min(slo.ttft_budget_s(r.prompt_tokens), ttft_slo_factor * max(sr, d.fixed_s))
-        tpot_target = min(slo.tbt_s, tpot_slo_factor * d.step_s(1, r.prompt_tokens + r.output_tokens))
+        tpot_target = min(slo.tbt_s, tpot_slo_factor * (s.unloaded_tpot_s or d.step_s(1, r.prompt_tokens + r.output_tokens)))
         if ttft > ttft_target or u_d >= 1 or kv_util >= 1 or (r.output_tokens > 1 and tpot0 > tpot_target):
             continue
         met += p_stalls_fit(r.output_tokens, tpot_target) if r.output_tokens > 1 else 1.0
