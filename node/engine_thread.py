@@ -128,7 +128,7 @@ class AsyncEngine:
         # decode node heartbeats a silent stream only while it moves (decode_node/server.py),
         # so an engine wedged in a step (stuck in a layer, or between steps) goes quiet and the
         # router's progress deadline moves its requests; one merely slow (a long prompt chunk
-        # beside a full batch on a CPU core: 3-5 s steps were seen in the elastic benchmark)
+        # beside a full batch on a CPU core: steps of seconds in the elastic benchmark)
         # still moves, layer by layer.
         self._ticks = 0
         self._layers_done = 0  # written by the model's layer hooks, on the loop thread only
