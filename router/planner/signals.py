@@ -110,7 +110,7 @@ UNLOADED_TPOT_RANK = 2
 
 class RequestWindow:
     """The requests this router finished recently: the orchestrator adds each one (its event
-    loop), the planner thread reads a copy. At most ``keep``; older than ``max_age_s``: dropped."""
+    loop), the planner thread reads a copy. At most ``keep``; older than ``recent``'s stretch of windows: dropped."""
 
     def __init__(self, keep: int = 4096) -> None:
         self._lock = threading.Lock()
