@@ -60,7 +60,7 @@ from router.placement import NoCapacityError, PlacementPolicy
 from router.planner.signals import RequestWindow
 from router.prepare import Preparer
 from router.relay import DecodeRelay
-from router.request_metrics import StreamObserver
+from router.request_metrics import StreamObserver, in_flight_sample
 from router.request_state import Prepared, Running, fresh_node_id
 from router.request_trace import RequestTrace
 from router.tokenizer import PromptTokenizer
@@ -156,6 +156,7 @@ class Orchestrator:
             prep = await asyncio.to_thread(rt.place, self.preparer.prepare, req, client_id, max_tokens_to_context,
                                            self.exclusions.active(time.monotonic()))
             metrics.decision(prep.placement.kind)
+            self.window.started(client_id, in_flight_sample(prep))
             async for resp in self._attempts(prep, run):
                 if not sent:
                     sent = True
@@ -176,6 +177,7 @@ class Orchestrator:
             if sent:
                 observer.finish()
                 self.window.add(observer.planner_sample(prep.placement, prep.slo_class))
+            self.window.ended(client_id)
             self.inflight -= 1
             metrics.running.dec()
             self._running.pop(client_id, None)

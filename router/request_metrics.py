@@ -14,6 +14,7 @@ import time
 from protos.pdserve.v1 import serving_pb2 as pb
 from router.placement import Placement
 from router.planner.signals import RequestSample
+from router.request_state import Prepared
 from telemetry.metrics import RequestMetrics
 from telemetry.request_recorder import RequestRecorder
 from tokens.stop import FinishReason
@@ -58,3 +59,11 @@ class StreamObserver:
                              None if first is None else max(0.0, first - rec.arrival),
                              None if first is None or out < 2 else max(0.0, now - first) / (out - 1),
                              slo_class, placement.prefill_node is None)
+
+
+def in_flight_sample(prep: Prepared) -> RequestSample:
+    """A placed request as the planner's window holds it until it finishes: its ``max_tokens``
+    as the output it may still produce, no latencies yet (router/planner/signals.py)."""
+    return RequestSample(time.time(), prep.num_prompt_tokens, prep.placement.predicted_cached_tokens,
+                         prep.params.max_tokens, None, None, prep.slo_class, prep.placement.prefill_node is None,
+                         done=False)

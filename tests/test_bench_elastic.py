@@ -269,3 +269,23 @@ def test_the_elastic_planner_window_fits_the_workload():
     assert window("--lead-s", "5", "--mix-seconds", "10") == 15.0
     assert window("--lead-s", "0", "--mix-seconds", "8") == 8.0
     assert window("--lead-s", "40", "--planner-window-s", "12") == 12.0
+
+
+def test_without_rate_the_load_follows_the_machines_unloaded_tpot():
+    """A machine twice as slow gets half the rate, the phases scaled alike; --rate plays as given."""
+    def unloaded(*tpots):
+        # One token, then the rest 1/tpot apart: the record's TPOT is exactly ``tpot``.
+        return [rec(i, out=11, end=i + 0.5 + 10 * t) for i, t in enumerate(tpots)]
+
+    assert serve_elastic.auto_rate(unloaded(0.1, 0.04, 0.12)) == pytest.approx(serve_elastic.RATE_X_TPOT / 0.1, abs=1e-3)
+    slow = serve_elastic.auto_rate(unloaded(0.2))
+    assert slow == pytest.approx(serve_elastic.auto_rate(unloaded(0.1)) / 2, abs=1e-3)
+    with pytest.raises(SystemExit, match="pass --rate"):
+        serve_elastic.auto_rate([rec(0, out=1)])  # a single token: no TPOT
+    written = ph.load_phases(ph.DEFAULT_FILE)
+    mixes, play = serve_elastic.streams(_args("--long-shares", "0.1"), slow)
+    assert {p.rate for p in mixes.phases} == {slow}
+    scale = slow / serve_elastic.PHASES_REFERENCE_RATE
+    assert [p.rate for p in play.phases] == pytest.approx([p.rate * scale for p in written])
+    mixes, play = serve_elastic.streams(_args("--long-shares", "0.1", "--rate", "0.7"), slow)
+    assert {p.rate for p in mixes.phases} == {0.7} and [p.rate for p in play.phases] == [p.rate for p in written]

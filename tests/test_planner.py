@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -17,7 +18,7 @@ from kv_index.nodes import Role
 from router.cost_model import DecodeCost, PrefillCost
 from router.planner.config import PlannerConfig
 from router.planner.decide import HOLD, SCALE_UP, SET_THRESHOLD, SWITCH_ROLES, PlannerState, decide
-from router.planner.model import Layout, estimate
+from router.planner.model import Layout, estimate, measured_share
 from router.planner.signals import NodeSignal, PlannerSignals, RequestSample, measured_attainment
 
 PREFILL = PrefillCost(0.02, 4e-3, 0.0)
@@ -487,3 +488,61 @@ def test_a_recorded_overload_of_one_decode_node_moves_its_prefill_node_to_decode
     assert all((d.layout.prefill, d.layout.decode) == (0, 2) for d in acts)
     assert acts[0].roles == {next(n.node_id for n in rounds[0][0].nodes if n.role == Role.PREFILL): Role.DECODE}
     assert acts[0].figures["current_decode_util"] > 1 > acts[0].figures["target_decode_util"] * 0.5
+
+
+def test_requests_in_flight_count_in_the_window_until_they_end():
+    """The mix and the warm-up count what arrived, not only what finished: past saturation
+    the finished ones are few and the short ones finish first."""
+    from router.planner.signals import RequestSample, RequestWindow
+
+    w = RequestWindow()
+    w.add(RequestSample(at=95.0, prompt_tokens=900, cached_tokens=0, output_tokens=12, ttft_s=5.0, tpot_s=0.1))
+    for i, t in enumerate((90.0, 97.0)):  # placed, not finished: max_tokens as the output to come
+        w.started(f"chat-{i}", RequestSample(t, 64, 0, 128, None, None, done=False))
+    got = w.recent(100.0, 12.0, 3)
+    assert [(r.at, r.done) for r in got] == [(95.0, True), (90.0, False), (97.0, False)]
+    assert [r.at for r in w.recent(100.0, 12.0, 1)] == [95.0, 90.0, 97.0]  # in flight: always, whatever their age
+    w.ended("chat-0")
+    w.ended("never-started")  # a request refused before placement ends too: nothing to remove
+    assert [r.at for r in w.recent(100.0, 12.0, 3)] == [95.0, 97.0]
+    s = replace(signals(0.0, 0.5, n=2), requests=got)
+    assert s.long_share() == pytest.approx(1 / 3)  # the document and the two chats in flight
+    assert measured_attainment(got) == {"relaxed": 1.0}  # only finished requests are measured
+    assert decide(s, PlannerState(), PlannerConfig(min_requests=3)).reason != "warming_up"
+
+
+def _finished(s: PlannerSignals, tpot_s: float) -> PlannerSignals:
+    """``s`` with every request finished at a fast TTFT and this TPOT."""
+    return replace(s, requests=tuple(replace(r, ttft_s=0.01, tpot_s=tpot_s) for r in s.requests))
+
+
+def test_measured_attainment_uses_the_models_targets():
+    s = replace(signals(0.0, 0.5), unloaded_tpot_s=0.05)
+    assert measured_share(_finished(s, 0.09), tpot_slo_factor=2.0) == (1.0, 60)  # under 2 x 50 ms
+    assert measured_share(_finished(s, 0.11), tpot_slo_factor=2.0) == (0.0, 60)
+    assert measured_share(_finished(s, 0.11), tpot_slo_factor=3.0, since=990.0) == (1.0, 5)  # since the action
+
+
+def test_the_layout_just_left_is_taken_again_only_when_it_measured_better():
+    """Two saturated layouts predict alike and the model alone sends the planner back and
+    forth; for two windows after a switch, only what the layouts measured sends it back."""
+    cfg = PlannerConfig(confirm_rounds=1, cooldown_s=0.0, window_s=30.0, calibrate=False)
+    s = signals(0.4, 0.6, roles=COLOCATED)  # the model: back to 1P+1D
+    first = decide(s, PlannerState(), cfg)
+    assert (first.action, first.reason) == (SWITCH_ROLES, "prefill_bound")
+    assert (first.state.left, first.state.left_at) == ((0, 2), 1000.0)  # what it left, and when
+    left = PlannerState(last_action_at=980.0, left=(1, 1), left_at=980.0, left_attainment=0.5)
+    d = decide(_finished(s, 0.01), left, cfg)  # colocated meets every target since the switch
+    assert (d.action, d.reason) == (HOLD, "revisit") and "no better" in d.detail
+    assert d.figures["measured_current_attainment"] == 1.0 and d.figures["measured_current_requests"] == 12
+    d = decide(_finished(s, 1.0), left, cfg)  # it misses every one: 1P+1D had done better
+    assert (d.action, d.reason) == (SWITCH_ROLES, "prefill_bound")
+    assert d.state.left == (0, 2) and d.state.left_attainment == 0.0
+    d = decide(_finished(s, 1.0), replace(left, left_attainment=None), cfg)  # left unmeasured: no evidence
+    assert (d.action, d.reason) == (HOLD, "revisit") and "10 s more" in d.detail
+    unmeasured = replace(left, left_attainment=None, left_at=965.0, last_action_at=965.0)
+    assert decide(_finished(s, 0.01), unmeasured, cfg).action == SWITCH_ROLES  # a window on: the prediction's word
+    d = decide(_finished(s, 1.0), replace(left, last_action_at=995.0), cfg)  # 3 requests measured since
+    assert (d.action, d.reason) == (HOLD, "revisit") and "needed to compare" in d.detail
+    d = decide(_finished(s, 0.01), replace(left, left_at=940.0, last_action_at=940.0), cfg)  # two windows ago
+    assert (d.action, d.reason) == (SWITCH_ROLES, "prefill_bound")

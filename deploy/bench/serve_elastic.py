@@ -16,7 +16,9 @@ Three layouts of the embedded cluster, each node pinned to its own core with one
 
 Workloads: each fixed mix of ``--long-shares`` (default 0.1, 0.2, 0.4) at ``--rate`` requests
 per second, and the shifting workload of ``--phases FILE`` (serve_phases.py; the shipped
-phases/elastic_default.json: chat-heavy, document-heavy, a burst).
+phases/elastic_default.json: chat-heavy, document-heavy, a burst). Without ``--rate`` the rate
+follows the machine's speed: ``RATE_X_TPOT`` / the unloaded TPOT the first layout measures,
+and the phases' rates scale with it (``auto_rate``, ``streams``).
 
 Interleaved, A B C C B A (serve_elastic_figures.schedule): every layout is started twice, once
 per pass, so a machine that drifts through the run favours none. In each pass a layout serves
@@ -48,24 +50,33 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from deploy.bench import serve_elastic_figures as fig
 from deploy.bench import serve_phases as ph
 from deploy.bench import serve_workload as wl
 from deploy.bench.serve_client import run_load
+from deploy.bench.serve_elastic_results import workload_result, write_records
 from deploy.bench.serve_elastic_sampler import RoleSampler
 from deploy.bench.serve_metrics import Record, slo_from_unloaded, summarize
 
 DEFAULT_SHARES = (0.1, 0.2, 0.4)
-# Requests per second of the fixed mixes: chosen on seed 0 (2026-12-02): at 0.8 the fixed layout's one
-# decode node (about 50-60 tokens a second at a full batch on one core) ran 3-10x past its capacity
-# at 10% documents and its TTFT reached 90 s; at 0.5 it serves every mix, near its limit at 10%.
-DEFAULT_RATE = 0.5
+# Without --rate the fixed mixes' rate follows the machine: RATE_X_TPOT / the unloaded TPOT the
+# first layout measures alone (its decode node, one core). Why: these VMs drift 2.5x in speed
+# within a day (unloaded TPOT 40 ms one morning, 105-131 ms that afternoon), and one fixed rate
+# put the layouts near their knees in the morning (1.0/s at 40 ms: the fixed layout scored 0.35
+# and 0.12 on two passes at 10% documents) and all of them far past it in the afternoon (0.5/s at
+# 120 ms: every layout overloaded, attainment 0-18%). A node's whole cost scales with its speed,
+# so requests per unloaded decode step is the load; 0.035, chosen on seed 0's runs, is a little
+# under the fixed layout's knee at 10% documents (about 0.04), where two decode nodes still have
+# headroom.
+RATE_X_TPOT = 0.035
+# The shipped phases file's rates were written for a 0.5/s machine; with the rate following the
+# machine they scale by rate / this (an explicit --rate plays them as written).
+PHASES_REFERENCE_RATE = 0.5
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -182,9 +193,22 @@ class Stream:
         return ph.phased(self.phases, self.seed + (7 * pass_index if self.per_pass else 0), max_tokens_cap=cap)
 
 
-def streams(args) -> list[Stream]:
+def auto_rate(unloaded: list[Record]) -> float:
+    """The fixed mixes' rate on this machine: ``RATE_X_TPOT`` / the unloaded median TPOT."""
+    tpots = sorted(t for r in unloaded if (t := r.tpot) is not None and t > 0)
+    if not tpots:
+        raise SystemExit("--compare elastic: no unloaded request measured a TPOT, so no rate follows; pass --rate")
+    return round(RATE_X_TPOT / tpots[len(tpots) // 2], 3)
+
+
+def streams(args, rate: float | None = None) -> list[Stream]:
+    """The streams every layout serves: the fixed mixes at ``args.rate`` (else ``rate``, the
+    machine's: ``auto_rate``), the phases as written (with ``rate``: scaled by it over
+    ``PHASES_REFERENCE_RATE``)."""
     shares = [float(x) for x in args.long_shares.split(",") if x.strip()] if args.long_shares else DEFAULT_SHARES
-    rate = args.rate or DEFAULT_RATE
+    explicit = args.rate is not None
+    scale = 1.0 if explicit or not rate else rate / PHASES_REFERENCE_RATE
+    rate = args.rate if explicit else rate or PHASES_REFERENCE_RATE
     if not (rate > 0 and args.mix_seconds > 0 and args.lead_s >= 0 and all(0 <= s <= 1 for s in shares)):
         raise SystemExit(f"--compare elastic needs --rate > 0, --mix-seconds > 0, --lead-s >= 0 and long shares in "
                          f"[0, 1], got {rate}, {args.mix_seconds}, {args.lead_s}, {list(shares)}")
@@ -199,7 +223,7 @@ def streams(args) -> list[Stream]:
     out = [Stream("mixes", tuple(phases), tuple(segments), args.seed * 1000, per_pass=True)] if shares else []
     if args.phases:
         try:
-            play = tuple(ph.load_phases(args.phases))
+            play = tuple(replace(p, rate=p.rate * scale) for p in ph.load_phases(args.phases))
         except ph.PhasesError as e:
             raise SystemExit(f"--phases: {e}") from None
         out.append(Stream("phases", play, (Segment("phases", "phases", 0.0, 0.0, ph.total_seconds(play)),),
@@ -291,8 +315,9 @@ def _unloaded(cluster, per_kind: int, seed: int) -> list[Record]:
     return records
 
 
-def _slot(args, layout: ElasticLayout, pass_index: int, plan: list[Stream], report):
-    """One layout's pass: start it, warm up, unloaded requests, every stream; stop it."""
+def _slot(args, layout: ElasticLayout, pass_index: int, plan_for, report):
+    """One layout's pass: start it, warm up, unloaded requests, every stream; stop it.
+    ``plan_for(unloaded records)`` -> the streams (the first slot's unloaded TPOT sets the rate)."""
     from deploy.launcher import LocalCluster
 
     report.progress(f"pass {pass_index + 1}: {layout.name}: {layout.prefill} prefill + {layout.decode} decode node(s), "
@@ -306,7 +331,7 @@ def _slot(args, layout: ElasticLayout, pass_index: int, plan: list[Stream], repo
         asyncio.run(run_load(warm, target=cluster.address, api="grpc"))
         # --unloaded-requests per kind and layout, split over its two passes.
         unloaded = _unloaded(cluster, max(1, args.unloaded_requests // 2), args.seed * 1000 + 950 + pass_index)
-        for stream in plan:
+        for stream in plan_for(unloaded):
             reqs = stream.requests(pass_index, args.max_tokens_cap)
             report.progress(f"{layout.name}: {stream.name}: {len(reqs)} requests over {ph.total_seconds(stream.phases):.0f} s")
             starts.append({"layout": layout.name, "pass": pass_index + 1, "stream": stream.name,
@@ -327,25 +352,38 @@ def compare_elastic(args, report) -> dict:
     if args.api != "grpc":
         raise SystemExit("--compare elastic measures through the gRPC API (it counts streamed tokens)")
     t0, load0 = time.monotonic(), os.getloadavg()[0]
-    lays, plan = layouts(args), streams(args)
+    lays = layouts(args)
+    streams(args)  # the flags checked before any cluster starts
+    fixed: dict[str, object] = {}
+
+    def plan_for(first_unloaded: list[Record]) -> list[Stream]:
+        if "plan" not in fixed:
+            fixed["rate"] = args.rate if args.rate is not None else auto_rate(first_unloaded)
+            fixed["plan"] = streams(args, fixed["rate"])
+            report.progress(f"rate {fixed['rate']:g} requests/s" + ("" if args.rate is not None else (
+                f" ({RATE_X_TPOT:g} / the unloaded TPOT {RATE_X_TPOT / fixed['rate'] * 1e3:.0f} ms; phases x "
+                f"{fixed['rate'] / PHASES_REFERENCE_RATE:.2f})")))
+        return fixed["plan"]
+
     unloaded: dict[str, list[Record]] = {lay.name: [] for lay in lays}
     runs: dict[tuple[str, str], list[Run]] = {}
     by_name = {lay.name: lay for lay in lays}
     order = fig.schedule([lay.name for lay in lays])
     stream_starts = []
     for pass_index, name in order:
-        u, r, starts = _slot(args, by_name[name], pass_index, plan, report)
+        u, r, starts = _slot(args, by_name[name], pass_index, plan_for, report)
         stream_starts += starts
         unloaded[name] += u
         for wname, run in r.items():
             runs.setdefault((name, wname), []).append(run)  # pass 1 first: the schedule runs it first
+    plan = fixed["plan"]
     slo = slo_from_unloaded(list(unloaded.values()), args.slo_ttft_factor, args.slo_tpot_factor)
     ttft_grid, tpot_grid = grid_factors(args)
     grid = [(ft, fp, slo_from_unloaded(list(unloaded.values()), ft, fp)) for ft in ttft_grid for fp in tpot_grid]
     report.progress(f"SLO TTFT <= {', '.join(f'{k} {v:.3f}s' for k, v in slo.ttft_by_kind)}, "
                     f"TPOT <= {slo.tpot_s:.4f}s; grid TTFT x {ttft_grid}, TPOT x {tpot_grid}")
     segments = [(stream, seg) for stream in plan for seg in stream.segments]
-    results = [_workload_result(stream, seg, lays, runs, slo, grid) for stream, seg in segments]
+    results = [workload_result(stream, seg, lays, runs, slo, grid) for stream, seg in segments]
     phases = next((s.phases for s in plan if s.name == "phases"), None)
     out = fig.summary(results)
     at_slo = fig.summary([{**w, "elastic_vs_best_static": w["at_slo"]["elastic_vs_best_static"]} for w in results])
@@ -360,7 +398,9 @@ def compare_elastic(args, report) -> dict:
         layouts=[{"name": x.name, "prefill": x.prefill, "decode": x.decode, "planner": x.planner,
                   "local_prefill_tokens": x.local_prefill_tokens, "chunk_tokens": x.chunk_tokens} for x in lays],
         schedule=[f"{name}#{p + 1}" for p, name in order],
-        rate=args.rate or DEFAULT_RATE, mix_seconds=args.mix_seconds, lead_s=args.lead_s,
+        rate=fixed["rate"], rate_rule=("--rate" if args.rate is not None else f"{RATE_X_TPOT:g} / the first layout's unloaded "
+                                                                  f"median TPOT"),
+        mix_seconds=args.mix_seconds, lead_s=args.lead_s,
         phases=[{"name": p.label(i), "seconds": p.seconds, "rate": p.rate, "long_share": p.long_share}
                 for i, p in enumerate(phases)] if phases else None,
         planner=({"mode": args.elastic_planner, "interval_s": args.planner_interval_s,
@@ -375,64 +415,9 @@ def compare_elastic(args, report) -> dict:
                  [[w["name"], *[w["by_layout"][x.name]["grid_goodput_rps"] for x in lays], w["best_static"],
                    w["elastic_vs_best_static"], w["by_layout"].get(fig.ELASTIC, {}).get("dropped")] for w in results])
     if args.records:
-        _write_records(args.records, runs)
+        write_records(args.records, runs)
     if args.plot:
         from deploy.bench.serve_elastic_plot import plot
 
         plot(args.plot, out)
     return out
-
-
-def _workload_result(stream: Stream, seg: Segment, lays: list[ElasticLayout], runs, slo, grid) -> dict:
-    """One workload's figures per layout: ``grid_goodput_rps`` (the headline: the mean over the
-    SLO grid ``grid``, (ttft factor, tpot factor, Slo) triples) and every single-SLO figure at
-    ``slo``; the elastic layout's ratio to the best static one on the grid and at ``slo``."""
-    by_layout = {}
-    for lay in lays:
-        rs = runs[lay.name, seg.workload]
-        measured = [x for r in rs for x in r.measured]
-        decisions: dict[str, float] = {}
-        for r in rs:
-            for k, v in r.decisions.items():
-                decisions[k] = decisions.get(k, 0.0) + v
-        by_layout[lay.name] = {
-            **fig.grid_goodput([r.measured for r in rs], [g[2] for g in grid]),
-            **fig.pooled([r.measured for r in rs], slo), **fig.counts([x for r in rs for x in r.records]),
-            "measured": len(measured), "role_switches": sum(fig.role_switches(r.samples) for r in rs),
-            "nodes_max": max((len(s) for r in rs for _, s in r.samples), default=0), "planner_decisions": decisions,
-            "ttft_p99_s": summarize(measured)["ttft_s"]["p99"], "tpot_p99_s": summarize(measured)["tpot_s"]["p99"],
-        }
-        if any(r.plans for r in rs):
-            by_layout[lay.name]["plan_changes"] = [r.plans for r in rs]  # per pass: why it acted or held
-        if seg.kind == "phases":
-            by_layout[lay.name]["roles_over_time"] = [
-                {"pass": i + 1, "prefill_nodes": fig.role_counts(r.samples, "prefill"),
-                 "thresholds": fig.steps(r.thresholds)} for i, r in enumerate(rs)]
-            by_layout[lay.name]["by_phase"] = _by_phase(stream.phases, [r.measured for r in rs], slo)
-    out = {"name": seg.workload, "kind": seg.kind, "long_share": seg.long_share, "by_layout": by_layout}
-    out.update(fig.vs_best_static({n: v["grid_goodput_rps"] for n, v in by_layout.items()}))
-    out["at_slo"] = fig.vs_best_static({n: v["goodput_rps"] for n, v in by_layout.items()})
-    out["slo_grid"] = [{"ttft_factor": ft, "tpot_factor": fp,
-                        "goodput_rps": {n: round(v["grid_points"][i], 4) for n, v in by_layout.items()}}
-                       for i, (ft, fp, _) in enumerate(grid)]
-    return out
-
-
-def _by_phase(phases, passes: list[list[Record]], slo) -> list[dict]:
-    """SLO attainment of the requests sent in each phase (both passes together)."""
-    out = []
-    for i, p in enumerate(phases):
-        recs = [r for recs in passes for r in recs if ph.phase_index(phases, r.scheduled_s) == i]
-        out.append({"phase": p.label(i), "requests": len(recs),
-                    "slo_attainment": sum(slo.met(r) for r in recs) / len(recs) if recs else None})
-    return out
-
-
-def _write_records(path: str, runs) -> None:
-    with open(path, "w") as f:
-        for (layout, workload), rs in runs.items():
-            for i, run in enumerate(rs):
-                measured = {id(r) for r in run.measured}
-                for rec in run.records:
-                    f.write(json.dumps({"layout": layout, "workload": workload, "pass": i + 1,
-                                        "measured": id(rec) in measured, **rec.as_json()}) + "\n")

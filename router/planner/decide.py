@@ -12,7 +12,14 @@ Why it does not flap:
   ``scale_down_util``;
 - hysteresis in time: the same target must win ``confirm_rounds`` rounds in a row;
 - a cool-down: no action within ``cooldown_s`` of the last one (a switched node drains, a new
-  one warms up; the window must show the new layout before it is judged).
+  one warms up; the window must show the new layout before it is judged);
+- no return on a prediction alone: for ``REVISIT_WINDOWS`` windows after a role switch, the
+  layout it left is taken again only when the layout it moved to measured worse than the one it
+  left had (``model.measured_share``: the share of finished requests within the model's targets;
+  a layout left before it measured enough: for one window, then the prediction decides). Two
+  saturated layouts predict alike and their load estimates swing round to round, so the model
+  alone sends the planner back and forth (the held-out elastic run of 2026-12-02: three
+  switches in 60 s at 40% documents); what each measured breaks the tie.
 
 Every decision names an action and a reason (metric labels, few values) and a one-line
 detail with the figures behind it.
@@ -23,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from kv_index.nodes import Role
 from router.planner.config import PlannerConfig
-from router.planner.model import Calibration, Layout, LayoutEstimate, calibrate, estimate
+from router.planner.model import Calibration, Layout, LayoutEstimate, calibrate, estimate, measured_share
 from router.planner.signals import NodeSignal, PlannerSignals, measured_attainment
 
 # Actions (the metric's action label).
@@ -37,6 +44,15 @@ class PlannerState:
     last_action_at: float | None = None  # wall clock of the last action (None: never acted)
     pending: Layout | None = None  # the target that won the last rounds
     pending_rounds: int = 0
+    # The role mix the last role switch left (prefill, decode nodes), and what it measured
+    # then (model.measured_share; None: too few requests to say).
+    left: tuple[int, int] | None = None
+    left_at: float | None = None
+    left_attainment: float | None = None
+
+
+# Windows after a role switch during which the layout it left needs measured evidence to return.
+REVISIT_WINDOWS = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +190,10 @@ def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decisi
             action = SWITCH_ROLES
             reason = "prefill_bound" if target.layout.prefill > current.prefill else "decode_bound"
     detail = f"{current} -> {target.layout}: predicted {_fig(cur)} -> {_fig(target)}"
+    here_att, here_n = measured_share(s, cfg.ttft_slo_factor, cfg.tpot_slo_factor, since=state.last_action_at)
+    figures.update(measured_current_attainment=round(here_att, 4), measured_current_requests=here_n)
+    if action == SWITCH_ROLES and (back := _revisit(state, target.layout, s.at, cfg, here_att, here_n)):
+        return hold("revisit", f"{detail}; {back}", figures, replace(state, pending=None, pending_rounds=0))
     rounds = state.pending_rounds + 1 if state.pending == target.layout else 1
     nxt = replace(state, pending=target.layout, pending_rounds=rounds)
     if rounds < cfg.confirm_rounds:
@@ -183,9 +203,38 @@ def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decisi
         return hold("cooldown", f"{detail} (cool-down: {left:.0f} s left)", figures, nxt)
     targets = ({Role.PREFILL: target.layout.prefill, Role.DECODE: target.layout.decode}
                if cfg.resizes and action != SET_THRESHOLD else None)
+    nxt = PlannerState(last_action_at=s.at, left=state.left, left_at=state.left_at,
+                       left_attainment=state.left_attainment)
+    if action == SWITCH_ROLES:
+        nxt = replace(nxt, left=(current.prefill, current.decode), left_at=s.at,
+                      left_attainment=here_att if here_n >= cfg.calibration_min_samples else None)
     return Decision(action, reason, detail, target.layout, target.layout.threshold,
                     roles=role_changes(s.nodes, target.layout), pool_targets=targets, figures=figures,
-                    state=PlannerState(last_action_at=s.at))
+                    state=nxt)
+
+
+def _revisit(state: PlannerState, target: Layout, now: float, cfg: PlannerConfig, here_att: float,
+             here_n: int) -> str:
+    """Why not to go back to the role mix the last switch left (module docstring; '' to go):
+    within ``REVISIT_WINDOWS`` windows of it, unless the layout it moved to measured worse."""
+    if state.left != (target.prefill, target.decode) or state.left_at is None:
+        return ""
+    ago = now - state.left_at
+    if ago >= REVISIT_WINDOWS * cfg.window_s:
+        return ""
+    if state.left_attainment is None:
+        # Left before it measured enough to compare: one window, not two, on the prediction's word
+        # (a shifting workload's next phase must not wait out two windows for evidence never taken).
+        if ago >= cfg.window_s:
+            return ""
+        return (f"left {ago:.0f} s ago before it measured {cfg.calibration_min_samples} requests: no evidence it "
+                f"was better for {cfg.window_s - ago:.0f} s more")
+    if here_n < cfg.calibration_min_samples:
+        return (f"left {ago:.0f} s ago at {state.left_attainment:.0%} measured; {here_n} requests measured since, "
+                f"{cfg.calibration_min_samples} needed to compare")
+    if here_att >= state.left_attainment:
+        return f"left {ago:.0f} s ago at {state.left_attainment:.0%} measured, now {here_att:.0%}: no better"
+    return ""
 
 
 def _fig(e: LayoutEstimate) -> str:

@@ -157,6 +157,29 @@ def calibrate(s: PlannerSignals, current: LayoutEstimate, min_samples: int = 8, 
     return Calibration(k_u, k_l, k_tpot, k_ttft, len(tpots), len(ttfts), m_tpot, m_ttft)
 
 
+def slo_targets(r: RequestSample, s: PlannerSignals, prefill_s: float, ttft_slo_factor: float,
+                tpot_slo_factor: float) -> tuple[float, float]:
+    """A request's (TTFT, TPOT) targets (module docstring); ``prefill_s``: its prefill's fitted time."""
+    slo = SLO_CLASSES.get(r.slo_class, SLO_CLASSES["relaxed"])
+    d = s.decode
+    return (min(slo.ttft_budget_s(r.prompt_tokens), ttft_slo_factor * max(prefill_s, d.fixed_s)),
+            min(slo.tbt_s, tpot_slo_factor * (s.unloaded_tpot_s or d.step_s(1, r.prompt_tokens + r.output_tokens))))
+
+
+def measured_share(s: PlannerSignals, ttft_slo_factor: float = 5.0, tpot_slo_factor: float = 2.0,
+             since: float | None = None) -> tuple[float, int]:
+    """(share meeting both targets, requests): the window's requests finished since ``since``,
+    judged by the targets the model predicts against (``estimate``), so a layout measured and
+    one predicted compare on one scale."""
+    mine = [r for r in s.requests if r.done and (since is None or r.at >= since)]
+    ok = 0
+    for r in mine:
+        ttft_t, tpot_t = slo_targets(r, s, s.prefill.predict(r.uncached, r.cached_tokens), ttft_slo_factor,
+                                     tpot_slo_factor)
+        ok += (r.ttft_s is None or r.ttft_s <= ttft_t) and (r.tpot_s is None or r.tpot_s <= tpot_t)
+    return (ok / len(mine) if mine else 0.0), len(mine)
+
+
 def _moments(xs: list[float]) -> tuple[float, float]:
     if not xs:
         return 0.0, 0.0
@@ -230,7 +253,6 @@ def estimate(layout: Layout, s: PlannerSignals, ttft_slo_factor: float = 5.0,
     met = 0.0
     ttft_sum = 0.0
     for r in reqs:
-        slo = SLO_CLASSES.get(r.slo_class, SLO_CLASSES["relaxed"])
         sr = cost[id(r)]
         if remote(r):
             ttft = wq_p + sr + s.transfer_fixed_s + s.transfer_s_per_token * r.uncached
@@ -238,8 +260,7 @@ def estimate(layout: Layout, s: PlannerSignals, ttft_slo_factor: float = 5.0,
             ttft = wq_l + sr + tpot / k_tpot  # its first token, uncalibrated: k_ttft corrects the whole
         ttft *= k_ttft
         ttft_sum += ttft
-        ttft_target = min(slo.ttft_budget_s(r.prompt_tokens), ttft_slo_factor * max(sr, d.fixed_s))
-        tpot_target = min(slo.tbt_s, tpot_slo_factor * (s.unloaded_tpot_s or d.step_s(1, r.prompt_tokens + r.output_tokens)))
+        ttft_target, tpot_target = slo_targets(r, s, sr, ttft_slo_factor, tpot_slo_factor)
         if ttft > ttft_target or u_d >= 1 or kv_util >= 1 or (r.output_tokens > 1 and tpot0 > tpot_target):
             continue
         met += p_stalls_fit(r.output_tokens, tpot_target) if r.output_tokens > 1 else 1.0

@@ -20,7 +20,9 @@ from router.cost_model import CostBook, DecodeCost, OnlineFit, PrefillCost
 
 @dataclass(frozen=True, slots=True)
 class RequestSample:
-    """One finished request as the router saw it. ``tpot_s`` is None for a single token."""
+    """One request as the router saw it: finished, or (``done`` False) still in flight, with
+    ``output_tokens`` its ``max_tokens`` (what it may still produce) and no latencies yet.
+    ``tpot_s`` is None for a single token."""
 
     at: float  # wall clock when it finished
     prompt_tokens: int
@@ -30,6 +32,7 @@ class RequestSample:
     tpot_s: float | None
     slo_class: str = "relaxed"
     local: bool = False  # prefilled on its decode node
+    done: bool = True  # False: admitted and placed, not finished (``at``: when it was placed)
 
     @property
     def uncached(self) -> int:
@@ -95,6 +98,8 @@ def measured_attainment(requests: Iterable[RequestSample]) -> dict[str, float]:
     """Per SLO class, the share of finished requests that met its TTFT budget and TBT."""
     met: dict[str, list[int]] = {}
     for r in requests:
+        if not r.done:
+            continue
         slo = SLO_CLASSES.get(r.slo_class, SLO_CLASSES["relaxed"])
         ok = ((r.ttft_s is None or r.ttft_s <= slo.ttft_budget_s(r.prompt_tokens))
               and (r.tpot_s is None or r.tpot_s <= slo.tbt_s))
@@ -109,14 +114,26 @@ UNLOADED_TPOT_RANK = 2
 
 
 class RequestWindow:
-    """The requests this router finished recently: the orchestrator adds each one (its event
-    loop), the planner thread reads a copy. At most ``keep``; older than ``recent``'s stretch of windows: dropped."""
+    """The requests this router finished recently, and those in flight: the orchestrator adds
+    each one (its event loop), the planner thread reads a copy. At most ``keep`` finished; older
+    than ``recent``'s stretch of windows: dropped."""
 
     def __init__(self, keep: int = 4096) -> None:
         self._lock = threading.Lock()
         self._samples: deque[RequestSample] = deque(maxlen=keep)
+        self._inflight: dict[str, RequestSample] = {}  # request id -> placed, not finished (done False)
         self._arrivals: deque[float] = deque(maxlen=keep)  # wall clock of each request admitted
         self._tpots: deque[float] = deque(maxlen=UNLOADED_TPOT_KEEP)  # the last finished ones' TPOT, any age
+
+    def started(self, key: str, sample: RequestSample) -> None:
+        """A request was placed (``sample.done`` False): the planner sees it before it finishes."""
+        with self._lock:
+            self._inflight[key] = sample
+
+    def ended(self, key: str) -> None:
+        """The request ``key`` left (finished, failed or aborted): no longer in flight."""
+        with self._lock:
+            self._inflight.pop(key, None)
 
     def add(self, sample: RequestSample) -> None:
         with self._lock:
@@ -156,17 +173,28 @@ class RequestWindow:
         return n / max(now - start, 1.0)
 
     def recent(self, now: float, window_s: float, min_requests: int, stretch: float = 4.0) -> tuple[RequestSample, ...]:
-        """The requests of the last ``window_s``; when they are fewer than ``min_requests``, the
-        last ``min_requests`` of the last ``stretch`` windows. A window in seconds alone never
+        """Every request in flight, and the finished ones of the last ``window_s``; when they are
+        fewer than ``min_requests`` together, the finished ones stretch back to make up
+        ``min_requests`` from the last ``stretch`` windows. A window in seconds alone never
         fills at a low rate (12 s at one request a second holds about 8 finished ones, fewer
         while long answers run), and one in requests alone would judge a quiet hour by its
-        last burst: a decision needs both enough requests and recent ones."""
+        last burst: a decision needs both enough requests and recent ones.
+
+        Why the requests in flight count: the finished ones alone tell the mix late and wrong.
+        Past saturation they are few (the elastic benchmark's planner waited 40 s for 8, half
+        of a mix), and the short ones finish first (a document's 16-token answer before a
+        chat's 100), so the first finished ones overstate the documents. The ones in flight
+        are the arrivals the finished ones have not caught up with."""
         with self._lock:
             while self._samples and self._samples[0].at < now - stretch * window_s:
                 self._samples.popleft()
             held = tuple(self._samples)
+            flying = tuple(sorted(self._inflight.values(), key=lambda r: r.at))
         inside = [r for r in held if r.at >= now - window_s]
-        return tuple(inside) if len(inside) >= min_requests else held[-min_requests:]
+        if len(inside) + len(flying) >= min_requests:
+            return (*inside, *flying)
+        more = max(min_requests - len(flying), 0)
+        return (*(held[-more:] if more else ()), *flying)
 
 
 # Heartbeats (with a running batch) before a node's own figures replace the prior: a CPU node's
