@@ -16,7 +16,7 @@ def plot(prefix: str, result: dict) -> None:
             xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(loads))]
             ax.bar(xs, [w["by_layout"][name]["grid_goodput_rps"] for w in loads], width, label=name)
         ax.set_xticks(range(len(loads)), [w["name"].replace("long_share=", "long ") for w in loads], fontsize=8)
-        ax.set_ylabel("goodput (requests/s within SLO, mean over the SLO grid)")
+        ax.set_ylabel("goodput (requests/s within SLO,\nmean over the SLO grid)", fontsize=9)
         ax.set_title(f"both passes pooled; elastic / best static: min over mixes "
                      f"{_fmt(result.get('elastic_vs_best_static_min'))}, phases "
                      f"{_fmt(result.get('elastic_vs_best_static_phases'))}", fontsize=8)
