@@ -354,16 +354,19 @@ def compare_elastic(args, report) -> dict:
     t0, load0 = time.monotonic(), os.getloadavg()[0]
     lays = layouts(args)
     streams(args)  # the flags checked before any cluster starts
-    fixed: dict[str, object] = {}
+    rate: float | None = args.rate
+    plan: list[Stream] = []
 
     def plan_for(first_unloaded: list[Record]) -> list[Stream]:
-        if "plan" not in fixed:
-            fixed["rate"] = args.rate if args.rate is not None else auto_rate(first_unloaded)
-            fixed["plan"] = streams(args, fixed["rate"])
-            report.progress(f"rate {fixed['rate']:g} requests/s" + ("" if args.rate is not None else (
-                f" ({RATE_X_TPOT:g} / the unloaded TPOT {RATE_X_TPOT / fixed['rate'] * 1e3:.0f} ms; phases x "
-                f"{fixed['rate'] / PHASES_REFERENCE_RATE:.2f})")))
-        return fixed["plan"]
+        """The streams, built once: at the first slot's call its unloaded TPOT sets the rate."""
+        nonlocal rate
+        if not plan:
+            if rate is None:
+                rate = auto_rate(first_unloaded)
+                report.progress(f"rate {rate:g} requests/s ({RATE_X_TPOT:g} / the unloaded TPOT "
+                                f"{RATE_X_TPOT / rate * 1e3:.0f} ms; phases x {rate / PHASES_REFERENCE_RATE:.2f})")
+            plan.extend(streams(args, rate))
+        return plan
 
     unloaded: dict[str, list[Record]] = {lay.name: [] for lay in lays}
     runs: dict[tuple[str, str], list[Run]] = {}
@@ -376,7 +379,6 @@ def compare_elastic(args, report) -> dict:
         unloaded[name] += u
         for wname, run in r.items():
             runs.setdefault((name, wname), []).append(run)  # pass 1 first: the schedule runs it first
-    plan = fixed["plan"]
     slo = slo_from_unloaded(list(unloaded.values()), args.slo_ttft_factor, args.slo_tpot_factor)
     ttft_grid, tpot_grid = grid_factors(args)
     grid = [(ft, fp, slo_from_unloaded(list(unloaded.values()), ft, fp)) for ft in ttft_grid for fp in tpot_grid]
@@ -398,7 +400,7 @@ def compare_elastic(args, report) -> dict:
         layouts=[{"name": x.name, "prefill": x.prefill, "decode": x.decode, "planner": x.planner,
                   "local_prefill_tokens": x.local_prefill_tokens, "chunk_tokens": x.chunk_tokens} for x in lays],
         schedule=[f"{name}#{p + 1}" for p, name in order],
-        rate=fixed["rate"], rate_rule=("--rate" if args.rate is not None else f"{RATE_X_TPOT:g} / the first layout's unloaded "
+        rate=rate, rate_rule=("--rate" if args.rate is not None else f"{RATE_X_TPOT:g} / the first layout's unloaded "
                                                                   f"median TPOT"),
         mix_seconds=args.mix_seconds, lead_s=args.lead_s,
         phases=[{"name": p.label(i), "seconds": p.seconds, "rate": p.rate, "long_share": p.long_share}

@@ -203,8 +203,7 @@ def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decisi
         return hold("cooldown", f"{detail} (cool-down: {left:.0f} s left)", figures, nxt)
     targets = ({Role.PREFILL: target.layout.prefill, Role.DECODE: target.layout.decode}
                if cfg.resizes and action != SET_THRESHOLD else None)
-    nxt = PlannerState(last_action_at=s.at, left=state.left, left_at=state.left_at,
-                       left_attainment=state.left_attainment)
+    nxt = replace(state, last_action_at=s.at, pending=None, pending_rounds=0)
     if action == SWITCH_ROLES:
         nxt = replace(nxt, left=(current.prefill, current.decode), left_at=s.at,
                       left_attainment=here_att if here_n >= cfg.calibration_min_samples else None)
