@@ -13,6 +13,10 @@ Why it does not flap:
 - hysteresis in time: the same target must win ``confirm_rounds`` rounds in a row;
 - a cool-down: no action within ``cooldown_s`` of the last one (a switched node drains, a new
   one warms up; the window must show the new layout before it is judged);
+- a switch's price: a layout is valued by its goodput over the window with the drain of the
+  nodes it moves in it (router/planner/switch_cost.py), so a decode node holding a full batch
+  moves only for a gain that outlasts its drain; and from a layout predicted to meet nothing,
+  the target must meet ``switch_margin`` of the offered requests, not merely more than 0;
 - no return on a prediction alone: for ``REVISIT_WINDOWS`` windows after a role switch, the
   layout it left is taken again only when the layout it moved to measured worse than the one it
   left had (``model.measured_share``: the share of finished requests within the model's targets;
@@ -26,12 +30,14 @@ detail with the figures behind it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from kv_index.nodes import Role
 from router.planner.config import PlannerConfig
 from router.planner.model import Calibration, Layout, LayoutEstimate, calibrate, estimate, measured_share
-from router.planner.signals import NodeSignal, PlannerSignals, measured_attainment
+from router.planner.signals import PlannerSignals, measured_attainment
+from router.planner.switch_cost import SwitchCost, over_horizon, role_changes, switch_cost, util_over_horizon
 
 # Actions (the metric's action label).
 HOLD, SWITCH_ROLES, SET_THRESHOLD, SCALE_UP, SCALE_DOWN = "hold", "switch_roles", "set_threshold", "scale_up", "scale_down"
@@ -99,26 +105,14 @@ def layouts(total: int, cfg: PlannerConfig, current: int) -> list[Layout]:
     return out
 
 
-def best(cands: list[LayoutEstimate], current: Layout) -> LayoutEstimate:
-    """The most goodput; then the least loaded busiest pool; then the least change."""
+def best(cands: list[LayoutEstimate], current: Layout,
+         value: Callable[[LayoutEstimate], float] | None = None) -> LayoutEstimate:
+    """The most goodput (``value``: over the horizon, the switch's drain counted; default the
+    steady goodput); then the least loaded busiest pool; then the least change."""
     def key(e: LayoutEstimate) -> tuple:
-        return (-round(e.goodput_rps, 6), round(e.max_util, 3), abs(e.layout.prefill - current.prefill),
-                abs(e.layout.threshold - current.threshold))
+        return (-round(value(e) if value else e.goodput_rps, 6), round(e.max_util, 3),
+                abs(e.layout.prefill - current.prefill), abs(e.layout.threshold - current.threshold))
     return min(cands, key=key)
-
-
-def role_changes(nodes: tuple[NodeSignal, ...], target: Layout) -> dict[str, Role]:
-    """Which nodes switch role to move toward ``target``: as many as one pool lacks and the
-    other has in excess (the rest is the pool controller's: nodes added or removed), the least
-    busy first (they drain soonest)."""
-    cur = {r: [n for n in nodes if n.role == r] for r in Role}
-    want = {Role.PREFILL: target.prefill, Role.DECODE: target.decode}
-    out: dict[str, Role] = {}
-    for src, dst in ((Role.DECODE, Role.PREFILL), (Role.PREFILL, Role.DECODE)):
-        k = min(want[dst] - len(cur[dst]), len(cur[src]) - want[src])
-        movers = sorted(cur[src], key=lambda n: (n.running + n.waiting, n.backlog_s, n.node_id))[:max(k, 0)]
-        out.update({n.node_id: dst for n in movers})
-    return out
 
 
 def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decision:
@@ -147,42 +141,25 @@ def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decisi
                      cfg.calibration_min_scale, cfg.calibration_max_scale, since=state.last_action_at)
            if cfg.calibrate else Calibration())
     base.update(cal.figures())
-    est = {}
-
-    def of(layout: Layout) -> LayoutEstimate:
-        if layout not in est:
-            est[layout] = estimate(layout, s, cfg.ttft_slo_factor, cfg.tpot_slo_factor, cal)
-        return est[layout]
-
-    cur = of(current)
-    n = current.nodes
-    here = best([of(lay) for lay in layouts(n, cfg, current.threshold)] or [cur], current)
+    j = _Judge(s, cfg, cal, current)
+    cur = j.cur
+    here = j.best_here()
     target, action, reason = here, None, None
     if cfg.resizes:
-        lo = cfg.min_prefill_nodes + cfg.min_decode_nodes
-        hi = cfg.max_prefill_nodes + cfg.max_decode_nodes
-        if here.max_util > cfg.scale_up_util and n + 1 <= hi:
-            target, action, reason = best([of(lay) for lay in layouts(n + 1, cfg, current.threshold)], current), \
-                SCALE_UP, "overloaded"
-        elif n - 1 >= lo:
-            fewer = [of(lay) for lay in layouts(n - 1, cfg, current.threshold)]
-            small = best(fewer, current) if fewer else None
-            if small is not None and small.max_util < cfg.scale_down_util and \
-                    small.goodput_rps >= here.goodput_rps * (1 - 1e-3):
-                target, action, reason = small, SCALE_DOWN, "underused"
+        target, action, reason = j.resized(here)
     figures = {**base, **cur.figures("current"), **target.figures("target")}
-    gain = (target.goodput_rps - cur.goodput_rps) / cur.goodput_rps if cur.goodput_rps > 0 else (
-        1.0 if target.goodput_rps > 0 else 0.0)
-    figures["predicted_gain"] = round(gain, 4)
+    cost = j.cost(target) if action is None else SwitchCost()
+    gain = j.gain(target, cost)
+    figures.update(predicted_gain=round(gain, 4), predicted_drain_s=round(cost.drain_s, 3))
     if action is None:
         if target.layout == current:
-            return hold("no_gain", f"{current} is the best layout predicted ({_fig(cur)})", figures,
-                        replace(state, pending=None, pending_rounds=0))
-        # Past saturation every layout's predicted goodput is 0, yet the less overloaded one
-        # serves more before its queues run away (a burst ends): it wins by the margin on load.
-        relief = cur.max_util >= 1 and target.max_util < cur.max_util * (1 - cfg.switch_margin)
-        if gain < cfg.switch_margin and not relief:
-            return hold("no_gain", f"{target.layout} would gain {gain:+.0%} over {current} (< {cfg.switch_margin:.0%})",
+            note, extra = j.steady_note()
+            return hold("no_gain", f"{current} is the best layout predicted ({_fig(cur)}){note}",
+                        {**figures, **extra}, replace(state, pending=None, pending_rounds=0))
+        if gain < cfg.switch_margin and not j.relief(target, cost):
+            drained = f", {cost.drain_s:.0f} s of drain counted" if cost.drain_s > 0 else ""
+            return hold("no_gain", f"{target.layout} would gain {gain:+.0%} over {current}{drained} "
+                        f"(< {cfg.switch_margin:.0%})",
                         figures, replace(state, pending=None, pending_rounds=0))
         if (target.layout.prefill, target.layout.decode) == (current.prefill, current.decode):
             action, reason = SET_THRESHOLD, "threshold_gain"
@@ -210,6 +187,79 @@ def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decisi
     return Decision(action, reason, detail, target.layout, target.layout.threshold,
                     roles=role_changes(s.nodes, target.layout), pool_targets=targets, figures=figures,
                     state=nxt)
+
+
+class _Judge:
+    """One round's layouts judged: their estimates (cached), the switch cost of each role mix,
+    and their goodput over the window with that cost in it (``value``)."""
+
+    def __init__(self, s: PlannerSignals, cfg: PlannerConfig, cal: Calibration, current: Layout) -> None:
+        self.s, self.cfg, self.cal, self.current = s, cfg, cal, current
+        self._est: dict[Layout, LayoutEstimate] = {}
+        self._costs: dict[tuple[int, int], SwitchCost] = {}
+        self._mean_out = sum(r.output_tokens for r in s.requests) / max(len(s.requests), 1)
+        self.cur = self.of(current)
+
+    def of(self, layout: Layout) -> LayoutEstimate:
+        if layout not in self._est:
+            self._est[layout] = estimate(layout, self.s, self.cfg.ttft_slo_factor, self.cfg.tpot_slo_factor, self.cal)
+        return self._est[layout]
+
+    def cost(self, e: LayoutEstimate) -> SwitchCost:
+        mix = (e.layout.prefill, e.layout.decode)
+        if mix not in self._costs:
+            self._costs[mix] = switch_cost(self.s.nodes, e.layout, self._mean_out)
+        return self._costs[mix]
+
+    def value(self, e: LayoutEstimate) -> float:
+        """A role switch pays its drain before the new mix serves; the planner judges layouts over
+        its window (the mix it measured is the one it expects next)."""
+        return over_horizon(self.cur, e, self.cost(e), self.cfg.window_s)
+
+    def candidates(self, nodes: int) -> list[LayoutEstimate]:
+        return [self.of(lay) for lay in layouts(nodes, self.cfg, self.current.threshold)]
+
+    def best_here(self) -> LayoutEstimate:
+        return best(self.candidates(self.current.nodes) or [self.cur], self.current, self.value)
+
+    def resized(self, here: LayoutEstimate) -> tuple[LayoutEstimate, str | None, str | None]:
+        """A pool one node larger when the best layout overloads, one smaller when it idles."""
+        cfg, n = self.cfg, self.current.nodes
+        if here.max_util > cfg.scale_up_util and n + 1 <= cfg.max_prefill_nodes + cfg.max_decode_nodes:
+            return best(self.candidates(n + 1), self.current), SCALE_UP, "overloaded"
+        if n - 1 >= cfg.min_prefill_nodes + cfg.min_decode_nodes:
+            fewer = self.candidates(n - 1)
+            small = best(fewer, self.current) if fewer else None
+            if small is not None and small.max_util < cfg.scale_down_util and \
+                    small.goodput_rps >= here.goodput_rps * (1 - 1e-3):
+                return small, SCALE_DOWN, "underused"
+        return here, None, None
+
+    def gain(self, target: LayoutEstimate, cost: SwitchCost) -> float:
+        """The target's goodput over the window, drain counted, over the current one's. From a
+        layout predicted to meet nothing: the share of the offered requests the target would meet,
+        so the margin is absolute (switch_margin of them), not any gain at all (the tuning run took
+        a target predicted at 10% whose prefill node was at 153%, and left it 33 s on)."""
+        ahead = over_horizon(self.cur, target, cost, self.cfg.window_s)
+        c = self.cur.goodput_rps
+        return (ahead - c) / c if c > 0 else ahead / max(self.s.rate_rps, 1e-9)
+
+    def relief(self, target: LayoutEstimate, cost: SwitchCost) -> bool:
+        """Past saturation every layout's predicted goodput is 0, yet the less overloaded one serves
+        more before its queues run away (a burst ends): it wins by the margin on load, drain counted."""
+        cur, cfg = self.cur, self.cfg
+        return cur.max_util >= 1 and \
+            util_over_horizon(cur, target, cost, cfg.window_s) < cur.max_util * (1 - cfg.switch_margin)
+
+    def steady_note(self) -> tuple[str, dict[str, float]]:
+        """When holding: the layout that would serve most once switched, and why its drain rules it out."""
+        cur, e = self.cur, best(self.candidates(self.current.nodes) or [self.cur], self.current)
+        gain = (e.goodput_rps - cur.goodput_rps) / cur.goodput_rps if cur.goodput_rps > 0 else 0.0
+        figures = {"steady_best_gain": round(gain, 4), "steady_best_drain_s": round(self.cost(e).drain_s, 3)}
+        if e.layout == self.current or e.goodput_rps <= cur.goodput_rps:
+            return "", figures
+        return (f"; {e.layout} would serve more once switched ({e.goodput_rps:.3f} req/s), but its "
+                f"{self.cost(e).drain_s:.0f} s drain loses that over the {self.cfg.window_s:.0f} s window"), figures
 
 
 def _revisit(state: PlannerState, target: Layout, now: float, cfg: PlannerConfig, here_att: float,

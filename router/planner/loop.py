@@ -171,7 +171,8 @@ def router_planner(config: PlannerConfig, client, namespace: str, refresher, cos
 
     def signals() -> PlannerSignals:
         view = refresher.view
-        decode_fit.observe(view.nodes)
+        unloaded_tpot_s = orchestrator.window.unloaded_tpot_s()
+        decode_fit.observe(view.nodes, unloaded_tpot_s)
         now = time.time()
         draining = len(view.live) - len(view.nodes) if view.live is not None else 0
         requests = orchestrator.window.recent(now, config.window_s, config.min_requests)
@@ -180,7 +181,7 @@ def router_planner(config: PlannerConfig, client, namespace: str, refresher, cos
         return build_signals(view.nodes, requests, costs, decode_fit.model, orchestrator.ledger.backlog_s(),
                              policy.short_prompt_tokens, now, span, max(draining, 0), observed_since=started,
                              offered_rps=orchestrator.window.offered_rps(now, config.window_s, since=started),
-                             unloaded_tpot_s=orchestrator.window.unloaded_tpot_s())
+                             unloaded_tpot_s=unloaded_tpot_s)
 
     holder = f"router@{socket.gethostname()}:{os.getpid()}/{uuid.uuid4().hex[:6]}"
     return PlannerLoop(config, PlanStore(client, namespace), RoleStore(client, namespace),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kv_index.nodes import NodeInfo, Role
 from router.admission import SLO_CLASSES
-from router.cost_model import CostBook, DecodeCost, OnlineFit, PrefillCost
+from router.cost_model import CostBook, DecodeCost, OnlineFit, PrefillCost, solve
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,19 +202,33 @@ class RequestWindow:
 MIN_HEARTBEATS = 8
 
 
+# The anchor's weight beside the heartbeats: as much as all of them together (their forgotten
+# weight). Less, and a fit through loaded steps alone still puts the fixed part anywhere.
+ANCHOR_WEIGHT = 1.0
+
+
 class DecodeFit:
     """A decode step's cost (``DecodeCost``) fitted from the decode nodes' heartbeats (their step
     time at their running batch and context): least squares over an exponentially forgotten window, the
     prior until ``MIN_HEARTBEATS`` came. ``CostBook.decode`` is a prior only: the router's
     placement reads it for the TBT check; the planner needs the nodes' real speed. A direction
-    the heartbeats leave open (every step at one batch size) gets 0 (``solve``)."""
+    the heartbeats leave open (every step at one batch size) gets 0 (``solve``).
+
+    Anchored on the unloaded TPOT where the router measured one (``observe``'s
+    ``unloaded_tpot_s``): a step at batch 1 and the nodes' mean context per sequence, weighted
+    as much as the heartbeats. Why: heartbeats come at a few batch sizes whose context grows
+    with them, so a line through them leaves its intercept nearly free; over the elastic
+    benchmark's 1,186 recorded rounds the fitted fixed part fell under 10 ms in 313 and rose
+    over 300 ms in 98 (the unloaded step: ~117 ms), and the model's TPOT is that fixed part over
+    the load. A step measured alone pins it where it is."""
 
     def __init__(self, prior: DecodeCost = DecodeCost(), forget: float = 0.98) -> None:
         self._fit = OnlineFit(3, forget)
         self._seen: dict[str, float] = {}  # node id -> the heartbeat (updated_at) last taken
+        self._ctx = OnlineFit(1, forget)  # the mean context per running sequence (forgotten alike)
         self.model = prior
 
-    def observe(self, nodes: Iterable[NodeInfo]) -> None:
+    def observe(self, nodes: Iterable[NodeInfo], unloaded_tpot_s: float = 0.0) -> None:
         for n in nodes:
             if n.role != Role.DECODE or n.step_s <= 0 or n.running < 1 or self._seen.get(n.node_id) == n.updated_at:
                 continue
@@ -224,9 +238,42 @@ class DecodeFit:
             # which the model counts apart (rho_l); its fastest steps are decode alone.
             step = n.step_best_s if 0 < n.step_best_s < n.step_s else n.step_s
             self._fit.add(_decode_features(n.running, n.running_tokens), step)
+            self._ctx.add((1.0,), n.running_tokens / n.running)
         if self._fit.n >= MIN_HEARTBEATS:
-            c = self._fit.coef()
+            c = self._solve(unloaded_tpot_s)
             self.model = DecodeCost(max(c[0], 1e-4), max(c[1], 0.0) / 1e2, max(c[2], 0.0) / 1e6)
+
+    def _solve(self, unloaded_tpot_s: float) -> list[float]:
+        A, b = self._fit.A, self._fit.b
+        if unloaded_tpot_s > 0:
+            x = _decode_features(1, round(self._ctx.coef()[0]))
+            w = ANCHOR_WEIGHT * A[0][0]  # A[0][0]: the heartbeats' forgotten weight (feature 0 is 1)
+            A = [[A[i][j] + w * x[i] * x[j] for j in range(3)] for i in range(3)]
+            b = [b[i] + w * x[i] * unloaded_tpot_s for i in range(3)]
+        return nonnegative_fit(A, b)
+
+
+def nonnegative_fit(A: list[list[float]], b: list[float]) -> list[float]:
+    """Least squares from the normal equations ``A c = b`` with the per-sequence and per-token
+    costs (``c[1:]``) kept >= 0: the best of the fits over each subset of those terms (the
+    others held at 0). Why not clamp the free solution: batch and context grow together in the
+    heartbeats, so the free fit often trades a negative cost on one for an inflated one on the
+    other, and zeroing the negative one after the fact leaves the inflated one in (a step at
+    batch 8 predicted at twice what it was measured)."""
+    n = len(b)
+    best, best_sse = [0.0] * n, float("inf")
+    for mask in range(1 << (n - 1)):
+        keep = [0] + [i for i in range(1, n) if mask >> (i - 1) & 1]
+        sub = solve([[A[i][j] for j in keep] for i in keep], [b[i] for i in keep])
+        c = [0.0] * n
+        for i, v in zip(keep, sub):
+            c[i] = v
+        if any(v < 0 for v in c[1:]):
+            continue
+        sse = sum(c[i] * A[i][j] * c[j] for i in range(n) for j in range(n)) - 2 * sum(b[i] * c[i] for i in range(n))
+        if sse < best_sse:
+            best, best_sse = c, sse
+    return best
 
 
 def _decode_features(batch: int, ctx: int) -> tuple[float, float, float]:
