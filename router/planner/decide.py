@@ -256,8 +256,9 @@ class _Judge:
         cur, e = self.cur, best(self.candidates(self.current.nodes) or [self.cur], self.current)
         gain = (e.goodput_rps - cur.goodput_rps) / cur.goodput_rps if cur.goodput_rps > 0 else 0.0
         figures = {"steady_best_gain": round(gain, 4), "steady_best_drain_s": round(self.cost(e).drain_s, 3)}
-        if e.layout == self.current or e.goodput_rps <= cur.goodput_rps:
-            return "", figures
+        if e.layout == self.current or (cur.goodput_rps > 0 and gain < self.cfg.switch_margin) or \
+                e.goodput_rps <= cur.goodput_rps:
+            return "", figures  # nothing the margin would have taken anyway
         return (f"; {e.layout} would serve more once switched ({e.goodput_rps:.3f} req/s), but its "
                 f"{self.cost(e).drain_s:.0f} s drain loses that over the {self.cfg.window_s:.0f} s window"), figures
 
