@@ -68,6 +68,7 @@ class ClusterConfig:
     planner_window_s: float = 60.0  # seconds of finished requests a decision reads
     planner_ttft_slo_factor: float = 5.0  # the SLO it scores layouts against (x unloaded TTFT, TPOT)
     planner_tpot_slo_factor: float = 2.0
+    planner_slo_band: tuple[float, ...] = (1.0,)  # the SLO scaled by each, scored by the mean (headroom)
     planner_record: str | None = None  # a file for every round's signals and decision (JSON lines)
 
     def __post_init__(self) -> None:

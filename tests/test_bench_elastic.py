@@ -234,6 +234,9 @@ def test_the_layouts_share_two_pinned_cores_and_only_the_elastic_one_plans():
     # The planner is told the SLO grid's middle point, what the layouts are scored around.
     assert (elastic.planner_ttft_slo_factor, elastic.planner_tpot_slo_factor) == (5.0, 3.0)
     assert serve_elastic.planner_slo(_args("--slo-grid-tpot-factors", "4,1.5")) == (5.0, 4.0)
+    # ... and scores layouts across the grid's TPOT factors (the headline's mean), not its middle alone.
+    assert elastic.planner_slo_band == (0.6667, 1.0, 1.3333)
+    assert elastic.planner_config.slo_band == (0.6667, 1.0, 1.3333)
     # --static-planner advisory: the static layouts' routers decide too (and change nothing), each
     # layout's rounds recorded per pass.
     args = _args("--static-planner", "advisory", "--planner-records", "/tmp/r")

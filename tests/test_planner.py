@@ -665,3 +665,26 @@ def test_from_a_layout_predicted_to_meet_nothing_the_target_must_meet_the_margin
     d = decide(s, PlannerState(), PlannerConfig(confirm_rounds=1))
     assert (d.action, d.reason) == (HOLD, "no_gain")
     assert d.figures["predicted_gain"] == pytest.approx(d.figures["target_attainment"], abs=1e-3)
+
+
+def test_measured_share_over_a_band_is_the_mean_over_its_scaled_targets():
+    s = _finished(replace(signals(0.0, 0.5), unloaded_tpot_s=0.05), 0.09)  # TPOT target 2 x 50 ms = 100 ms
+    assert measured_share(s, tpot_slo_factor=2.0, band=(0.5, 1.0, 1.5)) == (pytest.approx(2 / 3), 60)  # misses 50 ms
+    assert measured_share(s, tpot_slo_factor=2.0, band=(1.0,)) == (1.0, 60)
+
+
+def test_an_slo_band_tells_apart_two_layouts_that_both_meet_the_slo():
+    """Chat at 0.5 a second, TPOT SLO 3 x 70 ms: 1P+1D's one decode node (~236 ms predicted
+    with its local prefills) and two colocated ones (~96 ms) both meet it, so at the SLO alone
+    there is nothing to gain; scored across 0.67-1.33x it, colocated's headroom counts."""
+    s = replace(signals(0.0, 0.5), unloaded_tpot_s=0.07)
+    at_slo = decide(s, PlannerState(), PlannerConfig(confirm_rounds=1, tpot_slo_factor=3.0))
+    assert (at_slo.action, at_slo.reason) == (HOLD, "no_gain")
+    banded = decide(s, PlannerState(), PlannerConfig(confirm_rounds=1, tpot_slo_factor=3.0,
+                                                     slo_band=(0.6667, 1.0, 1.3333)))
+    assert (banded.action, banded.reason, banded.layout) == (SWITCH_ROLES, "decode_bound", Layout(0, 2, 256))
+    assert banded.figures["current_attainment"] < 0.8 < 0.99 < banded.figures["target_attainment"]
+    with pytest.raises(ValueError, match="slo_band"):
+        PlannerConfig(slo_band=())
+    with pytest.raises(ValueError, match="slo_band"):
+        PlannerConfig(slo_band=(1.0, float("nan")))

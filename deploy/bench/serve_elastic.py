@@ -134,6 +134,16 @@ def planner_slo(args) -> tuple[float, float]:
     return ttft[len(ttft) // 2], tpot[len(tpot) // 2]
 
 
+def planner_slo_band(args) -> tuple[float, ...]:
+    """The elastic planner's SLO band: the grid's TPOT factors over its middle one (2, 3, 4 ->
+    0.67, 1, 1.33), so it scores layouts across the grid the headline averages, not at its
+    middle alone (where two layouts that both meet it tie). A diagonal through the grid (the
+    TTFT factor scaled alike), not its every point: the band is one list of scales."""
+    _, tpot = grid_factors(args)
+    mid = tpot[len(tpot) // 2]
+    return tuple(round(f / mid, 4) for f in tpot)
+
+
 @dataclass(frozen=True, slots=True)
 class ElasticLayout:
     name: str
@@ -272,7 +282,7 @@ def _cluster_config(args, layout: ElasticLayout, pass_index: int = 0):
             ttft_f, tpot_f = planner_slo(args)
             planner.update(planner_interval_s=args.planner_interval_s, planner_cooldown_s=args.planner_cooldown_s,
                            planner_window_s=planner_window_s(args), planner_ttft_slo_factor=ttft_f,
-                           planner_tpot_slo_factor=tpot_f)
+                           planner_tpot_slo_factor=tpot_f, planner_slo_band=planner_slo_band(args))
             if args.planner_records:
                 planner.update(planner_record=f"{args.planner_records}_{layout.name}_pass{pass_index + 1}.jsonl")
     elif layout.planner != "off":
@@ -407,7 +417,8 @@ def compare_elastic(args, report) -> dict:
                 for i, p in enumerate(phases)] if phases else None,
         planner=({"mode": args.elastic_planner, "interval_s": args.planner_interval_s,
                   "cooldown_s": args.planner_cooldown_s, "window_s": planner_window_s(args),
-                  "slo_factors": dict(zip(("ttft", "tpot"), planner_slo(args)))}
+                  "slo_factors": dict(zip(("ttft", "tpot"), planner_slo(args))),
+                  "slo_band": list(planner_slo_band(args))}
                  if fig.ELASTIC in by_name else None),
         stream_starts=stream_starts, static_planner=args.static_planner,
         seed=args.seed, cores=len(os.sched_getaffinity(0)), seconds=time.monotonic() - t0,

@@ -54,6 +54,12 @@ class PlannerConfig:
     # its SLO class's budget (router/admission.py); the serve benchmark's definition.
     ttft_slo_factor: float = 5.0
     tpot_slo_factor: float = 2.0
+    # The targets scaled by each of these, a layout scored by its mean predicted attainment over
+    # them. (1.0,): the SLO alone. Points under 1 value headroom: two layouts that both meet the
+    # SLO, one with TPOT at 95% of its target and one at 60%, score alike at the SLO and apart
+    # at 0.67x (the first is what a burst or a misfit cost model tips over); points over 1
+    # credit a layout that misses it narrowly over one that misses it by far.
+    slo_band: tuple[float, ...] = (1.0,)
     # Calibration (router/planner/model.py, calibrate): the window's measured mean TPOT and TTFT
     # over the model's for the current layout scale every layout's prediction, within
     # [calibration_min_scale, calibration_max_scale], once the window holds this many samples.
@@ -77,6 +83,8 @@ class PlannerConfig:
         if self.lease_s <= 2 * self.interval_s:
             raise ValueError(f"planner lease_s ({self.lease_s}) must exceed two rounds of interval_s "
                              f"({self.interval_s}): a leader renews once a round")
+        if not self.slo_band or not all(b > 0 and math.isfinite(b) for b in self.slo_band):
+            raise ValueError(f"planner slo_band must be one or more finite numbers > 0, got {list(self.slo_band)}")
         self._check_bounds()
         if not 1 <= self.min_short_prompt_tokens <= self.max_short_prompt_tokens:
             raise ValueError(f"the short-prompt threshold range must satisfy 1 <= min ({self.min_short_prompt_tokens})"
@@ -139,6 +147,9 @@ def add_planner_arguments(p: argparse.ArgumentParser) -> None:
                    help="the SLO the planner scores layouts against: this many times a request's unloaded TTFT")
     p.add_argument("--planner-tpot-slo-factor", type=float, default=d["tpot_slo_factor"],
                    help="... and this many times the unloaded TPOT (a decode step at batch 1)")
+    p.add_argument("--planner-slo-band", type=slo_band, default=d["slo_band"], metavar="B,B,...",
+                   help="score a layout by its mean predicted attainment over the SLO scaled by each of these "
+                   "(e.g. 0.67,1,1.33: headroom counts); default: the SLO alone")
     p.add_argument("--planner-record", default=d["record"], metavar="FILE",
                    help="append every round's signals and decision to FILE as JSON lines (to replay the planner "
                    "offline: router/planner/record.py)")
@@ -155,7 +166,7 @@ def add_planner_arguments(p: argparse.ArgumentParser) -> None:
 
 # The flags' destinations, which are also ClusterConfig's field names (deploy/launcher.py).
 PLANNER_FIELDS = ("planner", "planner_interval_s", "planner_cooldown_s", "planner_window_s", "planner_resize",
-                  "planner_ttft_slo_factor", "planner_tpot_slo_factor", "planner_record",
+                  "planner_ttft_slo_factor", "planner_tpot_slo_factor", "planner_slo_band", "planner_record",
                   "min_prefill_nodes", "max_prefill_nodes", "min_decode_nodes", "max_decode_nodes")
 
 
@@ -168,7 +179,15 @@ def planner_config(args) -> PlannerConfig:
                          min_decode_nodes=args.min_decode_nodes, max_decode_nodes=args.max_decode_nodes,
                          resize=args.planner_resize, window_s=args.planner_window_s,
                          ttft_slo_factor=args.planner_ttft_slo_factor, tpot_slo_factor=args.planner_tpot_slo_factor,
-                         record=args.planner_record)
+                         slo_band=tuple(args.planner_slo_band), record=args.planner_record)
+
+
+def slo_band(text: str) -> tuple[float, ...]:
+    """``--planner-slo-band``: comma-separated factors (PlannerConfig checks them)."""
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
 def lease_for(interval_s: float) -> float:

@@ -167,7 +167,8 @@ def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decisi
             action = SWITCH_ROLES
             reason = "prefill_bound" if target.layout.prefill > current.prefill else "decode_bound"
     detail = f"{current} -> {target.layout}: predicted {_fig(cur)} -> {_fig(target)}"
-    here_att, here_n = measured_share(s, cfg.ttft_slo_factor, cfg.tpot_slo_factor, since=state.last_action_at)
+    here_att, here_n = measured_share(s, cfg.ttft_slo_factor, cfg.tpot_slo_factor, since=state.last_action_at,
+                                     band=cfg.slo_band)
     figures.update(measured_current_attainment=round(here_att, 4), measured_current_requests=here_n)
     if action == SWITCH_ROLES and (back := _revisit(state, target.layout, s.at, cfg, here_att, here_n)):
         return hold("revisit", f"{detail}; {back}", figures, replace(state, pending=None, pending_rounds=0))
@@ -202,7 +203,8 @@ class _Judge:
 
     def of(self, layout: Layout) -> LayoutEstimate:
         if layout not in self._est:
-            self._est[layout] = estimate(layout, self.s, self.cfg.ttft_slo_factor, self.cfg.tpot_slo_factor, self.cal)
+            self._est[layout] = estimate(layout, self.s, self.cfg.ttft_slo_factor, self.cfg.tpot_slo_factor, self.cal,
+                                         self.cfg.slo_band)
         return self._est[layout]
 
     def cost(self, e: LayoutEstimate) -> SwitchCost:

@@ -31,7 +31,9 @@ than the slack breaks it alone, shorter ones do when more than ``slack / their m
     P(meet TPOT) = exp(-mu P(S > slack)) x PoissonCDF(floor(slack / E[S | S <= slack]); mu P(S <= slack))
 
 Predicted goodput = ``lam`` x the mean probability of meeting both; a pool at or past full
-utilization meets nothing. The planner compares layouts by it (router/planner/decide.py).
+utilization meets nothing. With an SLO band (``PlannerConfig.slo_band``) the probability is the
+mean over the targets scaled by each of its factors: a layout with headroom scores above one
+that meets the SLO only just. The planner compares layouts by it (router/planner/decide.py).
 
 Calibration (``calibrate``): the fitted costs miss what the nodes really pay (a loaded node's
 step beside the router, the engine's scheduling, a batch's real cost), so the window's finished
@@ -167,16 +169,18 @@ def slo_targets(r: RequestSample, s: PlannerSignals, prefill_s: float, ttft_slo_
 
 
 def measured_share(s: PlannerSignals, ttft_slo_factor: float = 5.0, tpot_slo_factor: float = 2.0,
-             since: float | None = None) -> tuple[float, int]:
+                   since: float | None = None, band: tuple[float, ...] = (1.0,)) -> tuple[float, int]:
     """(share meeting both targets, requests): the window's requests finished since ``since``,
-    judged by the targets the model predicts against (``estimate``), so a layout measured and
-    one predicted compare on one scale."""
+    judged by the targets the model predicts against (``estimate``, with the same ``band``:
+    the mean share over the targets scaled by each), so a layout measured and one predicted
+    compare on one scale."""
     mine = [r for r in s.requests if r.done and (since is None or r.at >= since)]
-    ok = 0
+    ok = 0.0
     for r in mine:
-        ttft_t, tpot_t = slo_targets(r, s, s.prefill.predict(r.uncached, r.cached_tokens), ttft_slo_factor,
-                                     tpot_slo_factor)
-        ok += (r.ttft_s is None or r.ttft_s <= ttft_t) and (r.tpot_s is None or r.tpot_s <= tpot_t)
+        prefill_s = s.prefill.predict(r.uncached, r.cached_tokens)
+        for b in band:
+            ttft_t, tpot_t = slo_targets(r, s, prefill_s, b * ttft_slo_factor, b * tpot_slo_factor)
+            ok += ((r.ttft_s is None or r.ttft_s <= ttft_t) and (r.tpot_s is None or r.tpot_s <= tpot_t)) / len(band)
     return (ok / len(mine) if mine else 0.0), len(mine)
 
 
@@ -187,9 +191,11 @@ def _moments(xs: list[float]) -> tuple[float, float]:
 
 
 def estimate(layout: Layout, s: PlannerSignals, ttft_slo_factor: float = 5.0,
-             tpot_slo_factor: float = 2.0, calibration: Calibration = Calibration()) -> LayoutEstimate:
+             tpot_slo_factor: float = 2.0, calibration: Calibration = Calibration(),
+             band: tuple[float, ...] = (1.0,)) -> LayoutEstimate:
     """The layout's predicted goodput on the window's requests (module docstring); its TPOT and
-    TTFT times ``calibration``'s factors (the SLO targets stay what they are)."""
+    TTFT times ``calibration``'s factors (the SLO targets stay what they are). ``band``: the
+    attainment is the mean over the targets scaled by each factor (PlannerConfig.slo_band)."""
     reqs = s.requests
     lam = s.rate_rps
     if not reqs or lam <= 0 or layout.decode < 1:  # nothing to serve, or nobody to serve it
@@ -260,9 +266,12 @@ def estimate(layout: Layout, s: PlannerSignals, ttft_slo_factor: float = 5.0,
             ttft = wq_l + sr + tpot / k_tpot  # its first token, uncalibrated: k_ttft corrects the whole
         ttft *= k_ttft
         ttft_sum += ttft
-        ttft_target, tpot_target = slo_targets(r, s, sr, ttft_slo_factor, tpot_slo_factor)
-        if ttft > ttft_target or u_d >= 1 or kv_util >= 1 or (r.output_tokens > 1 and tpot0 > tpot_target):
+        if u_d >= 1 or kv_util >= 1:
             continue
-        met += p_stalls_fit(r.output_tokens, tpot_target) if r.output_tokens > 1 else 1.0
+        for b in band:
+            ttft_target, tpot_target = slo_targets(r, s, sr, b * ttft_slo_factor, b * tpot_slo_factor)
+            if ttft > ttft_target or (r.output_tokens > 1 and tpot0 > tpot_target):
+                continue
+            met += (p_stalls_fit(r.output_tokens, tpot_target) if r.output_tokens > 1 else 1.0) / len(band)
     att = met / n
     return LayoutEstimate(layout, lam * att, att, rho_p, u_d, tpot, ttft_sum / n, kv_util, rho_l)
