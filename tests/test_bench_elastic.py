@@ -133,6 +133,18 @@ def test_summary_takes_the_worst_mix_and_the_phases_ratio_and_sums_elastic_drops
     assert fig.vs_best_static({"elastic": 1.0}) == {"best_static": None, "elastic_vs_best_static": None}
 
 
+def test_the_phase_oracle_runs_each_phases_best_static_layout():
+    # Colocated serves the chat phase best, fixed the documents phase: switching at the boundary
+    # serves 30 + 20 where the better static layout (colocated, 30 + 5) serves 35.
+    good = {"fixed": [10.0, 20.0, 0.0], "colocated": [30.0, 5.0, 0.0], "elastic": [99.0, 99.0, 99.0]}
+    assert fig.phase_oracle(good) == pytest.approx(50 / 35)
+    assert fig.phase_oracle({"fixed": [1.0, 2.0], "colocated": [0.5, 1.0]}) == 1.0  # one layout wins everywhere
+    assert fig.phase_oracle({"fixed": [0.0], "colocated": [0.0]}) is None
+    assert fig.phase_oracle({"elastic": [3.0]}) is None
+    loads = [{"kind": "phases", "by_layout": {}, "elastic_vs_best_static": 0.9, "phase_oracle_vs_best_static": 1.1}]
+    assert fig.summary(loads)["oracle_vs_best_static_phases"] == 1.1
+
+
 def test_planner_decisions_are_read_from_the_router_metrics_and_cut_by_time():
     text = "\n".join([
         "# HELP pdserve:planner_decisions_total Planner rounds",
@@ -292,3 +304,30 @@ def test_without_rate_the_load_follows_the_machines_unloaded_tpot():
     assert [p.rate for p in play.phases] == pytest.approx([p.rate * scale for p in written])
     mixes, play = serve_elastic.streams(_args("--long-shares", "0.1", "--rate", "0.7"), slow)
     assert {p.rate for p in mixes.phases} == {0.7} and [p.rate for p in play.phases] == [p.rate for p in written]
+
+
+def test_a_phases_workload_reports_each_phases_good_requests_and_the_oracle():
+    """Two phases of 10 s, two requests each, and a grid of two SLOs, the loose one met by
+    every request: fixed meets the tight one only in the second phase, colocated only in the
+    first. Each serves 3 of 4 a phase-mean; running colocated then fixed would serve 4."""
+    from deploy.bench.serve_elastic import ElasticLayout, Run, Segment, Stream
+    from deploy.bench.serve_elastic_results import workload_result
+
+    def r(i, sent, tpot):
+        return Record(i, "chat", 64, 10, sent, sent, first_token_s=sent + 0.1, end_s=sent + 0.1 + 9 * tpot,
+                      output_tokens=10)
+
+    slow, fast = 0.5, 0.05
+    served = {"fixed": [r(0, 1, slow), r(1, 2, slow), r(2, 12, fast), r(3, 13, fast)],
+              "colocated": [r(0, 1, fast), r(1, 2, fast), r(2, 12, slow), r(3, 13, slow)],
+              "elastic": [r(0, 1, fast), r(1, 2, fast), r(2, 12, fast), r(3, 13, slow)]}
+    phases = (ph.Phase(10.0, 0.2, 0.0, "chat"), ph.Phase(10.0, 0.2, 0.5, "documents"))
+    stream = Stream("phases", phases, (Segment("phases", "phases", 0.0, 0.0, 20.0),), 0, per_pass=False)
+    lays = [ElasticLayout(n, 1, 1, "off", 256, 256) for n in served]
+    runs = {(n, "phases"): [Run(rs, rs, [], [], {}, [])] for n, rs in served.items()}
+    grid = [(5.0, 2.0, Slo(1.0, 0.1)), (5.0, 4.0, Slo(1.0, 0.6))]  # the loose point takes every request
+    out = workload_result(stream, stream.segments[0], lays, runs, Slo(1.0, 0.1), grid)
+    assert [p["good_grid"] for p in out["by_layout"]["fixed"]["by_phase"]] == [1.0, 2.0]  # (0 + 2) / 2, (2 + 2) / 2
+    assert [p["good_grid"] for p in out["by_layout"]["colocated"]["by_phase"]] == [2.0, 1.0]
+    assert out["phase_oracle_vs_best_static"] == pytest.approx((2.0 + 2.0) / 3.0)
+    assert out["by_layout"]["elastic"]["by_phase"][1]["slo_attainment"] == 0.5

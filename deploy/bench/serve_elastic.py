@@ -36,10 +36,13 @@ unloaded TPOT, over both passes (serve_metrics.slo_from_unloaded). The headline 
 layout on a workload is the mean over a grid of factors (``--slo-grid-ttft-factors`` 3, 5, 10
 x ``--slo-grid-tpot-factors`` 2, 3, 4; serve_elastic_figures.grid_goodput says why); the single
 point ``--slo-ttft-factor`` x ``--slo-tpot-factor`` (5, 2, the earlier runs' SLO) is kept as
-``at_slo``. The elastic planner is told the grid's middle point (5x TTFT, 3x TPOT) as its SLO.
+``at_slo``. The elastic planner is told the grid's middle point (5x TTFT, 3x TPOT) as its SLO and the
+grid's TPOT factors over it (0.67, 1, 1.33) as its SLO band.
 Goodput per layout and workload pools both passes (serve_elastic_figures.pooled). Result::
 
     {"elastic_vs_best_static_min", "elastic_vs_best_static_phases", "dropped", "targets", "met",
+     "oracle_vs_best_static_phases" (each phase's best static layout, switched free: what the
+     phases ratio could reach with these layouts; serve_elastic_figures.phase_oracle),
      "at_slo": {the two ratios at the single SLO point},
      "workloads": [{"name", "kind", "by_layout": {layout: {grid_goodput_rps, grid_points,
      goodput_rps, slo_attainment, sent, completed, refused, dropped, mismatched, role_switches,

@@ -80,6 +80,20 @@ def grid_goodput(passes: Sequence[Sequence[Record]], slos: Sequence[Slo]) -> dic
     return {"grid_goodput_rps": sum(points) / len(points) if points else 0.0, "grid_points": points}
 
 
+def phase_oracle(good: Mapping[str, Sequence[float]]) -> float | None:
+    """What switching could win on the shifting workload, at most: ``good[layout][i]`` is how
+    many requests sent in phase i the layout served within the SLO (the grid's mean); a
+    planner that ran, in every phase, the static layout that served that phase best, and
+    switched for free, over the best static layout's whole run (None: no static layout
+    served anything). An estimate, not a bound in the strict sense: a phase's requests also
+    pay for the queue the one before left, which a switch at the boundary would change."""
+    static = [list(v) for k, v in good.items() if k in STATIC]
+    best_total = max((sum(v) for v in static), default=0.0)
+    if best_total <= 0:
+        return None
+    return sum(max(col) for col in zip(*static)) / best_total
+
+
 def role_switches(samples: Sequence[tuple[float, Mapping[str, str]]]) -> int:
     """How many times a node's served role changed across registry samples ((t, {node: role})).
     A node missing from a sample (re-registering) is skipped, not counted as a change."""
@@ -123,12 +137,16 @@ def summary(workloads: Sequence[Mapping]) -> dict:
     layout's dropped requests over all workloads, and which targets are met."""
     mixes = [w["elastic_vs_best_static"] for w in workloads if w["kind"] == "mix"]
     phases = [w["elastic_vs_best_static"] for w in workloads if w["kind"] == "phases"]
+    oracle = [w.get("phase_oracle_vs_best_static") for w in workloads if w["kind"] == "phases"]
     dropped = [w["by_layout"][ELASTIC]["dropped"] for w in workloads if ELASTIC in w["by_layout"]]
     out = {
         # A workload where the ratio is undefined (nothing within the SLO) makes the min undefined.
         "elastic_vs_best_static_min": (min(mixes) if mixes and None not in mixes else None),
         "elastic_vs_best_static_phases": phases[0] if phases else None,
         "dropped": sum(dropped) if dropped else None,
+        # The per-phase best static layout, switched free, over the best static (phase_oracle):
+        # what the phases ratio could reach with these two layouts to switch between.
+        "oracle_vs_best_static_phases": oracle[0] if oracle else None,
     }
     out["targets"] = dict(TARGETS)
     out["met"] = {

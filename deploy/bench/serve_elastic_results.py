@@ -35,23 +35,30 @@ def workload_result(stream, seg, lays, runs, slo, grid) -> dict:
             by_layout[lay.name]["roles_over_time"] = [
                 {"pass": i + 1, "prefill_nodes": fig.role_counts(r.samples, "prefill"),
                  "thresholds": fig.steps(r.thresholds)} for i, r in enumerate(rs)]
-            by_layout[lay.name]["by_phase"] = _by_phase(stream.phases, [r.measured for r in rs], slo)
+            by_layout[lay.name]["by_phase"] = _by_phase(stream.phases, [r.measured for r in rs], slo,
+                                                        [g[2] for g in grid])
     out = {"name": seg.workload, "kind": seg.kind, "long_share": seg.long_share, "by_layout": by_layout}
     out.update(fig.vs_best_static({n: v["grid_goodput_rps"] for n, v in by_layout.items()}))
     out["at_slo"] = fig.vs_best_static({n: v["goodput_rps"] for n, v in by_layout.items()})
+    if seg.kind == "phases":
+        out["phase_oracle_vs_best_static"] = fig.phase_oracle(
+            {n: [p["good_grid"] for p in v["by_phase"]] for n, v in by_layout.items()})
     out["slo_grid"] = [{"ttft_factor": ft, "tpot_factor": fp,
                         "goodput_rps": {n: round(v["grid_points"][i], 4) for n, v in by_layout.items()}}
                        for i, (ft, fp, _) in enumerate(grid)]
     return out
 
 
-def _by_phase(phases, passes: list[list[Record]], slo) -> list[dict]:
-    """SLO attainment of the requests sent in each phase (both passes together)."""
+def _by_phase(phases, passes: list[list[Record]], slo, grid) -> list[dict]:
+    """Per phase, the requests sent in it (both passes together): their SLO attainment at
+    ``slo``, and how many met each of ``grid``'s SLOs, the mean over them (``good_grid``: what
+    fig.phase_oracle compares)."""
     out = []
     for i, p in enumerate(phases):
         recs = [r for recs in passes for r in recs if ph.phase_index(phases, r.scheduled_s) == i]
         out.append({"phase": p.label(i), "requests": len(recs),
-                    "slo_attainment": sum(slo.met(r) for r in recs) / len(recs) if recs else None})
+                    "slo_attainment": sum(slo.met(r) for r in recs) / len(recs) if recs else None,
+                    "good_grid": sum(g.met(r) for g in grid for r in recs) / len(grid) if grid else 0.0})
     return out
 
 
