@@ -79,10 +79,30 @@ def test_document_heavy_goes_disaggregated():
 
 def test_the_model_crosses_over_like_the_benchmark():
     """Disaggregation wins at a high share of long prompts, colocated at a low one (1P+1D gave
-    1.46x colocated goodput at 40% long documents, 0.40x at 10%)."""
-    ratio = {share: estimate(Layout(1, 1, 256), signals(share, 0.6)).goodput_rps
-             / estimate(Layout(0, 2, 256), signals(share, 0.6)).goodput_rps for share in (0.1, 0.4)}
+    1.46x colocated goodput at 40% long documents, 0.40x at 10%). 1P+1D at its best threshold,
+    as the planner compares them: these costs' chat prefills take 0.2-0.5 s, and at 40% the
+    decode node's local ones below 256 tokens stall its decodes past the TPOT target (0.29
+    predicted against 0.43 below 64 tokens)."""
+    def disagg(s: PlannerSignals) -> float:
+        return max(estimate(Layout(1, 1, t), s).goodput_rps for t in (16, 64, 256))
+
+    ratio = {share: disagg(signals(share, 0.6)) / estimate(Layout(0, 2, 256), signals(share, 0.6)).goodput_rps
+             for share in (0.1, 0.4)}
     assert ratio[0.1] < 0.5 and ratio[0.4] > 1.3
+
+
+def test_local_prefill_stalls_are_consistent_with_the_mean_tpot():
+    """The stalls a decode meets are its local prefills stretched by the decode work that piles
+    up behind them (1 / (1 - u_dec)) over its span at the mean TPOT: so a layout whose predicted
+    mean TPOT is past the target cannot predict most of its requests within it (the fifth
+    session's colocated layout predicted 84-97% in the documents phase at a mean TPOT of
+    190 ms against 171 ms, and measured 28-44%)."""
+    s = signals(0.4, 0.6, roles=COLOCATED)
+    e = estimate(Layout(0, 2, 256), s)
+    target = 2 * s.decode.step_s(1, 0)
+    assert e.tpot_s > target and e.attainment < 0.5
+    light = estimate(Layout(0, 2, 256), signals(0.4, 0.2, roles=COLOCATED))
+    assert light.tpot_s < target and light.attainment > 0.9
 
 
 def test_light_load_holds():
@@ -197,16 +217,16 @@ def test_measured_attainment_per_class():
 def test_a_decode_pool_short_of_kv_is_no_layout_to_move_to():
     s = signals(0.4, 0.6, roles=COLOCATED)
     roomy = decide(s, PlannerState(), PlannerConfig(confirm_rounds=1))
-    assert roomy.layout == Layout(1, 1, 256)  # document-heavy: 1P+1D, as above
+    assert (roomy.layout.prefill, roomy.layout.decode) == (1, 1)  # document-heavy: 1P+1D, as above
     # KV for ~10 chat turns per node: one decode node running the whole batch cannot hold it.
     tight = PlannerSignals(s.at, s.span_s, tuple(NodeSignal(n.node_id, n.role, kv_capacity_tokens=2000)
                                                  for n in s.nodes), s.requests, s.prefill, s.decode,
                            s.transfer_fixed_s, s.transfer_s_per_token, s.short_prompt_tokens)
-    assert estimate(roomy.layout, tight).kv_util > 1 > estimate(Layout(0, 2, 256), tight).kv_util
-    assert estimate(roomy.layout, tight).goodput_rps == 0
+    assert estimate(Layout(1, 1, 256), tight).kv_util > 1 > estimate(Layout(0, 2, 256), tight).kv_util
+    assert estimate(Layout(1, 1, 256), tight).goodput_rps == 0
     d = decide(tight, PlannerState(), PlannerConfig(confirm_rounds=1))
     # Still 1P+1D, with a threshold whose faster decode keeps fewer sequences (and tokens) resident.
-    assert d.layout != roomy.layout and d.figures["target_kv_util"] < 1
+    assert d.layout.threshold != 256 and d.figures["target_kv_util"] < 1
 
 
 def test_no_decision_while_a_node_drains():
@@ -359,8 +379,10 @@ def test_a_layout_measured_slow_is_not_predicted_fine():
     f = ds[1].figures
     assert f["calib_tpot_samples"] >= 50 and 0.14 < f["measured_tpot_s"] < 0.16
     assert 2.5 < f["calib_decode_work_scale"] < 3.5 and f["calib_local_prefill_scale"] == 1.0
-    # 1P+1D predicted as measured; two colocated nodes near what the benchmark measured (91%).
-    assert f["current_attainment"] < 0.1 and f["target_attainment"] > 0.8
+    # 1P+1D predicted as measured; two colocated nodes below what the benchmark measured (91%):
+    # ~68%, their local prefills' stalls stretched by the decode work behind them (model.py), an
+    # error on the low side that the recordings show too (router/planner/evaluate.py).
+    assert f["current_attainment"] < 0.1 and f["target_attainment"] > 0.6
     assert f["current_tpot_s"] == pytest.approx(f["measured_tpot_s"], rel=0.02)
     # Two colocated nodes, measured at ~85 ms: the same correction, and nothing to go back to.
     after = [measured(signals(0.1, 0.6, roles=COLOCATED, threshold=32, at=1030.0 + 5 * i, seed=10 + i), 0.085, 1.5,
@@ -674,10 +696,10 @@ def test_measured_share_over_a_band_is_the_mean_over_its_scaled_targets():
 
 
 def test_an_slo_band_tells_apart_two_layouts_that_both_meet_the_slo():
-    """Chat at 0.5 a second, TPOT SLO 3 x 70 ms: 1P+1D's one decode node (~236 ms predicted
-    with its local prefills) and two colocated ones (~96 ms) both meet it, so at the SLO alone
+    """Chat at 0.4 a second, TPOT SLO 3 x 70 ms: 1P+1D's one decode node (~149 ms predicted
+    with its local prefills) and two colocated ones (~86 ms) both meet it, so at the SLO alone
     there is nothing to gain; scored across 0.67-1.33x it, colocated's headroom counts."""
-    s = replace(signals(0.0, 0.5), unloaded_tpot_s=0.07)
+    s = replace(signals(0.0, 0.4), unloaded_tpot_s=0.07)
     at_slo = decide(s, PlannerState(), PlannerConfig(confirm_rounds=1, tpot_slo_factor=3.0))
     assert (at_slo.action, at_slo.reason) == (HOLD, "no_gain")
     banded = decide(s, PlannerState(), PlannerConfig(confirm_rounds=1, tpot_slo_factor=3.0,

@@ -237,10 +237,16 @@ def estimate(layout: Layout, s: PlannerSignals, ttft_slo_factor: float = 5.0,
     for x in near_sorted:
         prefix.append(prefix[-1] + x)
 
+    # A local prefill of S seconds stalls a running decode by S * stretch: S itself, then the
+    # decode work that piled up behind it (a busy period's expansion, 1 / (1 - u_dec)), at its
+    # calibrated length. With the span at the mean TPOT, the stalls' mean is the mean TPOT's
+    # excess over the decode-only one: lam_l tpot E[S] stretch = tpot - tpot0.
+    stretch = calibration.local_prefill_scale / (1 - u_dec) if u_dec < 1 else math.inf
+
     def p_stalls_fit(output: int, target: float) -> float:
         """P(the local prefills during its decode fit in its slack) (module docstring)."""
-        slack, span = output * (target - tpot0), output * tpot0
-        k = bisect.bisect_right(near_sorted, slack)  # local prefills no longer than the slack
+        slack, span = output * (target - tpot0), output * tpot
+        k = bisect.bisect_right(near_sorted, slack / stretch)  # local prefills that fit the slack alone
         if not near_sorted:
             return 1.0
         mu = lam_l * span
@@ -248,7 +254,7 @@ def estimate(layout: Layout, s: PlannerSignals, ttft_slo_factor: float = 5.0,
         p = math.exp(-(mu - mu_small))
         if k == 0 or mu_small == 0:
             return p
-        mean = prefix[k] / k
+        mean = prefix[k] / k * stretch
         fits = int(slack / mean) if mean > 0 else 200  # prompts cached whole stall nothing
         term = cdf = math.exp(-mu_small)
         for i in range(1, min(fits, 200) + 1):
