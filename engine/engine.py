@@ -118,6 +118,9 @@ class LLMEngine(TieredKV):
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._ids = itertools.count()
         self.num_steps = 0
+        # Prompt tokens (chunks of prefills, recomputes) the last step ran beside its decodes:
+        # a node's decode-only step time leaves out the steps that had any (node/engine_thread.py).
+        self.last_step_prefill_tokens = 0
 
     def _start_speculation(self, proposer_factory) -> SpeculativeDecoding | None:
         cfg = self.config.speculative
@@ -304,6 +307,7 @@ class LLMEngine(TieredKV):
         if sched.is_empty:
             return outputs
         self.num_steps += 1
+        self.last_step_prefill_tokens = sum(i.num_new_tokens for i in sched.scheduled if i.num_new_tokens > 1)
         try:
             self._swap_in(sched.swap_ins)  # before a drafter or the forward pass reads them
             if spec is not None:

@@ -67,6 +67,7 @@ class NodeInfo:
     kv_usage: float = 0.0
     draining: bool = False  # finishing its requests before it stops: place nothing new here
     step_s: float = 0.0  # seconds per engine step, recent average (0: unknown, e.g. idle)
+    decode_step_s: float = 0.0  # the same over steps that ran no prompt tokens: decode alone (0: unknown)
     # Not in the registry: the router's node view fills it from the node's own heartbeats
     # (router/step_history.py), its best recent step_s at a comparable batch (0: too few samples).
     step_best_s: float = 0.0
@@ -102,6 +103,7 @@ class NodeInfo:
             kv_usage=float(g.get("kv_usage", 0.0)),
             draining=g.get("draining", "0") not in ("0", ""),
             step_s=float(g.get("step_s", 0.0)),
+            decode_step_s=float(g.get("decode_step_s", 0.0)),
             updated_at=float(g.get("updated_at", 0.0)),
             index_seq=int(g.get("seq", -1)),
             event_at=float(g.get("event_at", 0.0)),

@@ -56,8 +56,15 @@ STATS_PERIOD_S = 0.05
 # the last step.
 STEP_S_ALPHA = 0.3
 STEP_S_STALE_S = 30.0
+
 # An idle loop wakes this often to show it is alive (AsyncEngine.progress).
 IDLE_TICK_S = 0.25
+
+
+def _fold(avg: float, at: float, seconds: float, now: float) -> float:
+    """One step's time into a running average last updated at ``at`` (a stale one restarts)."""
+    prev = avg if now - at <= STEP_S_STALE_S else 0.0
+    return seconds if prev <= 0 else prev + STEP_S_ALPHA * (seconds - prev)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +81,11 @@ class LoadSnapshot:
     # token. 0 = unknown (no step within STEP_S_STALE_S). Routers avoid a node whose steps are
     # several times slower than its peers' (router/placement.py, without_stragglers).
     step_s: float = 0.0
+    # The same over the steps that ran no prompt tokens: a decode step alone. A node that
+    # prefills prompts itself (colocated, or below the short-prompt threshold) has both kinds,
+    # and its average carries the chunks; the planner counts those apart and fits the decode
+    # step on this one (router/planner/signals.py DecodeFit). 0 = unknown.
+    decode_step_s: float = 0.0
 
     def as_dict(self) -> dict[str, int | float]:
         return asdict(self)
@@ -112,6 +124,8 @@ class AsyncEngine:
         self._streams: dict[str, OutputStream] = {}
         self._step_s = 0.0  # see LoadSnapshot.step_s; loop thread writes, _snapshot reads
         self._stepped_at = 0.0
+        self._decode_step_s = 0.0  # see LoadSnapshot.decode_step_s
+        self._decode_stepped_at = 0.0
         self._load = self._snapshot()
         self._stats: dict = engine.stats()
         self._stats_at = time.monotonic()
@@ -233,8 +247,11 @@ class AsyncEngine:
         An idle loop refreshes nothing, so the step time is dropped here once it is stale: a
         node once slow must not stay avoided forever for want of steps to measure."""
         load = self._load
-        if load.step_s and time.monotonic() - self._stepped_at > STEP_S_STALE_S:
-            return replace(load, step_s=0.0)
+        now = time.monotonic()
+        if load.step_s and now - self._stepped_at > STEP_S_STALE_S:
+            load = replace(load, step_s=0.0)
+        if load.decode_step_s and now - self._decode_stepped_at > STEP_S_STALE_S:
+            load = replace(load, decode_step_s=0.0)
         return load
 
     @property
@@ -381,8 +398,9 @@ class AsyncEngine:
                 outputs = eng.step()
                 if self.step_delay_s > 0:
                     time.sleep(self.step_delay_s)
-                if outputs:
-                    self._measured(time.monotonic() - t0)
+                if outputs:  # a step that ran the model alone is decode-only when it computed no prompt
+                    self._measured(time.monotonic() - t0,
+                                   eng.num_steps != steps_before and eng.last_step_prefill_tokens == 0)
                 if eng.num_steps != steps_before:  # it ran the model (not only handed out aborts)
                     self.health.succeeded()
             else:
@@ -411,11 +429,15 @@ class AsyncEngine:
             self._stats, self._stats_at = eng.stats(), now
         return busy
 
-    def _measured(self, seconds: float) -> None:
-        """Fold one step's wall time into the average."""
-        prev = self._step_s if time.monotonic() - self._stepped_at <= STEP_S_STALE_S else 0.0
-        self._step_s = seconds if prev <= 0 else prev + STEP_S_ALPHA * (seconds - prev)
-        self._stepped_at = time.monotonic()
+    def _measured(self, seconds: float, decode_only: bool) -> None:
+        """Fold one step's wall time into the average, and into the decode-only one when it ran
+        no prompt tokens."""
+        now = time.monotonic()
+        self._step_s = _fold(self._step_s, self._stepped_at, seconds, now)
+        self._stepped_at = now
+        if decode_only:
+            self._decode_step_s = _fold(self._decode_step_s, self._decode_stepped_at, seconds, now)
+            self._decode_stepped_at = now
 
     def _publish_events(self) -> None:
         events = self.engine.take_kv_events()
@@ -461,4 +483,6 @@ class AsyncEngine:
             num_blocks=eng.num_blocks,
             kv_usage=eng.kv.usage,
             step_s=round(self._step_s, 6) if time.monotonic() - self._stepped_at <= STEP_S_STALE_S else 0.0,
+            decode_step_s=(round(self._decode_step_s, 6)
+                           if time.monotonic() - self._decode_stepped_at <= STEP_S_STALE_S else 0.0),
         )

@@ -64,6 +64,29 @@ def test_stream_yields_one_token_per_step_then_finishes(aengine):
     assert load.num_blocks == 64 and load.running == 0 and load.waiting == 0
 
 
+def test_the_engine_says_which_steps_ran_prompt_tokens(tiny_dir):
+    """A prompt's step (or chunk) counts its tokens; a decode step none: the node's decode-only
+    step time is taken over the latter (LoadSnapshot.decode_step_s)."""
+    eng = make_engine(tiny_dir)
+    eng.add_request(prompt_token_ids=list(range(3, 23)), params=GREEDY)
+    eng.step()
+    assert eng.last_step_prefill_tokens == 20
+    eng.step()
+    assert eng.last_step_prefill_tokens == 0
+    eng.add_request(prompt_token_ids=list(range(30, 40)), params=GREEDY)  # a prompt beside a running decode
+    eng.step()
+    assert eng.last_step_prefill_tokens == 10
+
+
+def test_load_reports_the_decode_only_step_time_apart(aengine):
+    assert aengine.load.decode_step_s == 0.0 and aengine.load.step_s == 0.0  # nothing measured yet
+    aengine.add_request(list(range(3, 43)), SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)).result(
+        timeout=30)
+    load = aengine.load
+    assert load.step_s > 0 and load.decode_step_s > 0
+    assert "decode_step_s" in load.as_dict()  # what the node heartbeats (kv_index/schema.py LOAD_FIELDS)
+
+
 def test_cancel_mid_stream_aborts_and_frees_blocks(aengine):
     stream = aengine.add_request(list(range(3, 40)), SamplingParams(temperature=0.0, max_tokens=200))
     first = stream.get(timeout=30)

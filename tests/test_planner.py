@@ -284,6 +284,24 @@ def test_decode_fit_prefers_a_nodes_best_steps_to_its_average():
     assert fit.model.step_s(4, 1000) == pytest.approx(DECODE.step_s(4, 1000), rel=0.05)
 
 
+def test_decode_fit_takes_the_nodes_decode_only_step_over_its_best():
+    """On a colocated node the large batches come while a document prefills, so even its best
+    steps at those batches carry chunks; the decode-only average the node reports does not."""
+    from kv_index.nodes import NodeInfo
+    from router.planner.signals import DecodeFit
+
+    fit, best_only = DecodeFit(), DecodeFit()
+    for i in range(20):
+        batch, ctx = 1 + i % 8, 100 + (i * 397) % 3000
+        pure = DECODE.step_s(batch, ctx)
+        hb = NodeInfo("d", "decode", "a:1", "fp", 16, 64, running=batch, running_tokens=ctx, step_s=pure + 0.3,
+                      step_best_s=pure + 0.02 * batch, decode_step_s=pure, updated_at=float(i))
+        fit.observe([hb])
+        best_only.observe([replace(hb, decode_step_s=0.0)])
+    assert fit.model.step_s(8, 1000) == pytest.approx(DECODE.step_s(8, 1000), rel=0.05)
+    assert best_only.model.step_s(8, 1000) > 1.5 * DECODE.step_s(8, 1000)
+
+
 def _noisy_loaded_heartbeats(seed: int, true: DecodeCost) -> list:
     """Heartbeats of a loaded decode node: batch 7-8 only, context growing with it, steps +-25%."""
     from kv_index.nodes import NodeInfo

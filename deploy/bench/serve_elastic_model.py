@@ -18,8 +18,14 @@ import os
 import sys
 from collections.abc import Sequence
 
-from router.planner.evaluate import (add_model_args, config_from, current_layout, ranking, summarize_current,
-                                     summarize_ranking)
+from router.planner.evaluate import (
+    add_model_args,
+    config_from,
+    current_layout,
+    ranking,
+    summarize_current,
+    summarize_ranking,
+)
 from router.planner.record import read_rounds
 from router.planner.signals import PlannerSignals
 

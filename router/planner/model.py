@@ -21,14 +21,22 @@ A request meets its SLO when ``ttft <= min(class budget, ttft_slo_factor x S(u))
 TPOT does: ``tpot_target = min(class TBT, tpot_slo_factor x the unloaded TPOT)`` (the one the
 router measured, ``PlannerSignals.unloaded_tpot_s``, else the fit's step at batch 1). Its TPOT is
 the decode-only one, ``tpot0 = fixed_s / (1 - a (per_seq_s + per_ctx_token_s * ctx))``, plus the
-local prefills that land on its node while it decodes, each stalling it for its whole length:
-the colocated layout's tail (a running decode waits behind every chunk of a long document its
-node prefills; docs/benchmarks.md, serve: p99 TPOT 3.5-7x the disaggregated one). Over its
-``span = output x tpot0`` it can absorb ``slack = output x (tpot_target - tpot0)`` seconds of
-them. Local prefills arrive as a Poisson process (``mu = lam_l x span`` expected); one longer
-than the slack breaks it alone, shorter ones do when more than ``slack / their mean`` come::
+local prefills that land on its node while it decodes: the colocated layout's tail (a running
+decode waits behind every chunk of a long document its node prefills; docs/benchmarks.md,
+serve: p99 TPOT 3.5-7x the disaggregated one). Each stalls it for ``S' = k_l S / (1 - U_dec)``,
+``U_dec = U_d - rho_l``: its own length, then the decode work that piled up behind it (a busy
+period's expansion). Over its ``span = output x tpot`` (the mean TPOT, stalls in it) it can
+absorb ``slack = output x (tpot_target - tpot0)`` seconds of them. Local prefills arrive as a
+Poisson process (``mu = lam_l x span`` expected); one longer than the slack breaks it alone,
+shorter ones do when more than ``slack / their mean`` come::
 
-    P(meet TPOT) = exp(-mu P(S > slack)) x PoissonCDF(floor(slack / E[S | S <= slack]); mu P(S <= slack))
+    P(meet TPOT) = exp(-mu P(S' > slack)) x PoissonCDF(floor(slack / E[S' | S' <= slack]); mu P(S' <= slack))
+
+So the stalls' mean is the mean TPOT's excess, ``lam_l tpot E[S'] = tpot - tpot0``: a layout
+predicted at a mean TPOT past the target cannot predict most requests within it. (Before
+2026-12-03 the span was ``output x tpot0`` and ``S' = S``: the fifth session's colocated layout
+was predicted at 84-97% through the elastic benchmark's documents phase at a mean TPOT of
+190 ms against a 171 ms target, and measured 28-44%.)
 
 Predicted goodput = ``lam`` x the mean probability of meeting both; a pool at or past full
 utilization meets nothing. With an SLO band (``PlannerConfig.slo_band``) the probability is the

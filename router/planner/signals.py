@@ -233,10 +233,18 @@ class DecodeFit:
             if n.role != Role.DECODE or n.step_s <= 0 or n.running < 1 or self._seen.get(n.node_id) == n.updated_at:
                 continue
             self._seen[n.node_id] = n.updated_at
-            # The node's best recent step at this batch (router/step_history.py) where known: a
-            # decode node's average step also carries the chunks of prompts it prefilled itself,
-            # which the model counts apart (rho_l); its fastest steps are decode alone.
-            step = n.step_best_s if 0 < n.step_best_s < n.step_s else n.step_s
+            # Its decode-only average where it reports one, else its best recent step at this
+            # batch (router/step_history.py): a decode node's average step also carries the
+            # chunks of prompts it prefilled itself, which the model counts apart (rho_l). The
+            # best step was not enough: on a colocated node the large batches come while a
+            # document prefills, so their best steps carry chunks too, and the fit's cost per
+            # sequence came out ~1.5x the disaggregated decode node's (9-10 ms against 6-6.5 in
+            # the elastic benchmark's recordings), which made the planner running colocated
+            # predict 1P+1D's one decode node saturated (router/planner/evaluate.py).
+            if n.decode_step_s > 0:
+                step = n.decode_step_s
+            else:
+                step = n.step_best_s if 0 < n.step_best_s < n.step_s else n.step_s
             self._fit.add(_decode_features(n.running, n.running_tokens), step)
             self._ctx.add((1.0,), n.running_tokens / n.running)
         if self._fit.n >= MIN_HEARTBEATS:
