@@ -331,3 +331,34 @@ def test_a_phases_workload_reports_each_phases_good_requests_and_the_oracle():
     assert [p["good_grid"] for p in out["by_layout"]["colocated"]["by_phase"]] == [2.0, 1.0]
     assert out["phase_oracle_vs_best_static"] == pytest.approx((2.0 + 2.0) / 3.0)
     assert out["by_layout"]["elastic"]["by_phase"][1]["slo_attainment"] == 0.5
+
+
+def test_a_warmup_slot_runs_first_unmeasured_and_sets_the_rate(monkeypatch):
+    """--warmup-s: the schedule's first layout serves an unmeasured slot first, and its unloaded
+    TPOT sets the rate; without it the first measured slot's does (the A/A run's first slot
+    served 1.2-1.6x less than an identical second one)."""
+    def unloaded(tpot):
+        return [rec(0, out=11, end=0.5 + 10 * tpot)]
+
+    class Stop(Exception):
+        pass
+
+    def run(*argv):
+        calls = []
+        monkeypatch.setattr(serve_elastic, "_warmup_slot",
+                            lambda args, layout, report: calls.append(("warm-up", layout.name)) or unloaded(0.1))
+
+        def slot(args, layout, pass_index, plan_for, report):
+            calls.append((layout.name, pass_index, plan_for(unloaded(0.2))[0].phases[0].rate))
+            raise Stop
+
+        monkeypatch.setattr(serve_elastic, "_slot", slot)
+        with pytest.raises(Stop):
+            serve_elastic.compare_elastic(_args("--long-shares", "0.1", *argv), SimpleNamespace(progress=print))
+        return calls
+
+    fast, slow = serve_elastic.RATE_X_TPOT / 0.1, serve_elastic.RATE_X_TPOT / 0.2
+    assert run() == [("warm-up", "fixed"), ("fixed", 0, pytest.approx(fast, abs=1e-3))]
+    assert run("--warmup-s", "0") == [("fixed", 0, pytest.approx(slow, abs=1e-3))]
+    assert run("--elastic-layouts", "colocated,fixed") == [("warm-up", "colocated"),
+                                                          ("colocated", 0, pytest.approx(fast, abs=1e-3))]

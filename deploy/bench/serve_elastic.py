@@ -112,6 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--planner-records", default=None, metavar="PREFIX",
                    help="every planner round's signals and decision to PREFIX_<layout>_pass<N>.jsonl "
                         "(router/planner/record.py; the stream starts' wall clocks are in the result)")
+    g.add_argument("--warmup-s", type=float, default=60.0,
+                   help="an unmeasured slot before the schedule: the first layout serves this many seconds of a "
+                        "mixed load, and its unloaded TPOT sets the rate (0: none; the first measured slot sets it)")
     g.add_argument("--elastic-chunk-tokens", type=int, default=None,
                    help="the elastic nodes' step budget (default: --colocated-chunk-tokens: a node may end up "
                         "prefilling long prompts beside its decodes)")
@@ -361,6 +364,29 @@ def _slot(args, layout: ElasticLayout, pass_index: int, plan_for, report):
     return unloaded, runs, starts
 
 
+def _warmup_slot(args, layout: ElasticLayout, report) -> list[Record]:
+    """An unmeasured slot before the schedule: ``layout`` started, its unloaded requests (whose
+    TPOT sets the rate), ``--warmup-s`` of a mixed load at that rate, stopped. Why: in the
+    A/A run of 2026-12-02 (two identical layouts) the first slot of the first pass served
+    1.2-1.6x less than the second on every workload, and the second pass's two were within 4%:
+    whatever the first slot pays for (a cold machine, caches), no layout should pay it alone,
+    and A B C C B A gives the first layout's first pass the first slot always."""
+    from deploy.launcher import LocalCluster
+
+    report.progress(f"warm-up slot: {layout.name}, {args.warmup_s:.0f} s unmeasured")
+    cluster = LocalCluster(_cluster_config(args, layout, -1), report.progress).start()
+    try:
+        asyncio.run(run_load(wl.synthetic(2, 1.0, wl.mixed(0.5), seed=args.seed * 1000 + 989), target=cluster.address,
+                             api="grpc"))
+        unloaded = _unloaded(cluster, max(1, args.unloaded_requests // 2), args.seed * 1000 + 990)
+        rate = args.rate if args.rate is not None else auto_rate(unloaded)
+        load = wl.synthetic(max(1, round(rate * args.warmup_s)), rate, wl.mixed(0.2), seed=args.seed * 1000 + 991)
+        asyncio.run(run_load(load, target=cluster.address, api="grpc"))
+    finally:
+        cluster.stop()
+    return unloaded
+
+
 def compare_elastic(args, report) -> dict:
     if args.api != "grpc":
         raise SystemExit("--compare elastic measures through the gRPC API (it counts streamed tokens)")
@@ -385,6 +411,8 @@ def compare_elastic(args, report) -> dict:
     runs: dict[tuple[str, str], list[Run]] = {}
     by_name = {lay.name: lay for lay in lays}
     order = fig.schedule([lay.name for lay in lays])
+    if args.warmup_s > 0:
+        plan_for(_warmup_slot(args, by_name[order[0][1]], report))  # the rate, from a slot nobody is judged on
     stream_starts = []
     for pass_index, name in order:
         u, r, starts = _slot(args, by_name[name], pass_index, plan_for, report)
@@ -414,7 +442,9 @@ def compare_elastic(args, report) -> dict:
                   "local_prefill_tokens": x.local_prefill_tokens, "chunk_tokens": x.chunk_tokens} for x in lays],
         schedule=[f"{name}#{p + 1}" for p, name in order],
         rate=rate, rate_rule=("--rate" if args.rate is not None else f"{RATE_X_TPOT:g} / the first layout's unloaded "
-                                                                  f"median TPOT"),
+                                                                  f"median TPOT" + (" in the warm-up slot" if
+                                                                                    args.warmup_s > 0 else "")),
+        warmup_s=args.warmup_s,
         mix_seconds=args.mix_seconds, lead_s=args.lead_s,
         phases=[{"name": p.label(i), "seconds": p.seconds, "rate": p.rate, "long_share": p.long_share}
                 for i, p in enumerate(phases)] if phases else None,
