@@ -39,6 +39,7 @@ from engine.outputs import RequestOutput
 from node.faults import StepFault
 from node.health import StepHealth
 from node.output_stream import EngineStoppedError, OutputStream, RequestFailedError
+from node.step_time import StepAverage
 from tokens.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -51,20 +52,8 @@ COMMAND_TIMEOUT_S = 60.0
 # The engine's cumulative stats (``stats``) are re-read at most this often while it steps, and
 # after the last step before it idles: a scrape reads the copy, never waits for a step.
 STATS_PERIOD_S = 0.05
-# The step time a node heartbeats (LoadSnapshot.step_s): an exponential average with this
-# weight on the newest step, so a slowdown shows within a few steps; forgotten this long after
-# the last step.
-STEP_S_ALPHA = 0.3
-STEP_S_STALE_S = 30.0
-
 # An idle loop wakes this often to show it is alive (AsyncEngine.progress).
 IDLE_TICK_S = 0.25
-
-
-def _fold(avg: float, at: float, seconds: float, now: float) -> float:
-    """One step's time into a running average last updated at ``at`` (a stale one restarts)."""
-    prev = avg if now - at <= STEP_S_STALE_S else 0.0
-    return seconds if prev <= 0 else prev + STEP_S_ALPHA * (seconds - prev)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +67,7 @@ class LoadSnapshot:
     num_blocks: int = 0
     kv_usage: float = 0.0
     # Seconds per engine step, averaged over recent steps: what a running sequence waits per
-    # token. 0 = unknown (no step within STEP_S_STALE_S). Routers avoid a node whose steps are
+    # token. 0 = unknown (no step within node/step_time.py's STEP_S_STALE_S). Routers avoid a node whose steps are
     # several times slower than its peers' (router/placement.py, without_stragglers).
     step_s: float = 0.0
     # The same over the steps that ran no prompt tokens: a decode step alone. A node that
@@ -122,10 +111,8 @@ class AsyncEngine:
         self._stopping = False
         # Owned by the loop thread (commands run there too): request id -> its stream.
         self._streams: dict[str, OutputStream] = {}
-        self._step_s = 0.0  # see LoadSnapshot.step_s; loop thread writes, _snapshot reads
-        self._stepped_at = 0.0
-        self._decode_step_s = 0.0  # see LoadSnapshot.decode_step_s
-        self._decode_stepped_at = 0.0
+        # LoadSnapshot.step_s and .decode_step_s; the loop thread writes, _snapshot and load read
+        self._steps, self._decode_steps = StepAverage(), StepAverage()
         self._load = self._snapshot()
         self._stats: dict = engine.stats()
         self._stats_at = time.monotonic()
@@ -247,11 +234,10 @@ class AsyncEngine:
         An idle loop refreshes nothing, so the step time is dropped here once it is stale: a
         node once slow must not stay avoided forever for want of steps to measure."""
         load = self._load
-        now = time.monotonic()
-        if load.step_s and now - self._stepped_at > STEP_S_STALE_S:
-            load = replace(load, step_s=0.0)
-        if load.decode_step_s and now - self._decode_stepped_at > STEP_S_STALE_S:
-            load = replace(load, decode_step_s=0.0)
+        if load.step_s or load.decode_step_s:
+            now = time.monotonic()
+            load = replace(load, step_s=load.step_s if self._steps.value(now) else 0.0,
+                           decode_step_s=load.decode_step_s if self._decode_steps.value(now) else 0.0)
         return load
 
     @property
@@ -433,11 +419,9 @@ class AsyncEngine:
         """Fold one step's wall time into the average, and into the decode-only one when it ran
         no prompt tokens."""
         now = time.monotonic()
-        self._step_s = _fold(self._step_s, self._stepped_at, seconds, now)
-        self._stepped_at = now
+        self._steps.add(seconds, now)
         if decode_only:
-            self._decode_step_s = _fold(self._decode_step_s, self._decode_stepped_at, seconds, now)
-            self._decode_stepped_at = now
+            self._decode_steps.add(seconds, now)
 
     def _publish_events(self) -> None:
         events = self.engine.take_kv_events()
@@ -475,6 +459,7 @@ class AsyncEngine:
     def _snapshot(self) -> LoadSnapshot:
         eng = self.engine
         sched = eng.scheduler
+        now = time.monotonic()
         return LoadSnapshot(
             waiting=sched.num_waiting,
             running=sched.num_running,
@@ -482,7 +467,6 @@ class AsyncEngine:
             free_blocks=eng.kv.num_free_blocks,
             num_blocks=eng.num_blocks,
             kv_usage=eng.kv.usage,
-            step_s=round(self._step_s, 6) if time.monotonic() - self._stepped_at <= STEP_S_STALE_S else 0.0,
-            decode_step_s=(round(self._decode_step_s, 6)
-                           if time.monotonic() - self._decode_stepped_at <= STEP_S_STALE_S else 0.0),
+            step_s=self._steps.value(now),
+            decode_step_s=self._decode_steps.value(now),
         )

@@ -31,7 +31,7 @@ HOLD = {"action": "hold"}  # a recorded decision that changed nothing
 def test_current_layout_measures_only_what_ran_since_the_last_action():
     """Each round's own layout, predicted as decide calibrates it, against the share of its
     finished requests within the same targets; after an action only the requests finished since
-    count, and a round with fewer than MIN_MEASURED of them is not scored."""
+    count, and a round with fewer than calibration_min_samples of them is not scored."""
     target = 3 * signals(0.1, 0.15).decode.step_s(1, 0)
     rounds = [(with_latencies(signals(0.1, 0.15, at=1000.0 + 5 * i, seed=i), 0.5 * target), HOLD)
               for i in range(3)]

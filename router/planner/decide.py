@@ -115,9 +115,24 @@ def best(cands: list[LayoutEstimate], current: Layout,
     return min(cands, key=key)
 
 
+def current_layout(s: PlannerSignals) -> Layout:
+    """The layout the round's signals ran on."""
+    return Layout(s.count(Role.PREFILL), s.count(Role.DECODE), s.short_prompt_tokens)
+
+
+def calibration(s: PlannerSignals, cfg: PlannerConfig, since: float | None) -> Calibration:
+    """The window measured the current layout (since the last action, ``since``): its figures
+    over the model's correct every layout's (router/planner/model.py, calibrate)."""
+    if not cfg.calibrate:
+        return Calibration()
+    cur = current_layout(s)
+    return calibrate(s, estimate(cur, s, cfg.ttft_slo_factor, cfg.tpot_slo_factor), cfg.calibration_min_samples,
+                     cfg.calibration_min_scale, cfg.calibration_max_scale, since=since)
+
+
 def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decision:
     """One round: hold, or move toward the layout with the most predicted goodput."""
-    current = Layout(s.count(Role.PREFILL), s.count(Role.DECODE), s.short_prompt_tokens)
+    current = current_layout(s)
     base = {"rate_rps": round(s.rate_rps, 4), "requests": len(s.requests), "long_share": round(s.long_share(), 4),
             "prefill_nodes": current.prefill, "decode_nodes": current.decode,
             **{f"measured_attainment_{c}": round(v, 4) for c, v in measured_attainment(s.requests).items()},
@@ -135,11 +150,7 @@ def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decisi
         # A node is switching role or leaving: the figures describe neither layout yet.
         return hold("switching", f"{s.draining} node(s) draining (a role switch or a removal under way)", base,
                     replace(state, pending=None, pending_rounds=0))
-    # The window measured the current layout (since the last action): its figures over the
-    # model's correct every layout's (router/planner/model.py, calibrate).
-    cal = (calibrate(s, estimate(current, s, cfg.ttft_slo_factor, cfg.tpot_slo_factor), cfg.calibration_min_samples,
-                     cfg.calibration_min_scale, cfg.calibration_max_scale, since=state.last_action_at)
-           if cfg.calibrate else Calibration())
+    cal = calibration(s, cfg, state.last_action_at)
     base.update(cal.figures())
     j = _Judge(s, cfg, cal, current)
     cur = j.cur

@@ -26,15 +26,12 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from kv_index.nodes import Role
 from router.planner.config import PlannerConfig
-from router.planner.decide import thresholds
-from router.planner.model import Calibration, Layout, calibrate, estimate, measured_share
+from router.planner.decide import calibration, thresholds
+from router.planner.decide import current_layout as layout_of
+from router.planner.model import Calibration, Layout, estimate, measured_share
 from router.planner.record import read_rounds
 from router.planner.signals import PlannerSignals
-
-# Requests a measured share needs before it is compared (the planner's calibration minimum).
-MIN_MEASURED = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,32 +54,20 @@ class Ranked:
     seen_from: str  # "a" or "b": the layout whose planner predicted
 
 
-def _current(s: PlannerSignals) -> Layout:
-    return Layout(s.count(Role.PREFILL), s.count(Role.DECODE), s.short_prompt_tokens)
-
-
-def _calibration(s: PlannerSignals, cfg: PlannerConfig, since: float | None) -> Calibration:
-    if not cfg.calibrate:
-        return Calibration()
-    cur = _current(s)
-    return calibrate(s, estimate(cur, s, cfg.ttft_slo_factor, cfg.tpot_slo_factor), cfg.calibration_min_samples,
-                     cfg.calibration_min_scale, cfg.calibration_max_scale, since=since)
-
-
 def _share(s: PlannerSignals, cfg: PlannerConfig, since: float | None = None) -> tuple[float, int]:
     return measured_share(s, cfg.ttft_slo_factor, cfg.tpot_slo_factor, since=since, band=cfg.slo_band)
 
 
 def current_layout(rounds: Iterable[tuple[PlannerSignals, dict]], cfg: PlannerConfig) -> list[Scored]:
-    """Per round that measured ``MIN_MEASURED`` finished requests since the recording's last
+    """Per round that measured ``calibration_min_samples`` finished requests since the recording's last
     action (its decisions say when; before it the window ran another layout)."""
     out, since = [], None
     for s, decision in rounds:
-        cur = _current(s)
+        cur = layout_of(s)
         if not s.draining and cur.decode >= 1 and len(s.requests) >= cfg.min_requests:
             measured, n = _share(s, cfg, since)
-            if n >= MIN_MEASURED:
-                e = estimate(cur, s, cfg.ttft_slo_factor, cfg.tpot_slo_factor, _calibration(s, cfg, since), cfg.slo_band)
+            if n >= cfg.calibration_min_samples:
+                e = estimate(cur, s, cfg.ttft_slo_factor, cfg.tpot_slo_factor, calibration(s, cfg, since), cfg.slo_band)
                 out.append(Scored(s.at, (cur.prefill, cur.decode), e.attainment, measured, n))
         if decision.get("action", "hold") != "hold":
             since = s.at
@@ -111,13 +96,13 @@ def ranking(pairs: Iterable[tuple[PlannerSignals, PlannerSignals]], cfg: Planner
                     transfer_s_per_token=a.transfer_s_per_token)
         ma, na = _share(a, cfg)
         mb, nb = _share(replace(b, decode=a.decode, unloaded_tpot_s=a.unloaded_tpot_s), cfg)
-        if na < MIN_MEASURED or nb < MIN_MEASURED or abs(mb - ma) < min_gap:
+        if min(na, nb) < cfg.calibration_min_samples or abs(mb - ma) < min_gap:
             continue
-        mix_a, mix_b = (_current(a).prefill, _current(a).decode), (_current(b).prefill, _current(b).decode)
+        mix_a, mix_b = (layout_of(a).prefill, layout_of(a).decode), (layout_of(b).prefill, layout_of(b).decode)
         for name, s in (("a", a), ("b", b)):
             if len(s.requests) < cfg.min_requests:
                 continue
-            cal = _calibration(s, cfg, None)
+            cal = calibration(s, cfg, None)
             out.append(Ranked(mb - ma, predicted_mix(s, mix_b, cfg, cal) - predicted_mix(s, mix_a, cfg, cal), name))
     return out
 
