@@ -206,7 +206,10 @@ def test_prefill_node_turns_decode_and_back_under_live_streams(tiny_dir, tok_dir
 
     ns = f"switch-{uuid.uuid4().hex[:6]}"
     eng = engine_config(tiny_dir, num_blocks=2048)  # nothing cached is evicted during the test
-    common = dict(redis_url=redis_url, namespace=ns, lease_s=1.5, heartbeat_s=0.1, load_tokenizer=False,
+    # The default lease (3 s): nothing here waits on a lease running out, and a CI run saw the
+    # router refuse requests with "no live decode node" once, which only a lapsed decode-0 lease
+    # explains; its index counters are in the failure message below if it happens again.
+    common = dict(redis_url=redis_url, namespace=ns, lease_s=3.0, heartbeat_s=0.1, load_tokenizer=False,
                   engine=eng, grpc_workers=THREADS + 8, drain_timeout_s=20.0)
     actors = {nid: spawn_node(NodeConfig(node_id=nid, role=role, **common), server_builder(Role(role)), num_cpus=0)
               for nid, role in (("prefill-0", "prefill"), ("decode-0", "decode"))}
@@ -234,8 +237,12 @@ def test_prefill_node_turns_decode_and_back_under_live_streams(tiny_dir, tok_dir
             roles.request("prefill-0", to_role, reason="test")  # the planner's path
             assert wait_for(lambda: serves(reader, "prefill-0", to_role), DEADLINE_S, every=0.01), load.errors
             frm = "decode" if to_role is Role.PREFILL else "prefill"
-            took.append((f"{frm}->{to_role}", time.monotonic() - t0,
-                         switch_metrics(metrics_address)[(frm, str(to_role), "seconds")]))
+            seconds = time.monotonic() - t0
+            # The node writes its new role in the new server's first heartbeat and counts the
+            # switch once switch_role returns, a moment later: wait for the count.
+            key = (frm, str(to_role), "seconds")
+            assert wait_for(lambda: key in switch_metrics(metrics_address), DEADLINE_S, every=0.05)
+            took.append((f"{frm}->{to_role}", seconds, switch_metrics(metrics_address)[key]))
             assert wait_for(lambda: load.done >= before + THREADS, DEADLINE_S), load.errors  # served on
             assert {i: reader.match(h, ["prefill-0"])["prefill-0"].blocks for i, h in hashes.items()} == held
         new_address = ray.get(actors["prefill-0"].address.remote(), timeout=30)
@@ -255,7 +262,10 @@ def test_prefill_node_turns_decode_and_back_under_live_streams(tiny_dir, tok_dir
         assert wait_for(lambda: load.done >= before + THREADS, DEADLINE_S), load.errors
         submitted = load.stop()
 
-        assert not load.errors, load.errors[:3]
+        if load.errors:  # what the nodes' index links went through, for the next reader
+            links = {nid: {k: v for k, v in ray.get(a.stats.remote(), timeout=30).items() if k.startswith("index_")}
+                     for nid, a in actors.items()}
+            raise AssertionError(f"{len(load.errors)} errors, first {load.errors[:3]}; index links: {links}")
         assert sorted(load.finish) == list(range(submitted))  # every request once, none lost
         ref = LLMEngine(eng, load_tokenizer=False)
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -353,7 +363,10 @@ def test_a_new_role_that_cannot_start_gives_the_node_its_old_role_back_on_the_sa
     held = socket.create_server(("127.0.0.1", 0))  # listening: nothing else may bind it
     ns = f"switchfail-{uuid.uuid4().hex[:6]}"
     eng = engine_config(tiny_dir, num_blocks=512)
-    common = dict(redis_url=redis_url, namespace=ns, lease_s=1.5, heartbeat_s=0.1, load_tokenizer=False,
+    # The default lease (3 s): nothing here waits on a lease running out, and a CI run saw the
+    # router refuse requests with "no live decode node" once, which only a lapsed decode-0 lease
+    # explains; its index counters are in the failure message below if it happens again.
+    common = dict(redis_url=redis_url, namespace=ns, lease_s=3.0, heartbeat_s=0.1, load_tokenizer=False,
                   engine=eng, grpc_workers=8, drain_timeout_s=10.0)
     actors = {"prefill-0": spawn_node(NodeConfig(node_id="prefill-0", role="prefill", **common),
                                       DecodeOnTakenPort(held.getsockname()[1]), num_cpus=0),
