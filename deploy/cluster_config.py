@@ -66,6 +66,7 @@ class ClusterConfig:
     max_decode_nodes: int | None = None
     planner_resize: bool = False  # pool sizes follow the planner too (needs both maxima)
     planner_window_s: float = 60.0  # seconds of finished requests a decision reads
+    planner_burst_window_s: float = 10.0  # the last seconds whose rate counts when they are a burst
     planner_ttft_slo_factor: float = 5.0  # the SLO it scores layouts against (x unloaded TTFT, TPOT)
     planner_tpot_slo_factor: float = 2.0
     planner_slo_band: tuple[float, ...] = (1.0,)  # the SLO scaled by each, scored by the mean (headroom)

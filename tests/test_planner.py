@@ -532,6 +532,31 @@ def test_the_offered_load_counts_requests_when_they_arrive_not_when_they_finish(
     assert estimate(Layout(1, 1, 256), offered).attainment < estimate(Layout(1, 1, 256), finished).attainment
 
 
+def test_a_burst_is_judged_at_its_own_rate_and_a_steady_stream_at_the_windows():
+    """burst_rate: the last seconds count when they stand out of the window's earlier rate by
+    BURST_Z Poisson deviations; a steady stream, one arrival early or late, does not."""
+    from router.planner.signals import RequestWindow, burst_rate
+
+    steady = [1000.0 + i / 0.6 for i in range(18)]  # 0.6 a second over 30 s
+    assert burst_rate(steady, 1030.0, 1000.0, 10.0) is None
+    assert burst_rate([*steady, 1029.9], 1030.0, 1000.0, 10.0) is None  # one more: noise
+    burst = [t for t in steady if t < 1020.0] + [1020.0 + i / 2.0 for i in range(12)]  # 2 a second for 6 s
+    assert burst_rate(burst, 1026.0, 996.0, 10.0) == pytest.approx((12 + 2) / 10.0)  # 2 steady ones in the 10 s
+    assert burst_rate(burst, 1026.0, 1010.0, 10.0) is None  # 6 s before the burst window: nothing to compare yet
+    assert burst_rate(burst, 1026.0, 996.0, 0.0) is None
+
+    w = RequestWindow()
+    for t in burst:
+        w.arrived(t)
+    window = w.offered_rps(1026.0, 30.0)
+    assert window == pytest.approx(len([t for t in burst if t >= 996.0]) / 30.0)  # 0.8: the burst diluted
+    assert w.offered_rps(1026.0, 30.0, burst_s=10.0) == pytest.approx(1.4) and 1.4 > 1.5 * window
+    calm = RequestWindow()
+    for t in steady:
+        calm.arrived(t)
+    assert calm.offered_rps(1030.0, 30.0, burst_s=10.0) == calm.offered_rps(1030.0, 30.0)
+
+
 def test_past_saturation_the_less_overloaded_layout_wins_with_kv_capacities_known():
     """Every layout saturated predicts 0 goodput; the one whose busiest pool is less overloaded
     still serves more before its queues run away (relief). A saturated decode pool's KV figure

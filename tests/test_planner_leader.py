@@ -136,8 +136,8 @@ def test_the_flags_map_onto_the_config():
     cfg = planner_config(p.parse_args(["--planner", "active", "--planner-interval-s", "2", "--planner-cooldown-s",
                                        "10", "--min-prefill-nodes", "1", "--max-prefill-nodes", "2",
                                        "--max-decode-nodes", "4", "--planner-resize", "--planner-window-s", "15",
-                                       "--planner-slo-band", "0.5,1,2"]))
-    assert (cfg.mode, cfg.interval_s, cfg.cooldown_s) == ("active", 2.0, 10.0)
+                                       "--planner-slo-band", "0.5,1,2", "--planner-burst-window-s", "5"]))
+    assert (cfg.mode, cfg.interval_s, cfg.cooldown_s, cfg.burst_window_s) == ("active", 2.0, 10.0, 5.0)
     assert (cfg.min_prefill_nodes, cfg.max_prefill_nodes, cfg.min_decode_nodes, cfg.max_decode_nodes) == (1, 2, 1, 4)
     assert cfg.resize and cfg.window_s == 15.0 and cfg.slo_band == (0.5, 1.0, 2.0)
     assert planner_config(p.parse_args([])) == PlannerConfig()  # the flags' defaults are the config's
@@ -145,6 +145,8 @@ def test_the_flags_map_onto_the_config():
         planner_config(p.parse_args(["--min-decode-nodes", "3", "--max-decode-nodes", "2"]))
     with pytest.raises(ValueError, match="slo_band must be one or more finite numbers > 0"):
         planner_config(p.parse_args(["--planner-slo-band", "1,-1"]))
+    with pytest.raises(ValueError, match="burst_window_s must be a finite number >= 0"):
+        planner_config(p.parse_args(["--planner-burst-window-s", "-1"]))
 
 
 def test_pdserve_up_flags_reach_the_routers_planner():
@@ -156,12 +158,13 @@ def test_pdserve_up_flags_reach_the_routers_planner():
     bring_up = dict(redis_url="redis://127.0.0.1:1/0", model_name="m", tokenizer_dir="/nonexistent", max_model_len=64)
     rc = router_config(cluster_config_from_args(p.parse_args(["--planner", "active", "--planner-cooldown-s", "12",
                                                               "--planner-window-s", "20", "--planner-slo-band", "0.8,1",
+                                                              "--planner-burst-window-s", "0",
                                                               "--max-prefill-nodes", "1", "--max-decode-nodes", "2",
                                                               "--planner-resize"])),
                        **bring_up)
     assert (rc.planner.mode, rc.planner.cooldown_s, rc.planner.max_prefill_nodes, rc.planner.max_decode_nodes) == \
         ("active", 12.0, 1, 2) and rc.planner.resizes and rc.planner.window_s == 20.0
-    assert rc.planner.slo_band == (0.8, 1.0)
+    assert rc.planner.slo_band == (0.8, 1.0) and rc.planner.burst_window_s == 0.0
     assert router_config(cluster_config_from_args(p.parse_args([])), **bring_up).planner.mode == "advisory"
     with pytest.raises(ValueError, match=r"prefill_nodes \(1\) is above max_prefill_nodes \(0\)"):
         cluster_config_from_args(p.parse_args(["--max-prefill-nodes", "0", "--max-decode-nodes", "2"]))
@@ -183,10 +186,11 @@ def test_the_charts_planner_values_reach_the_router():
     assert p.slo_band == (1.0,)
     assert not p.resizes  # no pool targets unless the pools follow them
     p = planner_of({"router": {"planner": {"mode": "active", "intervalSeconds": 2, "cooldownSeconds": 60,
-                                           "windowSeconds": 20, "sloBand": [0.67, 1, 1.33]}},
+                                           "windowSeconds": 20, "burstWindowSeconds": 6, "sloBand": [0.67, 1, 1.33]}},
                     "pools": {"followTargets": True}, "prefill": {"maxReplicas": 3}, "decode": {"minReplicas": 2,
                                                                                                "maxReplicas": 4}})
     assert (p.mode, p.interval_s, p.cooldown_s, p.window_s, p.slo_band) == ("active", 2, 60, 20, (0.67, 1.0, 1.33))
+    assert p.burst_window_s == 6
     assert (p.min_prefill_nodes, p.max_prefill_nodes, p.min_decode_nodes, p.max_decode_nodes) == (0, 3, 2, 4)
     assert p.resizes
 

@@ -99,8 +99,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--planner-cooldown-s", type=float, default=8.0,
                    help="the elastic planner's cool-down after an action")
     g.add_argument("--planner-window-s", type=float, default=None,
-                   help="the elastic planner's signal window (default: --lead-s, at most 15 s: a window that "
+                   help="the elastic planner's signal window (default: a mix's lead and measured seconds, at most 30 s: a window that "
                         "outlasts a mix or a phase steers the planner by the previous one)")
+    g.add_argument("--planner-burst-window-s", type=float, default=10.0,
+                   help="the elastic planner's burst window: the last this many seconds' rate counts when it "
+                        "stands out of the window's (0: the window's rate always)")
     g.add_argument("--slo-grid-ttft-factors", default="3,5,10",
                    help="the SLO grid's TTFT factors (x unloaded TTFT per kind): goodput is the mean over the grid")
     g.add_argument("--slo-grid-tpot-factors", default="2,3,4",
@@ -288,6 +291,7 @@ def _cluster_config(args, layout: ElasticLayout, pass_index: int = 0):
             ttft_f, tpot_f = planner_slo(args)
             planner.update(planner_interval_s=args.planner_interval_s, planner_cooldown_s=args.planner_cooldown_s,
                            planner_window_s=planner_window_s(args), planner_ttft_slo_factor=ttft_f,
+                           planner_burst_window_s=args.planner_burst_window_s,
                            planner_tpot_slo_factor=tpot_f, planner_slo_band=planner_slo_band(args))
             if args.planner_records:
                 planner.update(planner_record=f"{args.planner_records}_{layout.name}_pass{pass_index + 1}.jsonl")
@@ -450,6 +454,7 @@ def compare_elastic(args, report) -> dict:
                 for i, p in enumerate(phases)] if phases else None,
         planner=({"mode": args.elastic_planner, "interval_s": args.planner_interval_s,
                   "cooldown_s": args.planner_cooldown_s, "window_s": planner_window_s(args),
+                  "burst_window_s": args.planner_burst_window_s,
                   "slo_factors": dict(zip(("ttft", "tpot"), planner_slo(args))),
                   "slo_band": list(planner_slo_band(args))}
                  if fig.ELASTIC in by_name else None),

@@ -49,6 +49,10 @@ class PlannerConfig:
     # requests finished (the figures say nothing yet).
     window_s: float = 60.0
     min_requests: int = 8
+    # The load is the window's rate of admitted requests, or the last burst_window_s seconds'
+    # (at most half the window: the rest is what they are compared with) when they stand out
+    # of it as a burst (router/planner/signals.py burst_rate). 0: the window's rate always.
+    burst_window_s: float = 10.0
     # Per-request SLO the model scores layouts against: this many times the request's unloaded
     # TTFT (its prefill + transfer) and the unloaded TPOT (a decode step at batch 1), capped by
     # its SLO class's budget (router/admission.py); the serve benchmark's definition.
@@ -78,6 +82,8 @@ class PlannerConfig:
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):  # NaN fails too
                 raise ValueError(f"planner {name} must be a finite number > 0, got {v}")
+        if not (self.burst_window_s >= 0 and math.isfinite(self.burst_window_s)):
+            raise ValueError(f"planner burst_window_s must be a finite number >= 0, got {self.burst_window_s}")
         if not (self.cooldown_s >= 0 and math.isfinite(self.cooldown_s)):
             raise ValueError(f"planner cooldown_s must be a finite number >= 0, got {self.cooldown_s}")
         if self.lease_s <= 2 * self.interval_s:
@@ -143,6 +149,9 @@ def add_planner_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--planner-window-s", type=float, default=d["window_s"],
                    help="seconds of finished requests a decision reads (shorter: it follows a shifting mix sooner, "
                    "on fewer requests)")
+    p.add_argument("--planner-burst-window-s", type=float, default=d["burst_window_s"],
+                   help="judge layouts at the rate of the last this many seconds when it stands out of the window's "
+                   "as a burst (at most half the window; 0: the window's rate always)")
     p.add_argument("--planner-ttft-slo-factor", type=float, default=d["ttft_slo_factor"],
                    help="the SLO the planner scores layouts against: this many times a request's unloaded TTFT")
     p.add_argument("--planner-tpot-slo-factor", type=float, default=d["tpot_slo_factor"],
@@ -165,7 +174,8 @@ def add_planner_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # The flags' destinations, which are also ClusterConfig's field names (deploy/launcher.py).
-PLANNER_FIELDS = ("planner", "planner_interval_s", "planner_cooldown_s", "planner_window_s", "planner_resize",
+PLANNER_FIELDS = ("planner", "planner_interval_s", "planner_cooldown_s", "planner_window_s",
+                  "planner_burst_window_s", "planner_resize",
                   "planner_ttft_slo_factor", "planner_tpot_slo_factor", "planner_slo_band", "planner_record",
                   "min_prefill_nodes", "max_prefill_nodes", "min_decode_nodes", "max_decode_nodes")
 
@@ -178,6 +188,7 @@ def planner_config(args) -> PlannerConfig:
                          min_prefill_nodes=args.min_prefill_nodes, max_prefill_nodes=args.max_prefill_nodes,
                          min_decode_nodes=args.min_decode_nodes, max_decode_nodes=args.max_decode_nodes,
                          resize=args.planner_resize, window_s=args.planner_window_s,
+                         burst_window_s=args.planner_burst_window_s,
                          ttft_slo_factor=args.planner_ttft_slo_factor, tpot_slo_factor=args.planner_tpot_slo_factor,
                          slo_band=tuple(args.planner_slo_band), record=args.planner_record)
 

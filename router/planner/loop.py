@@ -180,7 +180,9 @@ def router_planner(config: PlannerConfig, client, namespace: str, refresher, cos
         span = max(config.window_s, now - min((r.at for r in requests), default=now))
         return build_signals(view.nodes, requests, costs, decode_fit.model, orchestrator.ledger.backlog_s(),
                              policy.short_prompt_tokens, now, span, max(draining, 0), observed_since=started,
-                             offered_rps=orchestrator.window.offered_rps(now, config.window_s, since=started),
+                             offered_rps=orchestrator.window.offered_rps(
+                                 now, config.window_s, since=started, burst_s=min(config.burst_window_s,
+                                                                                  config.window_s / 2)),
                              unloaded_tpot_s=unloaded_tpot_s)
 
     holder = f"router@{socket.gethostname()}:{os.getpid()}/{uuid.uuid4().hex[:6]}"
