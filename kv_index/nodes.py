@@ -68,6 +68,8 @@ class NodeInfo:
     draining: bool = False  # finishing its requests before it stops: place nothing new here
     step_s: float = 0.0  # seconds per engine step, recent average (0: unknown, e.g. idle)
     decode_step_s: float = 0.0  # the same over steps that ran no prompt tokens: decode alone (0: unknown)
+    decode_step_running: float = 0.0  # those steps' batch and context, averaged alike (0: unknown)
+    decode_step_tokens: float = 0.0
     # Not in the registry: the router's node view fills it from the node's own heartbeats
     # (router/step_history.py), its best recent step_s at a comparable batch (0: too few samples).
     step_best_s: float = 0.0
@@ -104,6 +106,8 @@ class NodeInfo:
             draining=g.get("draining", "0") not in ("0", ""),
             step_s=float(g.get("step_s", 0.0)),
             decode_step_s=float(g.get("decode_step_s", 0.0)),
+            decode_step_running=float(g.get("decode_step_running", 0.0)),
+            decode_step_tokens=float(g.get("decode_step_tokens", 0.0)),
             updated_at=float(g.get("updated_at", 0.0)),
             index_seq=int(g.get("seq", -1)),
             event_at=float(g.get("event_at", 0.0)),

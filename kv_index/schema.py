@@ -6,8 +6,8 @@ Key schema (``ns`` defaults to ``pdserve``; several clusters can share one Redis
     {ns}:nodes                  SET    node ids ever registered (readers prune dead ones)
     {ns}:node:{node_id}         HASH   role, grpc address, metrics address (Prometheus),
                                        model fingerprint, block size, num_blocks + load (waiting, running, running_tokens,
-                                       free_blocks, kv_usage, step_s, decode_step_s, onboard_host, onboard_disk,
-                                       updated_at)
+                                       free_blocks, kv_usage, step_s, decode_step_s, decode_step_running,
+                                       decode_step_tokens, onboard_host, onboard_disk, updated_at)
                                        + seq (last applied event batch), event_at (node clock
                                        when it was published); PEXPIRE = the lease
     {ns}:blk:{hash:016x}        HASH   node id -> the tiers it holds the KV block with this
@@ -26,11 +26,12 @@ from __future__ import annotations
 DEFAULT_NS = "pdserve"
 # "draining": 1 while the node finishes its requests before it stops (routers skip it).
 # "step_s": seconds per engine step, recent average (0: unknown).
-# "decode_step_s": the same over the steps that ran no prompt tokens (decode alone; 0: unknown).
+# "decode_step_s": the same over the steps that ran no prompt tokens (decode alone; 0: unknown),
+# "decode_step_running", "decode_step_tokens": those steps' batch and context, averaged alike.
 # "onboard_host", "onboard_disk": the node's KV brought back from that tier to its device since it
 # started, "bytes,seconds,runs" (kv_index.nodes.OnboardTotals): routers fit onboard costs on them.
 LOAD_FIELDS = ("waiting", "running", "running_tokens", "free_blocks", "num_blocks", "kv_usage", "draining",
-               "step_s", "decode_step_s", "onboard_host", "onboard_disk")
+               "step_s", "decode_step_s", "decode_step_running", "decode_step_tokens", "onboard_host", "onboard_disk")
 TIER_DEVICE, TIER_HOST, TIER_DISK = 0, 1, 2
 STEP_STREAM_MAXLEN = 512  # step reports kept per node: enough for the router's fit window
 

@@ -39,7 +39,7 @@ from engine.outputs import RequestOutput
 from node.faults import StepFault
 from node.health import StepHealth
 from node.output_stream import EngineStoppedError, OutputStream, RequestFailedError
-from node.step_time import StepAverage
+from node.step_time import DecodeStepAverage, StepAverage
 from tokens.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,10 @@ class LoadSnapshot:
     # and its average carries the chunks; the planner counts those apart and fits the decode
     # step on this one (router/planner/signals.py DecodeFit). 0 = unknown.
     decode_step_s: float = 0.0
+    # ... and the batch and context those steps ran (averaged alike, node/step_time.py): the
+    # figures the step time belongs to, not the batch running when the heartbeat leaves. 0 = unknown.
+    decode_step_running: float = 0.0
+    decode_step_tokens: float = 0.0
 
     def as_dict(self) -> dict[str, int | float]:
         return asdict(self)
@@ -112,7 +116,7 @@ class AsyncEngine:
         # Owned by the loop thread (commands run there too): request id -> its stream.
         self._streams: dict[str, OutputStream] = {}
         # LoadSnapshot.step_s and .decode_step_s; the loop thread writes, _snapshot and load read
-        self._steps, self._decode_steps = StepAverage(), StepAverage()
+        self._steps, self._decode_steps = StepAverage(), DecodeStepAverage()
         self._load = self._snapshot()
         self._stats: dict = engine.stats()
         self._stats_at = time.monotonic()
@@ -236,8 +240,9 @@ class AsyncEngine:
         load = self._load
         if load.step_s or load.decode_step_s:
             now = time.monotonic()
-            load = replace(load, step_s=load.step_s if self._steps.value(now) else 0.0,
-                           decode_step_s=load.decode_step_s if self._decode_steps.value(now) else 0.0)
+            load = replace(load, step_s=load.step_s if self._steps.value(now) else 0.0)
+            if not self._decode_steps.value(now)[0]:
+                load = replace(load, decode_step_s=0.0, decode_step_running=0.0, decode_step_tokens=0.0)
         return load
 
     @property
@@ -380,13 +385,17 @@ class AsyncEngine:
         outputs: list[RequestOutput] = []
         try:
             if eng.has_unfinished_requests():
+                # The batch a decode-only step runs: the sequences running as it starts (one that
+                # joins or resumes computes prompt tokens, and the step is not decode-only).
+                running = eng.scheduler.running
+                batch, context = len(running), sum(s.num_tokens for s in running)
                 t0 = time.monotonic()
                 outputs = eng.step()
                 if self.step_delay_s > 0:
                     time.sleep(self.step_delay_s)
                 if outputs:  # a step that ran the model alone is decode-only when it computed no prompt
-                    self._measured(time.monotonic() - t0,
-                                   eng.num_steps != steps_before and eng.last_step_prefill_tokens == 0)
+                    decode_only = eng.num_steps != steps_before and eng.last_step_prefill_tokens == 0
+                    self._measured(time.monotonic() - t0, (batch, context) if decode_only else None)
                 if eng.num_steps != steps_before:  # it ran the model (not only handed out aborts)
                     self.health.succeeded()
             else:
@@ -415,13 +424,13 @@ class AsyncEngine:
             self._stats, self._stats_at = eng.stats(), now
         return busy
 
-    def _measured(self, seconds: float, decode_only: bool) -> None:
-        """Fold one step's wall time into the average, and into the decode-only one when it ran
-        no prompt tokens."""
+    def _measured(self, seconds: float, decode_batch: tuple[int, int] | None) -> None:
+        """Fold one step's wall time into the average, and into the decode-only one with its
+        (batch, context tokens) when it ran no prompt tokens."""
         now = time.monotonic()
         self._steps.add(seconds, now)
-        if decode_only:
-            self._decode_steps.add(seconds, now)
+        if decode_batch is not None and decode_batch[0] > 0:
+            self._decode_steps.add(seconds, *decode_batch, now)
 
     def _publish_events(self) -> None:
         events = self.engine.take_kv_events()
@@ -468,5 +477,5 @@ class AsyncEngine:
             num_blocks=eng.num_blocks,
             kv_usage=eng.kv.usage,
             step_s=self._steps.value(now),
-            decode_step_s=self._decode_steps.value(now),
+            **dict(zip(("decode_step_s", "decode_step_running", "decode_step_tokens"), self._decode_steps.value(now))),
         )

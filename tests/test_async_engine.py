@@ -84,7 +84,10 @@ def test_load_reports_the_decode_only_step_time_apart(aengine):
         timeout=30)
     load = aengine.load
     assert load.step_s > 0 and load.decode_step_s > 0
-    assert "decode_step_s" in load.as_dict()  # what the node heartbeats (kv_index/schema.py LOAD_FIELDS)
+    # One sequence decoded alone, its context 41-52 tokens over its decode steps.
+    assert load.decode_step_running == 1.0 and 41 <= load.decode_step_tokens <= 52
+    from kv_index.schema import LOAD_FIELDS  # what the node heartbeats
+    assert {"decode_step_s", "decode_step_running", "decode_step_tokens"} <= set(load.as_dict()) & set(LOAD_FIELDS)
 
 
 def test_cancel_mid_stream_aborts_and_frees_blocks(aengine):

@@ -38,12 +38,13 @@ def test_register_heartbeat_and_longest_prefix_match(r):
     a.publish(stored=hashes[:3])
     b.publish(stored=hashes[:1])
     a.heartbeat({"waiting": 2, "running": 5, "free_blocks": 40, "kv_usage": 0.6, "step_s": 0.3,
-                 "decode_step_s": 0.1})
+                 "decode_step_s": 0.1, "decode_step_running": 3.5, "decode_step_tokens": 812.5})
     reader = IndexReader(r)
     nodes = reader.live_nodes()
     assert set(nodes) == {"a", "b"}
     assert nodes["a"].running == 5 and nodes["a"].kv_usage == pytest.approx(0.6)
     assert (nodes["a"].step_s, nodes["a"].decode_step_s) == (0.3, 0.1)
+    assert (nodes["a"].decode_step_running, nodes["a"].decode_step_tokens) == (3.5, 812.5)
     assert nodes["b"].decode_step_s == 0.0  # never said: unknown
     before = reader.round_trips
     assert blocks(reader.match(hashes, ["a", "b"])) == {"a": 3, "b": 1}

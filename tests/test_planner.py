@@ -290,16 +290,42 @@ def test_decode_fit_takes_the_nodes_decode_only_step_over_its_best():
     from kv_index.nodes import NodeInfo
     from router.planner.signals import DecodeFit
 
-    fit, best_only = DecodeFit(), DecodeFit()
+    fit, best_only, at_heartbeat = DecodeFit(), DecodeFit(), DecodeFit()
     for i in range(20):
         batch, ctx = 1 + i % 8, 100 + (i * 397) % 3000
         pure = DECODE.step_s(batch, ctx)
+        # The decode-only steps ran between prompts, at a smaller batch than the heartbeat's.
+        small, small_ctx = max(1, batch - 3), ctx * max(1, batch - 3) // batch
+        alone = DECODE.step_s(small, small_ctx)
         hb = NodeInfo("d", "decode", "a:1", "fp", 16, 64, running=batch, running_tokens=ctx, step_s=pure + 0.3,
-                      step_best_s=pure + 0.02 * batch, decode_step_s=pure, updated_at=float(i))
+                      step_best_s=pure + 0.02 * batch, decode_step_s=alone, decode_step_running=small,
+                      decode_step_tokens=small_ctx, updated_at=float(i))
         fit.observe([hb])
-        best_only.observe([replace(hb, decode_step_s=0.0)])
+        best_only.observe([replace(hb, decode_step_s=0.0, decode_step_running=0.0)])
+        at_heartbeat.observe([replace(hb, decode_step_running=0.0)])  # no batch with it: the best step
     assert fit.model.step_s(8, 1000) == pytest.approx(DECODE.step_s(8, 1000), rel=0.05)
     assert best_only.model.step_s(8, 1000) > 1.5 * DECODE.step_s(8, 1000)
+    assert at_heartbeat.model == best_only.model
+
+
+def test_the_decode_only_average_keeps_its_batch_with_it():
+    """node/step_time.py: the step time, batch and context of the decode-only steps are averaged
+    alike and forgotten together, so a line fitted through them is fitted through figures that
+    belong together."""
+    from node.step_time import STEP_S_STALE_S, DecodeStepAverage
+
+    avg = DecodeStepAverage()
+    assert avg.value(0.0) == (0.0, 0.0, 0.0)
+    avg.add(0.05, 2, 200, now=1.0)
+    assert avg.value(1.0) == (0.05, 2.0, 200.0)
+    avg.add(0.10, 8, 800, now=2.0)
+    s, b, c = avg.value(2.0)
+    share = (s - 0.05) / 0.05  # each moved the same share of the way
+    assert share == pytest.approx((b - 2) / 6, abs=1e-3) == pytest.approx((c - 200) / 600, abs=1e-3)
+    assert 0 < share < 1
+    assert avg.value(2.0 + STEP_S_STALE_S + 1) == (0.0, 0.0, 0.0)
+    avg.add(0.2, 4, 100, now=2.0 + STEP_S_STALE_S + 1)  # after a stale gap: starts over
+    assert avg.value(2.0 + STEP_S_STALE_S + 1) == (0.2, 4.0, 100.0)
 
 
 def _noisy_loaded_heartbeats(seed: int, true: DecodeCost) -> list:

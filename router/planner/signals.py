@@ -177,6 +177,31 @@ class RequestWindow:
         return rate
 
 
+    def recent(self, now: float, window_s: float, min_requests: int, stretch: float = 4.0) -> tuple[RequestSample, ...]:
+        """Every request in flight, and the finished ones of the last ``window_s``; when they are
+        fewer than ``min_requests`` together, the finished ones stretch back to make up
+        ``min_requests`` from the last ``stretch`` windows. A window in seconds alone never
+        fills at a low rate (12 s at one request a second holds about 8 finished ones, fewer
+        while long answers run), and one in requests alone would judge a quiet hour by its
+        last burst: a decision needs both enough requests and recent ones.
+
+        Why the requests in flight count: the finished ones alone tell the mix late and wrong.
+        Past saturation they are few (the elastic benchmark's planner waited 40 s for 8, half
+        of a mix), and the short ones finish first (a document's 16-token answer before a
+        chat's 100), so the first finished ones overstate the documents. The ones in flight
+        are the arrivals the finished ones have not caught up with."""
+        with self._lock:
+            while self._samples and self._samples[0].at < now - stretch * window_s:
+                self._samples.popleft()
+            held = tuple(self._samples)
+            flying = tuple(sorted(self._inflight.values(), key=lambda r: r.at))
+        inside = [r for r in held if r.at >= now - window_s]
+        if len(inside) + len(flying) >= min_requests:
+            return (*inside, *flying)
+        more = max(min_requests - len(flying), 0)
+        return (*(held[-more:] if more else ()), *flying)
+
+
 # How far above the window's earlier rate the last seconds' arrivals must be to count as a burst:
 # this many Poisson standard deviations (and one request) above the count that rate expects.
 # On the elastic benchmark's arrivals (seeds 1-4, 30 s window, 10 s burst window, a round every
@@ -212,30 +237,6 @@ def burst_rate(arrivals: Iterable[float], now: float, start: float, burst_s: flo
     if recent > expected + z * expected ** 0.5 + 1:
         return recent / burst_s
     return None
-
-    def recent(self, now: float, window_s: float, min_requests: int, stretch: float = 4.0) -> tuple[RequestSample, ...]:
-        """Every request in flight, and the finished ones of the last ``window_s``; when they are
-        fewer than ``min_requests`` together, the finished ones stretch back to make up
-        ``min_requests`` from the last ``stretch`` windows. A window in seconds alone never
-        fills at a low rate (12 s at one request a second holds about 8 finished ones, fewer
-        while long answers run), and one in requests alone would judge a quiet hour by its
-        last burst: a decision needs both enough requests and recent ones.
-
-        Why the requests in flight count: the finished ones alone tell the mix late and wrong.
-        Past saturation they are few (the elastic benchmark's planner waited 40 s for 8, half
-        of a mix), and the short ones finish first (a document's 16-token answer before a
-        chat's 100), so the first finished ones overstate the documents. The ones in flight
-        are the arrivals the finished ones have not caught up with."""
-        with self._lock:
-            while self._samples and self._samples[0].at < now - stretch * window_s:
-                self._samples.popleft()
-            held = tuple(self._samples)
-            flying = tuple(sorted(self._inflight.values(), key=lambda r: r.at))
-        inside = [r for r in held if r.at >= now - window_s]
-        if len(inside) + len(flying) >= min_requests:
-            return (*inside, *flying)
-        more = max(min_requests - len(flying), 0)
-        return (*(held[-more:] if more else ()), *flying)
 
 
 # Heartbeats (with a running batch) before a node's own figures replace the prior: a CPU node's
@@ -274,20 +275,23 @@ class DecodeFit:
             if n.role != Role.DECODE or n.step_s <= 0 or n.running < 1 or self._seen.get(n.node_id) == n.updated_at:
                 continue
             self._seen[n.node_id] = n.updated_at
-            # Its decode-only average where it reports one, else its best recent step at this
-            # batch (router/step_history.py): a decode node's average step also carries the
-            # chunks of prompts it prefilled itself, which the model counts apart (rho_l). The
-            # best step was not enough: on a colocated node the large batches come while a
-            # document prefills, so their best steps carry chunks too, and the fit's cost per
-            # sequence came out ~1.5x the disaggregated decode node's (9-10 ms against 6-6.5 in
-            # the elastic benchmark's recordings), which made the planner running colocated
-            # predict 1P+1D's one decode node saturated (router/planner/evaluate.py).
-            if n.decode_step_s > 0:
-                step = n.decode_step_s
+            # Its decode-only average with the batch and context those steps ran, where it
+            # reports them (node/step_time.py), else its best recent step at this batch
+            # (router/step_history.py): a decode node's average step also carries the chunks
+            # of prompts it prefilled itself, which the model counts apart (rho_l). The best
+            # step was not enough: on a colocated node the large batches come while a document
+            # prefills, so their best steps carry chunks too, and the fit's cost per sequence
+            # came out ~1.5x the disaggregated decode node's (9-10 ms against 6-6.5 in the
+            # elastic benchmark's recordings), which made the planner running colocated predict
+            # 1P+1D's one decode node saturated (router/planner/evaluate.py). Nor was the
+            # decode-only time at the batch of the heartbeat: 11.6 ms against 5.4.
+            if n.decode_step_s > 0 and n.decode_step_running >= 1:
+                step, batch, context = n.decode_step_s, n.decode_step_running, n.decode_step_tokens
             else:
                 step = n.step_best_s if 0 < n.step_best_s < n.step_s else n.step_s
-            self._fit.add(_decode_features(n.running, n.running_tokens), step)
-            self._ctx.add((1.0,), n.running_tokens / n.running)
+                batch, context = n.running, n.running_tokens
+            self._fit.add(_decode_features(batch, context), step)
+            self._ctx.add((1.0,), context / batch)
         if self._fit.n >= MIN_HEARTBEATS:
             c = self._solve(unloaded_tpot_s)
             self.model = DecodeCost(max(c[0], 1e-4), max(c[1], 0.0) / 1e2, max(c[2], 0.0) / 1e6)
