@@ -31,7 +31,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
 from engine.engine import LLMEngine
@@ -39,7 +38,7 @@ from engine.outputs import RequestOutput
 from node.faults import StepFault
 from node.health import StepHealth
 from node.output_stream import EngineStoppedError, OutputStream, RequestFailedError
-from node.step_time import DecodeStepAverage, StepAverage
+from node.step_time import DecodeStepAverage, LoadSnapshot, StepAverage, fresh
 from tokens.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -54,34 +53,6 @@ COMMAND_TIMEOUT_S = 60.0
 STATS_PERIOD_S = 0.05
 # An idle loop wakes this often to show it is alive (AsyncEngine.progress).
 IDLE_TICK_S = 0.25
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSnapshot:
-    """The engine's load as of the last loop iteration; what nodes heartbeat to Redis."""
-
-    waiting: int = 0
-    running: int = 0
-    running_tokens: int = 0  # tokens (prompt + output) of running sequences: their KV footprint
-    free_blocks: int = 0
-    num_blocks: int = 0
-    kv_usage: float = 0.0
-    # Seconds per engine step, averaged over recent steps: what a running sequence waits per
-    # token. 0 = unknown (no step within node/step_time.py's STEP_S_STALE_S). Routers avoid a node whose steps are
-    # several times slower than its peers' (router/placement.py, without_stragglers).
-    step_s: float = 0.0
-    # The same over the steps that ran no prompt tokens: a decode step alone. A node that
-    # prefills prompts itself (colocated, or below the short-prompt threshold) has both kinds,
-    # and its average carries the chunks; the planner counts those apart and fits the decode
-    # step on this one (router/planner/signals.py DecodeFit). 0 = unknown.
-    decode_step_s: float = 0.0
-    # ... and the batch and context those steps ran (averaged alike, node/step_time.py): the
-    # figures the step time belongs to, not the batch running when the heartbeat leaves. 0 = unknown.
-    decode_step_running: float = 0.0
-    decode_step_tokens: float = 0.0
-
-    def as_dict(self) -> dict[str, int | float]:
-        return asdict(self)
 
 
 class _Command:
@@ -237,13 +208,7 @@ class AsyncEngine:
         """Refreshed every loop iteration; safe to read from any thread (one attribute read).
         An idle loop refreshes nothing, so the step time is dropped here once it is stale: a
         node once slow must not stay avoided forever for want of steps to measure."""
-        load = self._load
-        if load.step_s or load.decode_step_s:
-            now = time.monotonic()
-            load = replace(load, step_s=load.step_s if self._steps.value(now) else 0.0)
-            if not self._decode_steps.value(now)[0]:
-                load = replace(load, decode_step_s=0.0, decode_step_running=0.0, decode_step_tokens=0.0)
-        return load
+        return fresh(self._load, self._steps, self._decode_steps, time.monotonic())
 
     @property
     def stats(self) -> dict:

@@ -1,4 +1,5 @@
-"""A node's step time as it heartbeats it (``LoadSnapshot.step_s``, ``decode_step_s``): an
+"""A node's load as it heartbeats it (``LoadSnapshot``, written by the engine loop,
+node/engine_thread.py) and the step times in it (``step_s``, ``decode_step_s``): an
 exponential average with ``STEP_S_ALPHA`` on the newest step, so a slowdown shows within a
 few steps, forgotten ``STEP_S_STALE_S`` after the last one (a node once slow must not stay
 avoided forever for want of steps to measure). Plain data, time passed in.
@@ -11,6 +12,8 @@ colocated node the decode-only steps come between prompts, at other batches than
 running at the heartbeat, and the fit's cost per sequence came out at 11.6 ms against the
 disaggregated decode node's 5.4 ms (the elastic benchmark's seed-4 run of 2026-12-03)."""
 from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
 
 STEP_S_ALPHA = 0.3
 STEP_S_STALE_S = 30.0
@@ -57,3 +60,41 @@ class DecodeStepAverage:
         if now - self._at > STEP_S_STALE_S or self._avg[0] <= 0:
             return 0.0, 0.0, 0.0
         return round(self._avg[0], 6), round(self._avg[1], 3), round(self._avg[2], 1)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """The engine's load as of the last loop iteration; what nodes heartbeat to Redis."""
+
+    waiting: int = 0
+    running: int = 0
+    running_tokens: int = 0  # tokens (prompt + output) of running sequences: their KV footprint
+    free_blocks: int = 0
+    num_blocks: int = 0
+    kv_usage: float = 0.0
+    # Seconds per engine step, averaged over recent steps: what a running sequence waits per
+    # token. 0 = unknown (no step within STEP_S_STALE_S). Routers avoid a node whose steps are
+    # several times slower than its peers' (router/placement.py, without_stragglers).
+    step_s: float = 0.0
+    # The same over the steps that ran no prompt tokens: a decode step alone. A node that
+    # prefills prompts itself (colocated, or below the short-prompt threshold) has both kinds,
+    # and its average carries the chunks; the planner counts those apart and fits the decode
+    # step on this one (router/planner/signals.py DecodeFit). 0 = unknown.
+    decode_step_s: float = 0.0
+    # ... and the batch and context those steps ran (averaged alike, DecodeStepAverage): the
+    # figures the step time belongs to, not the batch running when the heartbeat leaves. 0 = unknown.
+    decode_step_running: float = 0.0
+    decode_step_tokens: float = 0.0
+
+    def as_dict(self) -> dict[str, int | float]:
+        return asdict(self)
+
+
+def fresh(load: LoadSnapshot, steps: StepAverage, decode_steps: DecodeStepAverage, now: float) -> LoadSnapshot:
+    """``load`` with the step times that went stale since the loop wrote it dropped: an idle loop
+    refreshes nothing, and a node once slow must not stay avoided forever for want of steps."""
+    if load.step_s and not steps.value(now):
+        load = replace(load, step_s=0.0)
+    if load.decode_step_s and not decode_steps.value(now)[0]:
+        load = replace(load, decode_step_s=0.0, decode_step_running=0.0, decode_step_tokens=0.0)
+    return load
