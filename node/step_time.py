@@ -6,11 +6,11 @@ avoided forever for want of steps to measure). Plain data, time passed in.
 
 The decode-only steps' average comes with the batch and context they ran, averaged alike
 (``DecodeStepAverage``): the planner fits a step's cost as a line in those two, and a line's
-value at the averages is the average of its values, so the three figures belong together. The
-step time alone, paired with whatever batch ran when the heartbeat left, did not: on a
-colocated node the decode-only steps come between prompts, at other batches than the one
-running at the heartbeat, and the fit's cost per sequence came out at 11.6 ms against the
-disaggregated decode node's 5.4 ms (the elastic benchmark's seed-4 run of 2026-12-03)."""
+value at the averages is the average of its values, so the three figures belong together; the
+step time alone, paired with whatever batch ran when the heartbeat left, was not. (It was not
+what kept a colocated node's fitted cost per sequence high, though: 11.6 ms against the decode
+node's 5.4 paired with the heartbeat's batch, 10.4-11.3 against 5.9-7.3 paired with its own, in
+the elastic benchmark's seed-4 runs of 2026-12-03; docs/benchmarks.md.)"""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace

@@ -283,8 +283,8 @@ class DecodeFit:
             # prefills, so their best steps carry chunks too, and the fit's cost per sequence
             # came out ~1.5x the disaggregated decode node's (9-10 ms against 6-6.5 in the
             # elastic benchmark's recordings), which made the planner running colocated predict
-            # 1P+1D's one decode node saturated (router/planner/evaluate.py). Nor was the
-            # decode-only time at the batch of the heartbeat: 11.6 ms against 5.4.
+            # 1P+1D's one decode node saturated (router/planner/evaluate.py). The decode-only
+            # figures narrowed it less than hoped: 10.4-11.3 ms against 5.9-7.3 (benchmarks.md).
             if n.decode_step_s > 0 and n.decode_step_running >= 1:
                 step, batch, context = n.decode_step_s, n.decode_step_running, n.decode_step_tokens
             else:
