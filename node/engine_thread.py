@@ -434,6 +434,7 @@ class AsyncEngine:
         eng = self.engine
         sched = eng.scheduler
         now = time.monotonic()
+        decode_s, decode_running, decode_tokens = self._decode_steps.value(now)
         return LoadSnapshot(
             waiting=sched.num_waiting,
             running=sched.num_running,
@@ -442,5 +443,7 @@ class AsyncEngine:
             num_blocks=eng.num_blocks,
             kv_usage=eng.kv.usage,
             step_s=self._steps.value(now),
-            **dict(zip(("decode_step_s", "decode_step_running", "decode_step_tokens"), self._decode_steps.value(now))),
+            decode_step_s=decode_s,
+            decode_step_running=decode_running,
+            decode_step_tokens=decode_tokens,
         )

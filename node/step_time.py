@@ -39,27 +39,23 @@ class StepAverage:
 
 
 class DecodeStepAverage:
-    """The decode-only steps' time, batch (running sequences) and context (their tokens), each
-    an exponential average with ``STEP_S_ALPHA``, forgotten together ``STEP_S_STALE_S`` after
-    the last step. The engine loop writes it, any thread reads it."""
+    """The decode-only steps' time, batch (running sequences) and context (their tokens): one
+    ``StepAverage`` each, folded at the same instants, so they go stale and restart together.
+    The engine loop writes it, any thread reads it."""
 
-    __slots__ = ("_avg", "_at")
+    __slots__ = ("_parts",)
 
     def __init__(self) -> None:
-        self._avg = (0.0, 0.0, 0.0)  # (seconds, batch, context tokens)
-        self._at = 0.0
+        self._parts = (StepAverage(), StepAverage(), StepAverage())  # seconds, batch, context tokens
 
     def add(self, seconds: float, batch: int, context_tokens: int, now: float) -> None:
-        new = (seconds, float(batch), float(context_tokens))
-        prev = self._avg if self.value(now)[0] > 0 else None
-        self._avg = new if prev is None else tuple(p + STEP_S_ALPHA * (x - p) for p, x in zip(prev, new))
-        self._at = now
+        for part, x in zip(self._parts, (seconds, batch, context_tokens)):
+            part.add(float(x), now)
 
     def value(self, now: float) -> tuple[float, float, float]:
         """(seconds, batch, context tokens), rounded as heartbeated; zeros once stale."""
-        if now - self._at > STEP_S_STALE_S or self._avg[0] <= 0:
-            return 0.0, 0.0, 0.0
-        return round(self._avg[0], 6), round(self._avg[1], 3), round(self._avg[2], 1)
+        seconds, batch, context = (p.value(now) for p in self._parts)
+        return seconds, batch, context
 
 
 @dataclass(frozen=True, slots=True)

@@ -176,7 +176,6 @@ class RequestWindow:
             rate = max(rate, burst_rate(arrivals, now, start, burst_s) or 0.0)
         return rate
 
-
     def recent(self, now: float, window_s: float, min_requests: int, stretch: float = 4.0) -> tuple[RequestSample, ...]:
         """Every request in flight, and the finished ones of the last ``window_s``; when they are
         fewer than ``min_requests`` together, the finished ones stretch back to make up
