@@ -8,6 +8,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kv_index.matmul_curve import MatmulCurve, parse_curve
+
 
 class Role(enum.StrEnum):
     """A node's job in the cluster. The value is what the registry stores and what names the
@@ -59,6 +61,9 @@ class NodeInfo:
     # ("shm://<host key>/host:port", "tcp://host:port"); prefill nodes: what they send over,
     # no address ("shm://<host key>/", "tcp://"; router/cost_model.py first_transport).
     kv_endpoints: tuple[str, ...] = ()
+    # Its matmul time per decode step by batch rows (its CPU kernel plan; () where unknown):
+    # the planner's decode fit adds it to a line (kv_index/matmul_curve.py says why).
+    matmul_ms: MatmulCurve = ()
     # load, as of the last heartbeat
     waiting: int = 0
     running: int = 0
@@ -98,6 +103,7 @@ class NodeInfo:
             num_blocks=int(g["num_blocks"]),
             metrics_address=g.get("metrics", ""),
             kv_endpoints=tuple(e for e in g.get("kv_endpoints", "").split(",") if e),
+            matmul_ms=parse_curve(g.get("matmul_ms", "")),
             waiting=int(g.get("waiting", 0)),
             running=int(g.get("running", 0)),
             running_tokens=int(g.get("running_tokens", 0)),

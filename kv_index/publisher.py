@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 
 import redis
 
+from kv_index.matmul_curve import format_curve
 from kv_index.nodes import NodeInfo, StepReport
 from kv_index.schema import (
     APPLY_EVENTS,
@@ -58,7 +59,7 @@ class NodePublisher:
         i = self.info
         return {"role": i.role, "grpc": i.grpc_address, "fingerprint": i.fingerprint,
                 "block_size": i.block_size, "num_blocks": i.num_blocks, "metrics": i.metrics_address,
-                "kv_endpoints": ",".join(i.kv_endpoints)}
+                "kv_endpoints": ",".join(i.kv_endpoints), "matmul_ms": format_curve(i.matmul_ms)}
 
     def register(self) -> None:
         """Announce a fresh node: no blocks, sequence 0. A restarted node reuses no state:

@@ -5,7 +5,8 @@ Key schema (``ns`` defaults to ``pdserve``; several clusters can share one Redis
 
     {ns}:nodes                  SET    node ids ever registered (readers prune dead ones)
     {ns}:node:{node_id}         HASH   role, grpc address, metrics address (Prometheus),
-                                       model fingerprint, block size, num_blocks + load (waiting, running, running_tokens,
+                                       model fingerprint, block size, num_blocks, matmul_ms
+                                       (kv_index/matmul_curve.py) + load (waiting, running, running_tokens,
                                        free_blocks, kv_usage, step_s, decode_step_s, decode_step_running,
                                        decode_step_tokens, onboard_host, onboard_disk, updated_at)
                                        + seq (last applied event batch), event_at (node clock

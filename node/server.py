@@ -187,7 +187,7 @@ class NodeServer:
             node_id=cfg.node_id, role=cfg.role, grpc_address=self.address,
             fingerprint=self.engine.fingerprint, block_size=self.engine.block_size,
             num_blocks=self.engine.num_blocks, metrics_address=self.metrics_address or "",
-            kv_endpoints=self.kv_endpoints(),
+            kv_endpoints=self.kv_endpoints(), matmul_ms=self._matmul_curve(),
         )
         if handover is None:
             index = NodePublisher(self._redis, info, ns=cfg.namespace, lease_s=cfg.lease_s)
@@ -230,6 +230,12 @@ class NodeServer:
         r = server.dist if server is not None else None
         return {"send": (s.groups_made, s.setup_s_total), "dropped": s.groups_dropped,
                 "receive": (r.groups_made, r.setup_s_total) if r is not None else (0, 0.0)}
+
+    def _matmul_curve(self) -> tuple[tuple[int, float], ...]:
+        """Its matmul time per step by batch rows, as registered (the CPU kernel plan's; ()
+        without one: a GPU, or kernels not tuned)."""
+        plan = getattr(self.engine, "linear_plan", None)
+        return plan.curve() if plan is not None else ()
 
     def kv_endpoints(self) -> tuple[str, ...]:
         """KV data-plane endpoints this node receives on besides gRPC (the decode role's)."""

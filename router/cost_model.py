@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Sequence
 
+from kv_index.matmul_curve import MatmulCurve, curve_s
 from kv_index.nodes import StepReport
 from router.transfer_cost import (
     MAX_BANDWIDTH,
@@ -76,12 +77,38 @@ def prefill_from_coef(c: Sequence[float]) -> PrefillCost:
 
 @dataclass(frozen=True, slots=True)
 class DecodeCost:
+    """A decode step: a line in the batch and its context, plus the nodes' matmul curve where
+    they registered one (``matmul``; kv_index/matmul_curve.py): on CPU the matmuls jump at
+    some batch sizes, which no line through a few batches follows."""
+
     fixed_s: float = 0.012
     per_seq_s: float = 5.0e-5
     per_ctx_token_s: float = 2.0e-8
+    matmul: MatmulCurve = ()
 
-    def step_s(self, batch: int, context_tokens: int) -> float:
-        return self.fixed_s + self.per_seq_s * batch + self.per_ctx_token_s * context_tokens
+    def __post_init__(self) -> None:  # a recording's JSON gives lists
+        object.__setattr__(self, "matmul", tuple((int(r), float(ms)) for r, ms in self.matmul))
+
+    @property
+    def base_s(self) -> float:
+        """A step's part that does not grow with the batch: the line's fixed part and one
+        row's matmuls."""
+        return self.fixed_s + curve_s(self.matmul, 1.0)
+
+    def step_s(self, batch: float, context_tokens: float) -> float:
+        return (self.fixed_s + curve_s(self.matmul, batch) + self.per_seq_s * batch
+                + self.per_ctx_token_s * context_tokens)
+
+    def secant(self, batch: float) -> DecodeCost:
+        """The line (no curve) through this cost's steps at batch 1 and at ``batch`` (the
+        matmul curve's slope over [1, 2] at or under 1): what a queueing model that is linear
+        in the batch (router/planner/model.py) runs at a node whose batch is ``batch``."""
+        if not self.matmul:
+            return self
+        lo, hi = (1.0, max(batch, 1.0)) if batch > 1 else (1.0, 2.0)
+        slope = (curve_s(self.matmul, hi) - curve_s(self.matmul, lo)) / (hi - lo)
+        return DecodeCost(max(self.fixed_s + curve_s(self.matmul, 1.0) - slope, 1e-4), self.per_seq_s + slope,
+                          self.per_ctx_token_s)
 
 
 class OnlineFit:

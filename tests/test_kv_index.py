@@ -54,6 +54,17 @@ def test_register_heartbeat_and_longest_prefix_match(r):
     assert blocks(reader.match(hashes, ["a"])) == {"a": 1}
 
 
+def test_the_matmul_curve_travels_with_the_registration(r):
+    from dataclasses import replace
+    curve = ((1, 40.6), (3, 43.4), (4, 63.6), (16, 83.25))
+    p = NodePublisher(r, replace(node("c"), matmul_ms=curve))
+    p.register()
+    p.heartbeat({"running": 1})
+    assert IndexReader(r).live_nodes()["c"].matmul_ms == curve
+    r.hset("pdserve:node:c", "matmul_ms", "1:40,x:3")  # unreadable: unknown, the node still listed
+    assert IndexReader(r).live_nodes()["c"].matmul_ms == ()
+
+
 def test_lease_expiry_hides_a_dead_node_and_prune_removes_its_entries(r):
     p = NodePublisher(r, node("dead"), lease_s=0.3)
     p.register()

@@ -126,6 +126,18 @@ def test_metrics_address_is_registered_and_every_name_is_exported(pair):
             assert labels.items() <= s.labels.items(), s
 
 
+def test_the_kernel_plans_matmul_curve_is_registered(pair):
+    """The planner's decode fit reads each node's matmul time by batch from the registry
+    (kv_index/matmul_curve.py): what its engine's kernel plan measured, row for row."""
+    live = IndexReader(pair.redis, pair.ns).live_nodes()
+    for server in (pair.prefill, pair.decode):
+        plan = server.engine.linear_plan
+        assert plan is not None  # CPU, cpu_kernels="auto"
+        curve = live[server.config.node_id].matmul_ms
+        assert [r for r, _ in curve] == sorted({r for p in plan.shapes.values() for r in p.rows})
+        assert [ms for _, ms in curve] == pytest.approx([plan.gemm_ms(r) for r, _ in curve], abs=1e-3)
+
+
 def test_requests_drive_the_node_metrics(pair):
     before_p, before_d = scrape(pair.prefill), scrape(pair.decode)
 

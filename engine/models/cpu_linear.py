@@ -77,6 +77,11 @@ class LinearPlan:
         self.counts = counts  # weights of each shape in one forward (the LM head included)
         self._fns = {s: tuple(KERNELS[k] for k in p.kernels) for s, p in shapes.items()}
 
+    def curve(self) -> tuple[tuple[int, float], ...]:
+        """``gemm_ms`` at every measured row count: what a node registers (kv_index/matmul_curve.py)."""
+        rows = sorted({r for p in self.shapes.values() for r in p.rows})
+        return tuple((r, self.gemm_ms(r)) for r in rows)
+
     def kernel(self, shape: tuple[int, int], rows: int) -> Kernel:
         plan = self.shapes.get(shape)
         return _aten if plan is None else self._fns[shape][_bucket(plan, rows)]

@@ -63,7 +63,10 @@ import math
 from dataclasses import dataclass
 
 from router.admission import SLO_CLASSES
+from router.cost_model import DecodeCost
 from router.planner.signals import PlannerSignals, RequestSample
+
+MAX_BATCH = 4096  # a decode node's batch the operating point is searched up to (operating_cost)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +175,7 @@ def slo_targets(r: RequestSample, s: PlannerSignals, prefill_s: float, ttft_slo_
     """A request's (TTFT, TPOT) targets (module docstring); ``prefill_s``: its prefill's fitted time."""
     slo = SLO_CLASSES.get(r.slo_class, SLO_CLASSES["relaxed"])
     d = s.decode
-    return (min(slo.ttft_budget_s(r.prompt_tokens), ttft_slo_factor * max(prefill_s, d.fixed_s)),
+    return (min(slo.ttft_budget_s(r.prompt_tokens), ttft_slo_factor * max(prefill_s, d.base_s)),
             min(slo.tbt_s, tpot_slo_factor * (s.unloaded_tpot_s or d.step_s(1, r.prompt_tokens + r.output_tokens))))
 
 
@@ -198,6 +201,27 @@ def _moments(xs: list[float]) -> tuple[float, float]:
     return sum(xs) / len(xs), sum(x * x for x in xs) / len(xs)
 
 
+def operating_cost(d: DecodeCost, a: float, ctx: float, rho_l: float, calibration: Calibration) -> DecodeCost:
+    """``d`` as a line (``DecodeCost.secant``) at the batch a decode node runs at: ``B = a tpot``
+    (Little), ``tpot`` the line's at ``B``, solved by bisection. ``d`` itself without a matmul
+    curve; the line at ``MAX_BATCH`` when even that batch falls behind (saturated)."""
+    if not d.matmul:
+        return d
+
+    def batch(b: float) -> float:  # the batch the line through b would run at
+        e = d.secant(b)
+        u = rho_l + calibration.decode_work_scale * a * (e.per_seq_s + e.per_ctx_token_s * ctx)
+        return a * calibration.tpot_scale * e.fixed_s / (1 - u) if u < 1 else math.inf
+
+    lo, hi = 1.0, float(MAX_BATCH)
+    if batch(lo) <= lo or batch(hi) > hi:
+        return d.secant(lo if batch(lo) <= lo else hi)
+    for _ in range(40):  # batch(lo) > lo, batch(hi) <= hi: a fixed point between
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if batch(mid) > mid else (lo, mid)
+    return d.secant(hi)
+
+
 def estimate(layout: Layout, s: PlannerSignals, ttft_slo_factor: float = 5.0,
              tpot_slo_factor: float = 2.0, calibration: Calibration = Calibration(),
              band: tuple[float, ...] = (1.0,)) -> LayoutEstimate:
@@ -207,7 +231,7 @@ def estimate(layout: Layout, s: PlannerSignals, ttft_slo_factor: float = 5.0,
     reqs = s.requests
     lam = s.rate_rps
     if not reqs or lam <= 0 or layout.decode < 1:  # nothing to serve, or nobody to serve it
-        return LayoutEstimate(layout, 0.0, 0.0, 0.0, 0.0, s.decode.fixed_s, 0.0)
+        return LayoutEstimate(layout, 0.0, 0.0, 0.0, 0.0, s.decode.base_s, 0.0)
     n = len(reqs)
     pf = s.prefill
 
@@ -223,13 +247,13 @@ def estimate(layout: Layout, s: PlannerSignals, ttft_slo_factor: float = 5.0,
     rho_p = lam_p * m1
     wq_p = lam_p * m2 / (2 * (1 - rho_p)) if rho_p < 1 else math.inf
     # Decode pool, per node.
-    d = s.decode
     lam_l = lam * len(near) / n / layout.decode
     l1, l2 = _moments(near)
     rho_l = calibration.local_prefill_scale * lam_l * l1
     out = sum(r.output_tokens for r in reqs) / n
     ctx = sum(r.prompt_tokens + r.output_tokens / 2 for r in reqs) / n
     a = lam * out / layout.decode
+    d = operating_cost(s.decode, a, ctx, rho_l, calibration)
     u_dec = calibration.decode_work_scale * a * (d.per_seq_s + d.per_ctx_token_s * ctx)
     u_d = rho_l + u_dec
     k_tpot, k_ttft = calibration.tpot_scale, calibration.ttft_scale

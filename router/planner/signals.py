@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from kv_index.matmul_curve import MatmulCurve, curve_s
 from kv_index.nodes import NodeInfo, Role
 from router.admission import SLO_CLASSES
 from router.cost_model import CostBook, DecodeCost, OnlineFit, PrefillCost, solve
@@ -267,6 +268,7 @@ class DecodeFit:
         self._fit = OnlineFit(3, forget)
         self._seen: dict[str, float] = {}  # node id -> the heartbeat (updated_at) last taken
         self._ctx = OnlineFit(1, forget)  # the mean context per running sequence (forgotten alike)
+        self._curve: MatmulCurve = ()  # the decode nodes' matmul curve (the last one registered)
         self.model = prior
 
     def observe(self, nodes: Iterable[NodeInfo], unloaded_tpot_s: float = 0.0) -> None:
@@ -289,19 +291,26 @@ class DecodeFit:
             else:
                 step = n.step_best_s if 0 < n.step_best_s < n.step_s else n.step_s
                 batch, context = n.running, n.running_tokens
-            self._fit.add(_decode_features(batch, context), step)
+            # The line fits what the node's matmuls leave (its registered curve; kv_index/
+            # matmul_curve.py): they jump at some batches, and a line through a colocated
+            # node's small batches, where the jump is, priced a sequence 1.5-2x what a decode
+            # node's larger ones did (benchmarks.md).
+            if n.matmul_ms:
+                self._curve = n.matmul_ms
+            self._fit.add(_decode_features(batch, context), step - curve_s(n.matmul_ms, batch))
             self._ctx.add((1.0,), context / batch)
         if self._fit.n >= MIN_HEARTBEATS:
             c = self._solve(unloaded_tpot_s)
-            self.model = DecodeCost(max(c[0], 1e-4), max(c[1], 0.0) / 1e2, max(c[2], 0.0) / 1e6)
+            self.model = DecodeCost(max(c[0], 1e-4), max(c[1], 0.0) / 1e2, max(c[2], 0.0) / 1e6, self._curve)
 
     def _solve(self, unloaded_tpot_s: float) -> list[float]:
         A, b = self._fit.A, self._fit.b
         if unloaded_tpot_s > 0:
             x = _decode_features(1, round(self._ctx.coef()[0]))
             w = ANCHOR_WEIGHT * A[0][0]  # A[0][0]: the heartbeats' forgotten weight (feature 0 is 1)
+            y = unloaded_tpot_s - curve_s(self._curve, 1)
             A = [[A[i][j] + w * x[i] * x[j] for j in range(3)] for i in range(3)]
-            b = [b[i] + w * x[i] * unloaded_tpot_s for i in range(3)]
+            b = [b[i] + w * x[i] * y for i in range(3)]
         return nonnegative_fit(A, b)
 
 
