@@ -38,6 +38,13 @@ predicted at a mean TPOT past the target cannot predict most requests within it.
 was predicted at 84-97% through the elastic benchmark's documents phase at a mean TPOT of
 190 ms against a 171 ms target, and measured 28-44%.)
 
+The decode cost is a line in the batch plus, where the nodes registered one, their matmul
+curve (``DecodeCost.matmul``: on CPU the BLAS kernels jump at some batch sizes; kv_index/
+matmul_curve.py). The formulas above are linear in the batch, so each layout runs the line
+through batch 1 and the batch it would itself run at (``operating_cost``: ``B = a tpot`` by
+Little, ``tpot`` the line's at ``B``, by bisection): a colocated layout at batch 3 and 1P+1D
+at batch 10 are each priced on their own stretch of the curve.
+
 Predicted goodput = ``lam`` x the mean probability of meeting both; a pool at or past full
 utilization meets nothing. With an SLO band (``PlannerConfig.slo_band``) the probability is the
 mean over the targets scaled by each of its factors: a layout with headroom scores above one
