@@ -58,7 +58,7 @@ CTX = 300
 
 def _fit(batches, curve):
     from kv_index.nodes import NodeInfo
-    from router.planner.signals import DecodeFit
+    from router.planner.decode_fit import DecodeFit
 
     fit = DecodeFit()
     for i in range(40):

@@ -239,7 +239,7 @@ def test_no_decision_while_a_node_drains():
 
 def test_decode_fit_learns_the_nodes_step_times_from_heartbeats():
     from kv_index.nodes import NodeInfo
-    from router.planner.signals import DecodeFit
+    from router.planner.decode_fit import DecodeFit
 
     fit = DecodeFit()  # the prior: 12 ms a step, far faster than these CPU nodes
     for i in range(60):
@@ -248,6 +248,47 @@ def test_decode_fit_learns_the_nodes_step_times_from_heartbeats():
                               step_s=DECODE.step_s(batch, ctx), updated_at=float(i))])
     assert fit.model.step_s(1, 200) == pytest.approx(DECODE.step_s(1, 200), rel=0.1)
     assert fit.model.step_s(8, 1600) == pytest.approx(DECODE.step_s(8, 1600), rel=0.1)
+
+
+def test_decode_fit_keeps_one_fit_per_role_mix_and_prices_each_layout_at_its_own():
+    """A node's step costs what its layout makes it cost (router/planner/decode_fit.py): the
+    fit measured under 1P+1D survives a move to colocated, and the estimate prices 1P+1D at
+    it, colocated at its own; a mix never run takes the current one's."""
+    from kv_index.nodes import NodeInfo
+    from router.cost_model import CostBook
+    from router.planner.decode_fit import DecodeFit
+    from router.planner.signals import build_signals
+
+    lean, heavy = DecodeCost(0.06, 0.001, 1e-5), DecodeCost(0.06, 0.004, 1e-5)
+    fit = DecodeFit()
+
+    def beat(i: int, roles: tuple[str, str], cost: DecodeCost) -> list[NodeInfo]:
+        batch = 1 + i % 8
+        ctx = batch * (100 + 97 * (i % 5))  # context per sequence apart from the batch
+        return [NodeInfo(f"n{k}", role, "a:1", "fp", 16, 64, running=batch, running_tokens=ctx, step_s=1.0,
+                         decode_step_s=cost.step_s(batch, ctx), decode_step_running=batch,
+                         decode_step_tokens=ctx, updated_at=float(i)) for k, role in enumerate(roles)]
+
+    for i in range(20):
+        fit.observe(beat(i, ("prefill", "decode"), lean))
+    assert fit.model.step_s(8, 2400) == pytest.approx(lean.step_s(8, 2400), rel=0.02)
+    for i in range(20, 23):  # colocated now, too few heartbeats of its own: the last fit stands
+        fit.observe(beat(i, ("decode", "decode"), heavy))
+    assert fit.model == fit.models[(1, 1)] and (0, 2) not in fit.models
+    for i in range(23, 60):
+        fit.observe(beat(i, ("decode", "decode"), heavy))
+    assert fit.model.step_s(8, 2400) == pytest.approx(heavy.step_s(8, 2400), rel=0.02)
+    assert fit.models[(1, 1)].step_s(8, 2400) == pytest.approx(lean.step_s(8, 2400), rel=0.02)
+    assert [(p, d) for p, d, _ in fit.by_mix()] == [(0, 2), (1, 1)]
+    nodes = beat(60, ("decode", "decode"), heavy)
+    reqs = tuple(RequestSample(990.0 + i, 100, 0, 100, 0.2, 0.08) for i in range(20))
+    s = build_signals(nodes, reqs, CostBook(), fit.model, {}, 64, now=1000.0, window_s=30.0,
+                      decode_by_mix=fit.by_mix())
+    assert s.decode_for(1, 1) == fit.models[(1, 1)] and s.decode_for(0, 2) == s.decode == fit.model
+    assert s.decode_for(2, 1) == s.decode  # never ran
+    one = estimate(Layout(1, 1, 0), s)
+    alone = estimate(Layout(1, 1, 0), replace(s, decode_by_mix=()))  # priced at the colocated fit
+    assert one.decode_util < alone.decode_util
 
 
 def test_build_signals_from_the_routers_view():
@@ -273,7 +314,7 @@ def test_decode_fit_prefers_a_nodes_best_steps_to_its_average():
     """A colocated node's average step carries the prompt chunks it prefilled; the planner counts
     those apart, so the fit takes the node's best recent step at that batch where known."""
     from kv_index.nodes import NodeInfo
-    from router.planner.signals import DecodeFit
+    from router.planner.decode_fit import DecodeFit
 
     fit = DecodeFit()
     for i in range(20):
@@ -288,7 +329,7 @@ def test_decode_fit_takes_the_nodes_decode_only_step_over_its_best():
     """On a colocated node the large batches come while a document prefills, so even its best
     steps at those batches carry chunks; the decode-only average the node reports does not."""
     from kv_index.nodes import NodeInfo
-    from router.planner.signals import DecodeFit
+    from router.planner.decode_fit import DecodeFit
 
     fit, best_only, at_heartbeat = DecodeFit(), DecodeFit(), DecodeFit()
     for i in range(20):
@@ -346,7 +387,7 @@ def test_decode_fit_anchored_on_the_unloaded_tpot_pins_the_fixed_part():
     """Heartbeats at two batch sizes leave the line's intercept free (the elastic benchmark's
     fit: a fixed part under 10 ms in a quarter of its rounds, over 300 ms in a twelfth); the
     TPOT measured alone, a step at batch 1, pins it."""
-    from router.planner.signals import DecodeFit
+    from router.planner.decode_fit import DecodeFit
 
     true = DecodeCost(0.1, 0.008, 1e-5)
     free_errors = []
@@ -365,7 +406,7 @@ def test_decode_fit_keeps_its_costs_nonnegative_without_inflating_the_other():
     """A free fit that makes the per-token cost negative inflates the per-sequence one to match;
     clamping the negative one afterwards kept the inflated one (a step at batch 8 predicted at
     twice what it was). The fit over the terms that stay >= 0 matches the data instead."""
-    from router.planner.signals import DecodeFit
+    from router.planner.decode_fit import DecodeFit
 
     true = DecodeCost(0.1, 0.008, 1e-5)
     for seed in range(8):
@@ -378,7 +419,7 @@ def test_decode_fit_keeps_its_costs_nonnegative_without_inflating_the_other():
 
 
 def test_nonnegative_fit_drops_the_term_the_free_solution_makes_negative():
-    from router.planner.signals import nonnegative_fit
+    from router.planner.decode_fit import nonnegative_fit
 
     # y = 1 + 2 x1 exactly, at points where x2 = x1 + small noise: the free fit is exact too,
     # but data generated with a slightly negative x2 effect must come back with x2 = 0.
@@ -506,7 +547,9 @@ def test_a_recorded_round_reads_back_as_the_same_signals_and_decision(tmp_path):
 
     path = str(tmp_path / "rounds.jsonl")
     rec = RoundRecorder(path)
+    by_mix = ((0, 2, DecodeCost(0.02, 0.004, 1e-8, ((1, 40.6), (4, 63.6), (8, 70.0)))), (1, 1, DECODE))
     series = [signals(0.4, 0.45, threshold=2048, seed=i, at=1000.0 + 5 * i) for i in range(3)]
+    series[1] = replace(series[1], decode_by_mix=by_mix)
     cfg = PlannerConfig(confirm_rounds=1)
     decisions = [decide(s, PlannerState(), cfg) for s in series]
     for s, d in zip(series, decisions):

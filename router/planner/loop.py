@@ -24,8 +24,9 @@ from kv_index.pool_targets import PoolTargets
 from kv_index.roles import RoleStore
 from router.planner.config import PlannerConfig
 from router.planner.decide import Decision, PlannerState, decide
+from router.planner.decode_fit import DecodeFit
 from router.planner.record import RoundRecorder
-from router.planner.signals import DecodeFit, PlannerSignals, build_signals
+from router.planner.signals import PlannerSignals, build_signals
 from telemetry import tracing
 from telemetry.log_limit import RateLimitedLog
 
@@ -183,7 +184,7 @@ def router_planner(config: PlannerConfig, client, namespace: str, refresher, cos
                              offered_rps=orchestrator.window.offered_rps(
                                  now, config.window_s, since=started, burst_s=min(config.burst_window_s,
                                                                                   config.window_s / 2)),
-                             unloaded_tpot_s=unloaded_tpot_s)
+                             unloaded_tpot_s=unloaded_tpot_s, decode_by_mix=decode_fit.by_mix())
 
     holder = f"router@{socket.gethostname()}:{os.getpid()}/{uuid.uuid4().hex[:6]}"
     return PlannerLoop(config, PlanStore(client, namespace), RoleStore(client, namespace),

@@ -43,7 +43,9 @@ curve (``DecodeCost.matmul``: on CPU the BLAS kernels jump at some batch sizes; 
 matmul_curve.py). The formulas above are linear in the batch, so each layout runs the line
 through batch 1 and the batch it would itself run at (``operating_cost``: ``B = a tpot`` by
 Little, ``tpot`` the line's at ``B``, by bisection): a colocated layout at batch 3 and 1P+1D
-at batch 10 are each priced on their own stretch of the curve.
+at batch 10 are each priced on their own stretch of the curve. And each layout runs the fit
+measured while the cluster ran its role mix, where it ran it (``PlannerSignals.decode_for``;
+router/planner/decode_fit.py says why), else the current one's.
 
 Predicted goodput = ``lam`` x the mean probability of meeting both; a pool at or past full
 utilization meets nothing. With an SLO band (``PlannerConfig.slo_band``) the probability is the
@@ -260,7 +262,7 @@ def estimate(layout: Layout, s: PlannerSignals, ttft_slo_factor: float = 5.0,
     out = sum(r.output_tokens for r in reqs) / n
     ctx = sum(r.prompt_tokens + r.output_tokens / 2 for r in reqs) / n
     a = lam * out / layout.decode
-    d = operating_cost(s.decode, a, ctx, rho_l, calibration)
+    d = operating_cost(s.decode_for(layout.prefill, layout.decode), a, ctx, rho_l, calibration)
     u_dec = calibration.decode_work_scale * a * (d.per_seq_s + d.per_ctx_token_s * ctx)
     u_d = rho_l + u_dec
     k_tpot, k_ttft = calibration.tpot_scale, calibration.ttft_scale

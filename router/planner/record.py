@@ -42,7 +42,9 @@ def signals_from_json(data: dict) -> PlannerSignals:
         reqs = tuple(RequestSample(**_known(RequestSample, r)) for r in data["requests"])
         top = _known(PlannerSignals, data)
         top.update(nodes=nodes, requests=reqs, prefill=PrefillCost(**_known(PrefillCost, data["prefill"])),
-                   decode=DecodeCost(**_known(DecodeCost, data["decode"])))
+                   decode=DecodeCost(**_known(DecodeCost, data["decode"])),
+                   decode_by_mix=tuple((int(p), int(d), DecodeCost(**_known(DecodeCost, c)))
+                                       for p, d, c in data.get("decode_by_mix", ())))
         return PlannerSignals(**top)
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"not a planner round's signals: {e!r}") from None

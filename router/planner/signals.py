@@ -13,10 +13,9 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from kv_index.matmul_curve import MatmulCurve, curve_s
 from kv_index.nodes import NodeInfo, Role
 from router.admission import SLO_CLASSES
-from router.cost_model import CostBook, DecodeCost, OnlineFit, PrefillCost, solve
+from router.cost_model import CostBook, DecodeCost, PrefillCost
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +59,7 @@ class PlannerSignals:
     nodes: tuple[NodeSignal, ...]
     requests: tuple[RequestSample, ...]
     prefill: PrefillCost = PrefillCost()  # the cluster's typical node (pooled fit)
-    decode: DecodeCost = DecodeCost()  # fitted from the decode nodes' heartbeats
+    decode: DecodeCost = DecodeCost()  # fitted from the decode nodes' heartbeats, in the role mix running now
     transfer_fixed_s: float = 0.0
     transfer_s_per_token: float = 0.0
     short_prompt_tokens: int = 64  # the threshold in force
@@ -69,6 +68,16 @@ class PlannerSignals:
     # The TPOT of a request that had a decode node to itself, as measured (RequestWindow.unloaded_tpot_s);
     # 0: unknown (the decode fit's step at batch 1 stands in).
     unloaded_tpot_s: float = 0.0
+    # (prefill nodes, decode nodes, the decode fit measured while the cluster ran that mix), for
+    # every mix it ran (router/planner/decode_fit.py): a layout is priced at its own mix's fit.
+    decode_by_mix: tuple[tuple[int, int, DecodeCost], ...] = ()
+
+    def decode_for(self, prefill: int, decode: int) -> DecodeCost:
+        """The decode fit measured on this role mix, or the current one where it never ran."""
+        for p, d, cost in self.decode_by_mix:
+            if (p, d) == (prefill, decode):
+                return cost
+        return self.decode
 
     @property
     def rate_rps(self) -> float:
@@ -239,112 +248,11 @@ def burst_rate(arrivals: Iterable[float], now: float, start: float, burst_s: flo
     return None
 
 
-# Heartbeats (with a running batch) before a node's own figures replace the prior: a CPU node's
-# step is 5x the prior's, and a prior pinned beside the data would tilt the fit toward itself.
-MIN_HEARTBEATS = 8
-
-
-# The anchor's weight beside the heartbeats: as much as all of them together (their forgotten
-# weight). Less, and a fit through loaded steps alone still puts the fixed part anywhere.
-ANCHOR_WEIGHT = 1.0
-
-
-class DecodeFit:
-    """A decode step's cost (``DecodeCost``) fitted from the decode nodes' heartbeats (their step
-    time at their running batch and context): least squares over an exponentially forgotten window, the
-    prior until ``MIN_HEARTBEATS`` came. ``CostBook.decode`` is a prior only: the router's
-    placement reads it for the TBT check; the planner needs the nodes' real speed. A direction
-    the heartbeats leave open (every step at one batch size) gets 0 (``solve``).
-
-    Anchored on the unloaded TPOT where the router measured one (``observe``'s
-    ``unloaded_tpot_s``): a step at batch 1 and the nodes' mean context per sequence, weighted
-    as much as the heartbeats. Why: heartbeats come at a few batch sizes whose context grows
-    with them, so a line through them leaves its intercept nearly free; over the elastic
-    benchmark's 1,186 recorded rounds the fitted fixed part fell under 10 ms in 313 and rose
-    over 300 ms in 98 (the unloaded step: ~117 ms), and the model's TPOT is that fixed part over
-    the load. A step measured alone pins it where it is."""
-
-    def __init__(self, prior: DecodeCost = DecodeCost(), forget: float = 0.98) -> None:
-        self._fit = OnlineFit(3, forget)
-        self._seen: dict[str, float] = {}  # node id -> the heartbeat (updated_at) last taken
-        self._ctx = OnlineFit(1, forget)  # the mean context per running sequence (forgotten alike)
-        self._curve: MatmulCurve = ()  # the decode nodes' matmul curve (the last one registered)
-        self.model = prior
-
-    def observe(self, nodes: Iterable[NodeInfo], unloaded_tpot_s: float = 0.0) -> None:
-        for n in nodes:
-            if n.role != Role.DECODE or n.step_s <= 0 or n.running < 1 or self._seen.get(n.node_id) == n.updated_at:
-                continue
-            self._seen[n.node_id] = n.updated_at
-            # Its decode-only average with the batch and context those steps ran, where it
-            # reports them (node/step_time.py), else its best recent step at this batch
-            # (router/step_history.py): a decode node's average step also carries the chunks
-            # of prompts it prefilled itself, which the model counts apart (rho_l). The best
-            # step was not enough: on a colocated node the large batches come while a document
-            # prefills, so their best steps carry chunks too, and the fit's cost per sequence
-            # came out ~1.5x the disaggregated decode node's (9-10 ms against 6-6.5 in the
-            # elastic benchmark's recordings), which made the planner running colocated predict
-            # 1P+1D's one decode node saturated (router/planner/evaluate.py). The decode-only
-            # figures narrowed it less than hoped: 10.4-11.3 ms against 5.9-7.3 (benchmarks.md).
-            if n.decode_step_s > 0 and n.decode_step_running >= 1:
-                step, batch, context = n.decode_step_s, n.decode_step_running, n.decode_step_tokens
-            else:
-                step = n.step_best_s if 0 < n.step_best_s < n.step_s else n.step_s
-                batch, context = n.running, n.running_tokens
-            # The line fits what the node's matmuls leave (its registered curve; kv_index/
-            # matmul_curve.py): they jump at some batches, and a line through a colocated
-            # node's small batches, where the jump is, priced a sequence 1.5-2x what a decode
-            # node's larger ones did (benchmarks.md).
-            if n.matmul_ms:
-                self._curve = n.matmul_ms
-            self._fit.add(_decode_features(batch, context), step - curve_s(n.matmul_ms, batch))
-            self._ctx.add((1.0,), context / batch)
-        if self._fit.n >= MIN_HEARTBEATS:
-            c = self._solve(unloaded_tpot_s)
-            self.model = DecodeCost(max(c[0], 1e-4), max(c[1], 0.0) / 1e2, max(c[2], 0.0) / 1e6, self._curve)
-
-    def _solve(self, unloaded_tpot_s: float) -> list[float]:
-        A, b = self._fit.A, self._fit.b
-        if unloaded_tpot_s > 0:
-            x = _decode_features(1, round(self._ctx.coef()[0]))
-            w = ANCHOR_WEIGHT * A[0][0]  # A[0][0]: the heartbeats' forgotten weight (feature 0 is 1)
-            y = unloaded_tpot_s - curve_s(self._curve, 1)
-            A = [[A[i][j] + w * x[i] * x[j] for j in range(3)] for i in range(3)]
-            b = [b[i] + w * x[i] * y for i in range(3)]
-        return nonnegative_fit(A, b)
-
-
-def nonnegative_fit(A: list[list[float]], b: list[float]) -> list[float]:
-    """Least squares from the normal equations ``A c = b`` with the per-sequence and per-token
-    costs (``c[1:]``) kept >= 0: the best of the fits over each subset of those terms (the
-    others held at 0). Why not clamp the free solution: batch and context grow together in the
-    heartbeats, so the free fit often trades a negative cost on one for an inflated one on the
-    other, and zeroing the negative one after the fact leaves the inflated one in (a step at
-    batch 8 predicted at twice what it was measured)."""
-    n = len(b)
-    best, best_sse = [0.0] * n, float("inf")
-    for mask in range(1 << (n - 1)):
-        keep = [0] + [i for i in range(1, n) if mask >> (i - 1) & 1]
-        sub = solve([[A[i][j] for j in keep] for i in keep], [b[i] for i in keep])
-        c = [0.0] * n
-        for i, v in zip(keep, sub):
-            c[i] = v
-        if any(v < 0 for v in c[1:]):
-            continue
-        sse = sum(c[i] * A[i][j] * c[j] for i in range(n) for j in range(n)) - 2 * sum(b[i] * c[i] for i in range(n))
-        if sse < best_sse:
-            best, best_sse = c, sse
-    return best
-
-
-def _decode_features(batch: int, ctx: int) -> tuple[float, float, float]:
-    return 1.0, batch / 1e2, ctx / 1e6  # scaled: the normal equations stay well conditioned
-
-
 def build_signals(nodes: Iterable[NodeInfo], requests: tuple[RequestSample, ...], costs: CostBook,
                   decode: DecodeCost, backlog_s: Mapping[str, float], short_prompt_tokens: int,
                   now: float, window_s: float, draining: int = 0, observed_since: float | None = None,
-                  offered_rps: float = 0.0, unloaded_tpot_s: float = 0.0) -> PlannerSignals:
+                  offered_rps: float = 0.0, unloaded_tpot_s: float = 0.0,
+                  decode_by_mix: tuple[tuple[int, int, DecodeCost], ...] = ()) -> PlannerSignals:
     """One round's signals from the router's view (``nodes``: live, not draining; ``draining``:
     how many registered nodes it left out), its finished requests since ``now - window_s``, its
     cost book and its ledger of prefill work. ``observed_since``: when the router began to
@@ -369,4 +277,4 @@ def build_signals(nodes: Iterable[NodeInfo], requests: tuple[RequestSample, ...]
         prefill=costs.reference_prefill(), decode=decode, transfer_fixed_s=xfer.fixed_s,
         transfer_s_per_token=costs.kv_bytes_per_token / xfer.bandwidth if xfer.bandwidth > 0 else 0.0,
         short_prompt_tokens=short_prompt_tokens, draining=draining, offered_rps=offered_rps,
-        unloaded_tpot_s=unloaded_tpot_s)
+        unloaded_tpot_s=unloaded_tpot_s, decode_by_mix=decode_by_mix)
