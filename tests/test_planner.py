@@ -844,3 +844,17 @@ def test_a_layout_predicted_saturated_that_measures_fine_is_not_left():
         moved = decide(overload, PlannerState(), cfg)
         assert moved.action == SWITCH_ROLES and moved.layout == Layout(0, 2, moved.layout.threshold)
         assert moved.figures["measured_current_attainment"] < 0.6
+
+
+def test_no_role_switch_until_the_layout_measured_enough_since_the_last_action():
+    """A threshold change resets what the current layout measured; a role switch waits for
+    ``calibration_min_samples`` finished requests after it (the recorded runs switched 1P+1D to
+    colocated on 2-7 of them, uncalibrated)."""
+    s = signals(0.1, 0.6)  # chat-heavy on 1P+1D: colocated wins (test_chat_heavy_goes_colocated)
+    cfg = PlannerConfig(confirm_rounds=1, cooldown_s=1.0)
+    just_set = decide(s, PlannerState(last_action_at=s.at - 5.0), cfg)  # ~3 finished since
+    assert (just_set.action, just_set.reason) == (HOLD, "calibrating"), just_set.detail
+    assert just_set.figures["measured_current_requests"] < cfg.calibration_min_samples
+    assert "2 colocated" in just_set.detail and "needed before a role switch" in just_set.detail
+    later = decide(s, PlannerState(last_action_at=s.at - 30.0), cfg)
+    assert (later.action, later.reason) == (SWITCH_ROLES, "decode_bound")

@@ -24,6 +24,8 @@ Why it does not flap:
   saturated layouts predict alike and their load estimates swing round to round, so the model
   alone sends the planner back and forth (the held-out elastic run of 2026-12-02: three
   switches in 60 s at 40% documents); what each measured breaks the tie;
+- no role switch on an uncalibrated model: the current layout must have measured
+  ``calibration_min_samples`` finished requests since the last action (``calibrating``);
 - no move from a layout that measures fine: one predicted past saturation whose window's
   requests (``calibration_min_samples`` or more measured since the last action) met their
   SLOs for ``1 - switch_margin`` of them is held (``measured_unsaturated``): the model is off.
@@ -190,6 +192,13 @@ def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decisi
     detail = f"{current} -> {target.layout}: predicted {_fig(cur)} -> {_fig(target)}"
     if action == SWITCH_ROLES and (back := _revisit(state, target.layout, s.at, cfg, here_att, here_n)):
         return hold("revisit", f"{detail}; {back}", figures, replace(state, pending=None, pending_rounds=0))
+    if action == SWITCH_ROLES and here_n < cfg.calibration_min_samples:
+        # Not on an uncalibrated model: in the elastic benchmark's recordings 7 of 39 role
+        # switches came within seconds of a threshold change, on 2-7 requests measured since,
+        # all from 1P+1D to colocated, the calibration not yet applying (seeds 4 and 5).
+        return hold("calibrating", f"{detail}; {here_n} requests measured since the last action, "
+                    f"{cfg.calibration_min_samples} needed before a role switch", figures,
+                    replace(state, pending=None, pending_rounds=0))
     rounds = state.pending_rounds + 1 if state.pending == target.layout else 1
     nxt = replace(state, pending=target.layout, pending_rounds=rounds)
     if rounds < cfg.confirm_rounds:
