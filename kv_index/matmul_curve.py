@@ -44,6 +44,6 @@ def curve_s(curve: MatmulCurve, batch: float) -> float:
         return 0.0
     if len(curve) == 1 or batch <= curve[0][0]:
         return curve[0][1] / 1e3
-    i = min(max(bisect.bisect_left([r for r, _ in curve], batch), 1), len(curve) - 1)
+    i = min(max(bisect.bisect_left(curve, batch, key=lambda p: p[0]), 1), len(curve) - 1)
     (x0, y0), (x1, y1) = curve[i - 1], curve[i]
     return max(0.0, y0 + (y1 - y0) * (batch - x0) / (x1 - x0)) / 1e3

@@ -105,10 +105,10 @@ class DecodeCost:
         in the batch (router/planner/model.py) runs at a node whose batch is ``batch``."""
         if not self.matmul:
             return self
-        lo, hi = (1.0, max(batch, 1.0)) if batch > 1 else (1.0, 2.0)
-        slope = (curve_s(self.matmul, hi) - curve_s(self.matmul, lo)) / (hi - lo)
-        return DecodeCost(max(self.fixed_s + curve_s(self.matmul, 1.0) - slope, 1e-4), self.per_seq_s + slope,
-                          self.per_ctx_token_s)
+        hi = batch if batch > 1 else 2.0
+        at_1 = curve_s(self.matmul, 1.0)
+        slope = (curve_s(self.matmul, hi) - at_1) / (hi - 1.0)
+        return DecodeCost(max(self.fixed_s + at_1 - slope, 1e-4), self.per_seq_s + slope, self.per_ctx_token_s)
 
 
 class OnlineFit:

@@ -223,8 +223,10 @@ def operating_cost(d: DecodeCost, a: float, ctx: float, rho_l: float, calibratio
         return a * calibration.tpot_scale * e.fixed_s / (1 - u) if u < 1 else math.inf
 
     lo, hi = 1.0, float(MAX_BATCH)
-    if batch(lo) <= lo or batch(hi) > hi:
-        return d.secant(lo if batch(lo) <= lo else hi)
+    if batch(lo) <= lo:  # under one sequence on average
+        return d.secant(lo)
+    if batch(hi) > hi:  # even the largest batch falls behind
+        return d.secant(hi)
     for _ in range(40):  # batch(lo) > lo, batch(hi) <= hi: a fixed point between
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if batch(mid) > mid else (lo, mid)
