@@ -24,6 +24,12 @@ Why it does not flap:
   saturated layouts predict alike and their load estimates swing round to round, so the model
   alone sends the planner back and forth (the held-out elastic run of 2026-12-02: three
   switches in 60 s at 40% documents); what each measured breaks the tie;
+- back on measured evidence: within those windows, a role switch whose new layout measured
+  ``switch_margin`` less of its requests within their SLOs than the layout it left had, under a
+  load not clearly heavier (requests and prompt tokens per second, ``PlannerSignals.offered_since``), is
+  undone whatever the model predicts (``measured_worse``, ``_rollback``). The held-out seed-6 run
+  of 2026-12-03 switched 1P+1D (83% measured) to colocated at 40% documents, measured 62-69%
+  there under the same load, and stayed 140 s on the model's ``no_gain``;
 - no role switch on an uncalibrated model: the current layout must have measured
   ``calibration_min_samples`` finished requests since the last action (``calibrating``);
 - no move from a layout that measures fine: one predicted past saturation whose window's
@@ -60,10 +66,18 @@ class PlannerState:
     left: tuple[int, int] | None = None
     left_at: float | None = None
     left_attainment: float | None = None
+    # The load it measured that under: (requests, prompt tokens) per second since the action before.
+    left_load: tuple[float, float] | None = None
 
 
 # Windows after a role switch during which the layout it left needs measured evidence to return.
 REVISIT_WINDOWS = 2.0
+# How much heavier the load since a role switch may be than before it for the switch to be
+# undone on what the two layouts measured (``_rollback``). Not ``switch_margin``: the 15-20
+# requests a window holds after a switch count a document more or less by chance, and one
+# document of 768-1024 tokens moves their prompt tokens per second by ~20% (the seed-6 run's
+# switch: 166 before, 190-215 after, the same 40%-documents mix at the same rate).
+ROLLBACK_LOAD_TOLERANCE = 0.3
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,10 +152,7 @@ def calibration(s: PlannerSignals, cfg: PlannerConfig, since: float | None) -> C
 def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decision:
     """One round: hold, or move toward the layout with the most predicted goodput."""
     current = current_layout(s)
-    base = {"rate_rps": round(s.rate_rps, 4), "requests": len(s.requests), "long_share": round(s.long_share(), 4),
-            "prefill_nodes": current.prefill, "decode_nodes": current.decode,
-            **{f"measured_attainment_{c}": round(v, 4) for c, v in measured_attainment(s.requests).items()},
-            **{f"{r.value}_{k}": round(v, 4) for r in Role for k, v in s.pool(r).items() if k != "nodes"}}
+    base = _base_figures(s, current)
 
     def hold(reason: str, detail: str, figures: dict, st: PlannerState = state) -> Decision:
         return Decision(HOLD, reason, detail, current, current.threshold, figures=figures, state=st)
@@ -163,13 +174,16 @@ def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decisi
     target, action, reason = here, None, None
     if cfg.resizes:
         target, action, reason = j.resized(here)
-    figures = {**base, **cur.figures("current"), **target.figures("target")}
-    cost = j.cost(target) if action is None else SwitchCost()
-    gain = j.gain(target, cost)
-    figures.update(predicted_gain=round(gain, 4), predicted_drain_s=round(cost.drain_s, 3))
     here_att, here_n = measured_share(s, cfg.ttft_slo_factor, cfg.tpot_slo_factor, since=state.last_action_at,
                                      band=cfg.slo_band)
-    figures.update(measured_current_attainment=round(here_att, 4), measured_current_requests=here_n)
+    undo_why = _rollback(state, s, cfg, current, here_att, here_n) if action is None else ""
+    if undo_why and (undo := j.best_of(state.left)) is not None:
+        target, action, reason = undo, SWITCH_ROLES, "measured_worse"
+    figures = {**base, **cur.figures("current"), **target.figures("target")}
+    cost = j.cost(target) if action in (None, SWITCH_ROLES) else SwitchCost()
+    gain = j.gain(target, cost)
+    figures.update(predicted_gain=round(gain, 4), predicted_drain_s=round(cost.drain_s, 3),
+                   measured_current_attainment=round(here_att, 4), measured_current_requests=here_n)
     if action is None:
         if target.layout == current:
             note, extra = j.steady_note()
@@ -189,7 +203,7 @@ def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decisi
         else:
             action = SWITCH_ROLES
             reason = "prefill_bound" if target.layout.prefill > current.prefill else "decode_bound"
-    detail = f"{current} -> {target.layout}: predicted {_fig(cur)} -> {_fig(target)}"
+    detail = f"{current} -> {target.layout}: predicted {_fig(cur)} -> {_fig(target)}" + (f"; {undo_why}" if undo_why else "")
     if action == SWITCH_ROLES and (back := _revisit(state, target.layout, s.at, cfg, here_att, here_n)):
         return hold("revisit", f"{detail}; {back}", figures, replace(state, pending=None, pending_rounds=0))
     if action == SWITCH_ROLES and here_n < cfg.calibration_min_samples:
@@ -211,10 +225,19 @@ def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decisi
     nxt = replace(state, last_action_at=s.at, pending=None, pending_rounds=0)
     if action == SWITCH_ROLES:
         nxt = replace(nxt, left=(current.prefill, current.decode), left_at=s.at,
-                      left_attainment=here_att if here_n >= cfg.calibration_min_samples else None)
+                      left_attainment=here_att if here_n >= cfg.calibration_min_samples else None,
+                      left_load=s.offered_since(state.last_action_at))
     return Decision(action, reason, detail, target.layout, target.layout.threshold,
                     roles=role_changes(s.nodes, target.layout), pool_targets=targets, figures=figures,
                     state=nxt)
+
+
+def _base_figures(s: PlannerSignals, current: Layout) -> dict[str, float]:
+    """The round's load, mix and pools as every decision reports them."""
+    return {"rate_rps": round(s.rate_rps, 4), "requests": len(s.requests), "long_share": round(s.long_share(), 4),
+            "prefill_nodes": current.prefill, "decode_nodes": current.decode,
+            **{f"measured_attainment_{c}": round(v, 4) for c, v in measured_attainment(s.requests).items()},
+            **{f"{r.value}_{k}": round(v, 4) for r in Role for k, v in s.pool(r).items() if k != "nodes"}}
 
 
 def _measured_unsaturated(cur: LayoutEstimate, cal: Calibration, here_att: float, cfg: PlannerConfig) -> bool:
@@ -256,6 +279,11 @@ class _Judge:
 
     def candidates(self, nodes: int) -> list[LayoutEstimate]:
         return [self.of(lay) for lay in layouts(nodes, self.cfg, self.current.threshold)]
+
+    def best_of(self, mix: tuple[int, int]) -> LayoutEstimate | None:
+        """The best layout of this role mix (its threshold the model's pick); None out of bounds."""
+        of_mix = [e for e in self.candidates(self.current.nodes) if (e.layout.prefill, e.layout.decode) == mix]
+        return best(of_mix, self.current, self.value) if of_mix else None
 
     def best_here(self) -> LayoutEstimate:
         return best(self.candidates(self.current.nodes) or [self.cur], self.current, self.value)
@@ -323,6 +351,28 @@ def _revisit(state: PlannerState, target: Layout, now: float, cfg: PlannerConfig
     if here_att >= state.left_attainment:
         return f"left {ago:.0f} s ago at {state.left_attainment:.0%} measured, now {here_att:.0%}: no better"
     return ""
+
+
+def _rollback(state: PlannerState, s: PlannerSignals, cfg: PlannerConfig, current: Layout, here_att: float,
+              here_n: int) -> str:
+    """Why to undo the last role switch (module docstring; '' not to): within ``REVISIT_WINDOWS``
+    windows of it, the layout it moved to measured ``switch_margin`` less of its requests within
+    their SLOs than the one it left had, under a load at most ``ROLLBACK_LOAD_TOLERANCE`` heavier
+    (requests and prompt tokens per second). A heavier load
+    (the next, document-heavier mix; a burst) explains a worse share without the layout."""
+    if state.left is None or state.left_at is None or state.left_attainment is None or state.left_load is None:
+        return ""
+    if state.left == (current.prefill, current.decode) or s.at - state.left_at >= REVISIT_WINDOWS * cfg.window_s:
+        return ""
+    if here_n < cfg.calibration_min_samples or here_att >= state.left_attainment - cfg.switch_margin:
+        return ""
+    rps, tps = s.offered_since(state.left_at)
+    left_rps, left_tps = state.left_load
+    if rps > left_rps * (1 + ROLLBACK_LOAD_TOLERANCE) or tps > left_tps * (1 + ROLLBACK_LOAD_TOLERANCE):
+        return ""
+    return (f"measured {here_att:.0%} over {here_n} requests since the switch {s.at - state.left_at:.0f} s ago, "
+            f"against {state.left_attainment:.0%} before it, at {rps:.2f} req/s and {tps:.0f} prompt tokens/s "
+            f"(then {left_rps:.2f} and {left_tps:.0f})")
 
 
 def _fig(e: LayoutEstimate) -> str:

@@ -103,6 +103,17 @@ class PlannerSignals:
             return 0.0
         return sum(r.uncached >= self.short_prompt_tokens for r in self.requests) / len(self.requests)
 
+    def offered_since(self, since: float | None) -> tuple[float, float]:
+        """(requests, prompt tokens) per second over the window's requests since ``since`` (all
+        of them when None), finished or in flight: the load two layouts measured under, compared
+        before the attainments they measured are (decide.py, ``_rollback``). Prompt tokens, not
+        uncached ones: what the cache saves depends on the layout."""
+        span = self.span_s if since is None else min(self.span_s, self.at - since)
+        if span <= 0:
+            return 0.0, 0.0
+        mine = [r for r in self.requests if since is None or r.at >= since]
+        return len(mine) / span, sum(r.prompt_tokens for r in mine) / span
+
 
 def measured_attainment(requests: Iterable[RequestSample]) -> dict[str, float]:
     """Per SLO class, the share of finished requests that met its TTFT budget and TBT."""
