@@ -148,7 +148,7 @@ def cluster_config_from_args(a: argparse.Namespace):
         decode_progress_ceiling_s=a.decode_progress_ceiling_s, prefill_deadline_factor=a.prefill_deadline_factor,
         prefill_deadline_floor_s=a.prefill_deadline_floor_s,
         max_step_failures=a.max_step_failures, max_start_failures=a.max_start_failures,
-        prefix_fetch=a.prefix_fetch,
+        prefix_fetch=a.prefix_fetch, prefill_step_tokens=a.prefill_step_tokens,
         **{f: getattr(a, f) for f in PLANNER_FIELDS},
         **dict(zip(("prefill_tensor_parallel", "decode_tensor_parallel"), tensor_parallel_sizes(a))),
     )
@@ -308,9 +308,9 @@ def add_up_arguments(u: argparse.ArgumentParser) -> None:
     u.add_argument("--no-prefix-fetch", dest="prefix_fetch", action="store_false",
                    help="never have a prefill node fetch a prefix another node holds; it computes what it lacks")
     u.add_argument("--node-threads", type=int, default=1, help="torch threads per node (per rank with tensor parallelism)")
-    from deploy.nodes import add_tensor_parallel_arguments
+    from deploy.nodes import add_per_role_arguments
 
-    add_tensor_parallel_arguments(u)
+    add_per_role_arguments(u)
     u.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
                    help="on Ctrl-C / SIGTERM, seconds to finish in-flight requests (new ones refused) before stopping")
     u.add_argument("--demo", default=None, metavar="PROMPT",

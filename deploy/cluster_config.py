@@ -54,6 +54,9 @@ class ClusterConfig:
     # Ranks of each node's engine by role (NodeConfig.tensor_parallel): CPU processes here.
     prefill_tensor_parallel: int = 1
     decode_tensor_parallel: int = 1
+    # The engine's step budget while a node prefills for others (NodeConfig.prefill_step_tokens;
+    # None: engine.scheduler.max_num_batched_tokens, as in the decode role).
+    prefill_step_tokens: int | None = None
 
     # The router's planner (router/planner/config.py): off, advisory (reports only) or active;
     # its round and cool-down; the pool bounds it keeps (max None: the nodes started).
@@ -93,6 +96,8 @@ class ClusterConfig:
         if min(self.prefill_tensor_parallel, self.decode_tensor_parallel) < 1:
             raise ValueError(f"tensor parallel sizes must be >= 1, got prefill {self.prefill_tensor_parallel}, "
                              f"decode {self.decode_tensor_parallel}")
+        if self.prefill_step_tokens is not None and self.prefill_step_tokens < 1:
+            raise ValueError(f"prefill_step_tokens must be >= 1 or None, got {self.prefill_step_tokens}")
         if self.max_step_failures < 0 or self.max_start_failures < 1:
             raise ValueError(f"need max_step_failures >= 0 and max_start_failures >= 1, got "
                              f"{self.max_step_failures} and {self.max_start_failures}")

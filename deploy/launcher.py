@@ -120,7 +120,8 @@ class LocalCluster:
                                 served_model_name=cfg.engine.model, drain_timeout_s=cfg.drain_timeout_s,
                                 max_step_failures=cfg.max_step_failures, max_start_failures=cfg.max_start_failures,
                                 prefill_tensor_parallel=cfg.prefill_tensor_parallel,
-                                decode_tensor_parallel=cfg.decode_tensor_parallel, **self._member_tls())
+                                decode_tensor_parallel=cfg.decode_tensor_parallel,
+                                prefill_step_tokens=cfg.prefill_step_tokens, **self._member_tls())
         self._forget_node_health()
         cores = sorted(os.sched_getaffinity(0))
         self._spawn_nodes(template, cores)

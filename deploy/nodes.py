@@ -96,6 +96,7 @@ class NodeTemplate:
     # crosses with all its heads, docs/cluster.md).
     prefill_tensor_parallel: int = 1
     decode_tensor_parallel: int = 1
+    prefill_step_tokens: int | None = None  # the prefill role's step budget (NodeConfig.prefill_step_tokens)
     lease_s: float = 3.0
     redis_connect_timeout_s: float = 1.0  # NodeConfig's Redis bounds (kv_index/client.py)
     redis_timeout_s: float = 5.0
@@ -129,7 +130,7 @@ class NodeTemplate:
                           tls_key_file=self.tls_key_file, tls_ca_file=self.tls_ca_file,
                           tls_server_name=self.tls_server_name, drain_timeout_s=self.drain_timeout_s,
                           max_step_failures=self.max_step_failures, max_start_failures=self.max_start_failures,
-                          tensor_parallel=self.prefill_tensor_parallel if role is Role.PREFILL
+                          prefill_step_tokens=self.prefill_step_tokens, tensor_parallel=self.prefill_tensor_parallel if role is Role.PREFILL
                           else self.decode_tensor_parallel, **fields)
 
 
@@ -324,7 +325,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dist", action="store_true",
                    help="nodes also receive KV over torch.distributed process groups on their data port "
                         "(gloo; slower than the raw TCP stream on CPU: docs/cluster.md; off with TLS)")
-    add_tensor_parallel_arguments(p)
+    add_per_role_arguments(p)
     p.add_argument("--no-kv-streaming", dest="kv_streaming", action="store_false",
                    help="prefill nodes push a request's KV once its prefill finished instead of layer by layer "
                         "while it computes")
@@ -373,11 +374,17 @@ def template_from_args(a: argparse.Namespace, engine: EngineConfig, env: Mapping
                         tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file, tls_ca_file=a.tls_ca_file,
                         tls_server_name=a.tls_server_name, drain_timeout_s=a.drain_timeout_s,
                         max_step_failures=a.max_step_failures, max_start_failures=a.max_start_failures,
-                        prefill_tensor_parallel=tp[0], decode_tensor_parallel=tp[1])
+                        prefill_tensor_parallel=tp[0], decode_tensor_parallel=tp[1],
+                        prefill_step_tokens=a.prefill_step_tokens)
 
 
-def add_tensor_parallel_arguments(p: argparse.ArgumentParser) -> None:
-    """``--tensor-parallel`` and its per-role overrides (`pdserve up` and `pdserve nodes`)."""
+def add_per_role_arguments(p: argparse.ArgumentParser) -> None:
+    """What differs between the roles' nodes (`pdserve up` and `pdserve nodes`):
+    ``--tensor-parallel`` and its per-role overrides, and the prefill role's step budget."""
+    p.add_argument("--prefill-step-tokens", type=int, default=None, metavar="N",
+                   help="each engine's per-step token budget while its node prefills for others (default "
+                        "--max-num-batched-tokens, which the decode role keeps: a node that changes role "
+                        "prefills in longer chunks with no decodes to stall)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="ranks of each node's engine (CPU processes, or GPUs with --*-gpu), each holding 1/N of the "
                         "heads; N must divide the model's attention and KV heads")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 from typing import Callable, Iterable, Iterator
 from typing import Sequence as Seq
 
@@ -436,9 +437,22 @@ class LLMEngine(TieredKV):
     def take_kv_events(self) -> list:
         return self.kv.take_events()
 
+    @property
+    def step_tokens(self) -> int:
+        """The per-step token budget in force (decode tokens + prefill chunk tokens)."""
+        return self.scheduler.config.max_num_batched_tokens
+
+    def set_step_tokens(self, tokens: int) -> None:
+        """Change the per-step token budget from the next step on (a node's role sets it:
+        node/config.py ``NodeConfig.step_tokens``). Only the scheduler reads it, once a step."""
+        if tokens < 1:
+            raise ValueError(f"the step budget must be >= 1 token, got {tokens}")
+        self.scheduler.config = replace(self.scheduler.config, max_num_batched_tokens=tokens)
+
     def stats(self) -> dict:
         pool = self.kv.pool
         return {
+            "step_tokens": self.step_tokens,
             "num_blocks": self.num_blocks,
             "free_blocks": self.kv.num_free_blocks,
             "kv_usage": self.kv.usage,

@@ -105,6 +105,14 @@ class NodeConfig:
     # the model's heads (checked when the engine starts, the reason recorded by the node actor).
     # 1 = one process. Not with speculative decoding or KV tiers yet.
     tensor_parallel: int = 1
+    # The engine's per-step token budget while this node serves the prefill role; None = the
+    # engine's own (``engine.scheduler.max_num_batched_tokens``), which every other role runs.
+    # A node whose role may change runs one engine: the decode role's budget stays short so a
+    # prompt chunk beside decodes stalls them little, while a prefill node has no decodes to
+    # stall and prefills faster in longer chunks (SmolLM2-135M on one core of the dev VM: 3.4-3.5
+    # ms a prompt token at 512 against 3.8 at 256). Set on the engine when a role's server is
+    # built (node/server.py), so a live role switch changes it.
+    prefill_step_tokens: int | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -150,6 +158,8 @@ class NodeConfig:
             raise ValueError(f"max_step_failures must be >= 0 (0: never unhealthy), got {self.max_step_failures}")
         if self.max_start_failures < 1:
             raise ValueError(f"max_start_failures must be >= 1, got {self.max_start_failures}")
+        if self.prefill_step_tokens is not None and self.prefill_step_tokens < 1:
+            raise ValueError(f"prefill_step_tokens must be >= 1 or None, got {self.prefill_step_tokens}")
         self._check_tensor_parallel()
         tls = self.tls
         if tls is not None and not tls.mutual:
@@ -169,6 +179,12 @@ class NodeConfig:
         if self.engine.cache.host_cache_mib or self.engine.cache.disk_cache_dir:
             raise ValueError(f"KV tiers (host / disk cache) are not supported with tensor parallelism yet: node "
                              f"{self.node_id} has tensor_parallel={self.tensor_parallel}")
+
+    def step_tokens(self, role: Role) -> int:
+        """The engine's per-step token budget while serving ``role``."""
+        if Role(role) is Role.PREFILL and self.prefill_step_tokens is not None:
+            return self.prefill_step_tokens
+        return self.engine.scheduler.max_num_batched_tokens
 
     @property
     def tls(self) -> TlsFiles | None:

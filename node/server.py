@@ -109,6 +109,9 @@ class NodeServer:
         # (closed by ``stop``) and every rank's KV pool (sends gather from them).
         self.tp = engine if isinstance(engine, TensorParallelEngine) else None
         self.engine = engine.engine if self.tp is not None else engine
+        # The role's step budget (NodeConfig.prefill_step_tokens): a live switch builds this
+        # server once the old role drained, so the old role's work never runs on the new budget.
+        self.engine.set_step_tokens(config.step_tokens(self.role))
         # Before any RPC: the servicers' spans come from the process's provider (one per process,
         # so the first node in it names the service; in a cluster each node is its own process).
         tracing.setup_tracing(f"pdserve-{self.role.value}", config.otlp_endpoint)
@@ -391,6 +394,7 @@ class NodeServer:
         counters = {k: s[k] for k in ("preemptions", "prefix_cache_query_tokens", "prefix_cache_hit_tokens") if k in s}
         return {"node_id": self.config.node_id, "role": self.role.value, "address": self.address,
                 "metrics_address": self.metrics_address, **self._load(), **counters,
+                "step_tokens": self.engine.step_tokens,  # the role's step budget (NodeConfig.step_tokens)
                 "healthy": self.health_reason is None, "health_reason": self.health_reason,
                 "step_failures": self.aengine.num_step_errors if self.aengine is not None else 0,
                 "inflight_calls": self.gate.inflight, "refused_calls": self.gate.num_refused,

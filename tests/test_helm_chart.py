@@ -470,6 +470,7 @@ def test_tensor_parallel_values_reach_the_nodes_and_size_the_gpu_pods():
 
     values = example_values(REPO / "helm" / "examples" / "h100-4p4d.yaml")
     values["prefill"]["tensorParallel"], values.setdefault("decode", {})["tensorParallel"] = 4, 2
+    values["prefill"]["stepTokens"] = 1024
     rc = one(render(values), "RayCluster")
     head = rc["spec"]["headGroupSpec"]["template"]["spec"]
     args = next(c for c in head["containers"] if c["name"] == "pdserve-nodes")["args"]
@@ -477,6 +478,11 @@ def test_tensor_parallel_values_reach_the_nodes_and_size_the_gpu_pods():
     _add_engine_args(p)
     nodes.add_arguments(p)
     assert nodes.tensor_parallel_sizes(p.parse_args(args)) == (4, 2)
+    assert p.parse_args(args).prefill_step_tokens == 1024
+    values["prefill"]["stepTokens"] = None  # unset: no flag, the engine's budget in every role
+    head = one(render(values), "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]
+    args = next(c for c in head["containers"] if c["name"] == "pdserve-nodes")["args"]
+    assert "--prefill-step-tokens" not in args and p.parse_args(args).prefill_step_tokens is None
     for g in rc["spec"]["workerGroupSpecs"]:  # one GPU per rank
         gpu = values[g["groupName"]]["gpu"]
         (c,) = g["template"]["spec"]["containers"]

@@ -209,8 +209,16 @@ def test_prefill_node_turns_decode_and_back_under_live_streams(tiny_dir, tok_dir
     # The default lease (3 s): nothing here waits on a lease running out, and a CI run saw the
     # router refuse requests with "no live decode node" once, which only a lapsed decode-0 lease
     # explains; its index counters are in the failure message below if it happens again.
+    # The prefill role's own step budget (NodeConfig.prefill_step_tokens): 384 tokens a step while
+    # prefill-0 prefills, the engine's 512 while it decodes.
     common = dict(redis_url=redis_url, namespace=ns, lease_s=3.0, heartbeat_s=0.1, load_tokenizer=False,
-                  engine=eng, grpc_workers=THREADS + 8, drain_timeout_s=20.0)
+                  engine=eng, grpc_workers=THREADS + 8, drain_timeout_s=20.0, prefill_step_tokens=384)
+    budget = {Role.PREFILL: 384, Role.DECODE: eng.scheduler.max_num_batched_tokens}
+    assert budget[Role.DECODE] != 384
+
+    def step_tokens(nid: str) -> int | None:
+        return ray.get(actors[nid].stats.remote(), timeout=30).get("step_tokens")
+
     actors = {nid: spawn_node(NodeConfig(node_id=nid, role=role, **common), server_builder(Role(role)), num_cpus=0)
               for nid, role in (("prefill-0", "prefill"), ("decode-0", "decode"))}
     r = redis.Redis.from_url(redis_url)
@@ -229,6 +237,7 @@ def test_prefill_node_turns_decode_and_back_under_live_streams(tiny_dir, tok_dir
         held = {i: reader.match(h, ["prefill-0"])["prefill-0"].blocks for i, h in hashes.items()}
         assert sum(held.values()) > 0
         old_address = ray.get(actors["prefill-0"].address.remote(), timeout=30)
+        assert (step_tokens("prefill-0"), step_tokens("decode-0")) == (budget[Role.PREFILL], budget[Role.DECODE])
 
         metrics_address = reader.live_nodes()["prefill-0"].metrics_address  # kept across switches
         took = []  # (switch, seconds from the wish to the registry's new role, the node's own figure)
@@ -244,6 +253,7 @@ def test_prefill_node_turns_decode_and_back_under_live_streams(tiny_dir, tok_dir
             assert wait_for(lambda: key in switch_metrics(metrics_address), DEADLINE_S, every=0.05)
             took.append((f"{frm}->{to_role}", seconds, switch_metrics(metrics_address)[key]))
             assert wait_for(lambda: load.done >= before + THREADS, DEADLINE_S), load.errors  # served on
+            assert step_tokens("prefill-0") == budget[to_role]
             assert {i: reader.match(h, ["prefill-0"])["prefill-0"].blocks for i, h in hashes.items()} == held
         new_address = ray.get(actors["prefill-0"].address.remote(), timeout=30)
         assert new_address != old_address and reader.live_nodes()["prefill-0"].grpc_address == new_address

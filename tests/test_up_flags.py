@@ -101,6 +101,21 @@ def test_tensor_parallel_flags_reach_each_roles_node_config_and_ray_options():
     template = NodeTemplate(engine=EngineConfig(model="m"), redis_url="redis://x", prefill_tensor_parallel=3)
     prefill, decode = template.config(Role.PREFILL, 0), template.config(Role.DECODE, 0)
     assert (prefill.tensor_parallel, decode.tensor_parallel) == (3, 1)
+    # The prefill role's step budget: from `pdserve up` and `pdserve nodes` to every node's config
+    # (whatever role it starts in: a node that switches to prefill takes it then).
+    cfg = cluster_config_from_args(parse_up("--max-num-batched-tokens", "256", "--prefill-step-tokens", "1024"))
+    assert cfg.prefill_step_tokens == 1024
+    assert nodes.template_from_args(p.parse_args(["--redis-url", "redis://x", "--prefill-step-tokens", "768"]),
+                                    EngineConfig(model="m"), {}).prefill_step_tokens == 768
+    stepped = dataclasses.replace(template, prefill_step_tokens=1024,
+                                  engine=cfg.engine)
+    for role in Role:
+        c = stepped.config(role, 0)
+        assert c.prefill_step_tokens == 1024
+        assert c.step_tokens(role) == (1024 if role is Role.PREFILL else 256)
+        assert c.step_tokens(Role.DECODE) == 256  # the decode role keeps the engine's
+    with pytest.raises(ValueError, match="prefill_step_tokens"):
+        cluster_config_from_args(parse_up("--prefill-step-tokens", "0"))
     # One CPU (or GPU) per rank for a TP node's actor; a TP 1 node asks what it asked before.
     assert ray_actor_options(prefill, num_cpus=0)["num_cpus"] == 3
     assert ray_actor_options(prefill, gpu=True)["num_gpus"] == 3

@@ -121,6 +121,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--elastic-chunk-tokens", type=int, default=None,
                    help="the elastic nodes' step budget (default: --colocated-chunk-tokens: a node may end up "
                         "prefilling long prompts beside its decodes)")
+    g.add_argument("--elastic-prefill-chunk-tokens", type=int, default=None,
+                   help="the elastic nodes' step budget while in the prefill role (default: --disagg-chunk-tokens, "
+                        "the fixed layout's prefill node's)")
 
 
 def grid_factors(args) -> tuple[list[float], list[float]]:
@@ -161,6 +164,8 @@ class ElasticLayout:
     planner: str  # off | advisory | active
     local_prefill_tokens: int  # the router's short_prompt_tokens to start with
     chunk_tokens: int  # the engines' per-step token budget
+    # ... while a node prefills for others (NodeConfig.prefill_step_tokens; None: chunk_tokens)
+    prefill_chunk_tokens: int | None = None
 
 
 def layouts(args) -> list[ElasticLayout]:
@@ -168,7 +173,10 @@ def layouts(args) -> list[ElasticLayout]:
     known = {
         fig.FIXED: ElasticLayout(fig.FIXED, 1, 1, "off", local, args.disagg_chunk_tokens),
         fig.COLOCATED: ElasticLayout(fig.COLOCATED, 0, 2, "off", 0, chunks),
-        fig.ELASTIC: ElasticLayout(fig.ELASTIC, 1, 1, args.elastic_planner, local, args.elastic_chunk_tokens or chunks),
+        # Its nodes prefill for others in the fixed layout's prefill node's chunks, beside decodes
+        # in the colocated layout's: each role on the budget its static layout runs it on.
+        fig.ELASTIC: ElasticLayout(fig.ELASTIC, 1, 1, args.elastic_planner, local, args.elastic_chunk_tokens or chunks,
+                                   args.elastic_prefill_chunk_tokens or args.disagg_chunk_tokens),
     }
     names = [n.strip() for n in args.elastic_layouts.split(",") if n.strip()]
     bad = [n for n in names if n not in known]
@@ -300,6 +308,11 @@ def _cluster_config(args, layout: ElasticLayout, pass_index: int = 0):
                          "have; run --elastic-layouts fixed,colocated")
     engine = EngineConfig(model=args.model, dtype="float32", cache=CacheConfig(kv_cache_bytes=args.kv_cache_mib * 2**20),
                           scheduler=SchedulerConfig(max_num_batched_tokens=layout.chunk_tokens))
+    if layout.prefill_chunk_tokens not in (None, layout.chunk_tokens):
+        if "prefill_step_tokens" not in {f.name for f in fields(ClusterConfig)}:
+            raise SystemExit("this tree has no per-role step budget (ClusterConfig.prefill_step_tokens); pass "
+                             "--elastic-prefill-chunk-tokens equal to the elastic chunk tokens")
+        planner.update(prefill_step_tokens=layout.prefill_chunk_tokens)
     return ClusterConfig(engine=engine, prefill_nodes=layout.prefill, decode_nodes=layout.decode, grpc_port=0,
                          http_port=0, dashboard_port=0, node_threads=1, pin_cores=True,
                          short_prompt_tokens=layout.local_prefill_tokens,
@@ -342,7 +355,8 @@ def _slot(args, layout: ElasticLayout, pass_index: int, plan_for, report):
 
     report.progress(f"pass {pass_index + 1}: {layout.name}: {layout.prefill} prefill + {layout.decode} decode node(s), "
                     f"planner {layout.planner}, local prefill below {layout.local_prefill_tokens}, chunk "
-                    f"{layout.chunk_tokens}")
+                    f"{layout.chunk_tokens}" + (f" ({layout.prefill_chunk_tokens} prefilling for others)"
+                                                if layout.prefill_chunk_tokens not in (None, layout.chunk_tokens) else ""))
     cluster = LocalCluster(_cluster_config(args, layout, pass_index), report.progress).start()
     runs: dict[str, Run] = {}
     starts = []
@@ -443,7 +457,8 @@ def compare_elastic(args, report) -> dict:
                       "headline": "goodput is the mean over the grid's points; at_slo: the single point above"}},
         unloaded={n: summarize(u) for n, u in unloaded.items()},
         layouts=[{"name": x.name, "prefill": x.prefill, "decode": x.decode, "planner": x.planner,
-                  "local_prefill_tokens": x.local_prefill_tokens, "chunk_tokens": x.chunk_tokens} for x in lays],
+                  "local_prefill_tokens": x.local_prefill_tokens, "chunk_tokens": x.chunk_tokens,
+                  "prefill_chunk_tokens": x.prefill_chunk_tokens or x.chunk_tokens} for x in lays],
         schedule=[f"{name}#{p + 1}" for p, name in order],
         rate=rate, rate_rule=("--rate" if args.rate is not None else f"{RATE_X_TPOT:g} / the first layout's unloaded "
                                                                   f"median TPOT" + (" in the warm-up slot" if

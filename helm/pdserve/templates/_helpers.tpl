@@ -288,6 +288,10 @@ capabilities:
 - {{ .Values.prefill.tensorParallel | default 1 | int | quote }}
 - --decode-tensor-parallel
 - {{ .Values.decode.tensorParallel | default 1 | int | quote }}
+{{- with .Values.prefill.stepTokens }}
+- --prefill-step-tokens
+- {{ . | int | quote }}
+{{- end }}
 {{- if gt (int .Values.prefill.gpu.count) 0 }}
 - --prefill-gpu
 {{- end }}
