@@ -170,15 +170,9 @@ def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decisi
     base.update(cal.figures())
     j = _Judge(s, cfg, cal, current)
     cur = j.cur
-    here = j.best_here()
-    target, action, reason = here, None, None
-    if cfg.resizes:
-        target, action, reason = j.resized(here)
     here_att, here_n = measured_share(s, cfg.ttft_slo_factor, cfg.tpot_slo_factor, since=state.last_action_at,
                                      band=cfg.slo_band)
-    undo_why = _rollback(state, s, cfg, current, here_att, here_n) if action is None else ""
-    if undo_why and (undo := j.best_of(state.left)) is not None:
-        target, action, reason = undo, SWITCH_ROLES, "measured_worse"
+    target, action, reason, undo_why = j.choose(state, here_att, here_n)
     figures = {**base, **cur.figures("current"), **target.figures("target")}
     cost = j.cost(target) if action in (None, SWITCH_ROLES) else SwitchCost()
     gain = j.gain(target, cost)
@@ -203,7 +197,8 @@ def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decisi
         else:
             action = SWITCH_ROLES
             reason = "prefill_bound" if target.layout.prefill > current.prefill else "decode_bound"
-    detail = f"{current} -> {target.layout}: predicted {_fig(cur)} -> {_fig(target)}" + (f"; {undo_why}" if undo_why else "")
+    detail = f"{current} -> {target.layout}: predicted {_fig(cur)} -> {_fig(target)}"
+    detail += f"; {undo_why}" if undo_why else ""
     if action == SWITCH_ROLES and (back := _revisit(state, target.layout, s.at, cfg, here_att, here_n)):
         return hold("revisit", f"{detail}; {back}", figures, replace(state, pending=None, pending_rounds=0))
     if action == SWITCH_ROLES and here_n < cfg.calibration_min_samples:
@@ -285,6 +280,23 @@ class _Judge:
         of_mix = [e for e in self.candidates(self.current.nodes) if (e.layout.prefill, e.layout.decode) == mix]
         return best(of_mix, self.current, self.value) if of_mix else None
 
+    def choose(self, state: PlannerState, here_att: float, here_n: int) -> tuple[LayoutEstimate, str | None,
+                                                                                 str | None, str]:
+        """The round's target before the guards, as (target, action, reason, why undone): with
+        ``resize`` a pool one node larger or smaller when that is due; else the undo of the last
+        role switch when it measured worse (``_rollback``); else the best layout of the nodes
+        running, its action (None) left to the gain."""
+        here = self.best_here()
+        if self.cfg.resizes:
+            target, action, reason = self.resized(here)
+            if action is not None:
+                return target, action, reason, ""
+        why = _rollback(state, self.s, self.cfg, self.current, here_att, here_n)
+        undo = self.best_of(state.left) if why else None  # None: the mix left is out of bounds now
+        if undo is not None:
+            return undo, SWITCH_ROLES, "measured_worse", why
+        return here, None, None, ""
+
     def best_here(self) -> LayoutEstimate:
         return best(self.candidates(self.current.nodes) or [self.cur], self.current, self.value)
 
@@ -358,8 +370,8 @@ def _rollback(state: PlannerState, s: PlannerSignals, cfg: PlannerConfig, curren
     """Why to undo the last role switch (module docstring; '' not to): within ``REVISIT_WINDOWS``
     windows of it, the layout it moved to measured ``switch_margin`` less of its requests within
     their SLOs than the one it left had, under a load at most ``ROLLBACK_LOAD_TOLERANCE`` heavier
-    (requests and prompt tokens per second). A heavier load
-    (the next, document-heavier mix; a burst) explains a worse share without the layout."""
+    (requests and prompt tokens per second). A heavier load (the next, document-heavier mix; a
+    burst) explains a worse share without the layout."""
     if state.left is None or state.left_at is None or state.left_attainment is None or state.left_load is None:
         return ""
     if state.left == (current.prefill, current.decode) or s.at - state.left_at >= REVISIT_WINDOWS * cfg.window_s:
