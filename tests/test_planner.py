@@ -730,8 +730,13 @@ def test_the_layout_just_left_is_taken_again_only_when_it_measured_better():
     assert (first.state.left, first.state.left_at) == ((0, 2), 1000.0)  # what it left, and when
     left = PlannerState(last_action_at=980.0, left=(1, 1), left_at=980.0, left_attainment=0.5)
     d = decide(_finished(s, 0.01), left, cfg)  # colocated meets every target since the switch
-    assert (d.action, d.reason) == (HOLD, "revisit") and "no better" in d.detail
+    assert (d.action, d.reason) == (HOLD, "revisit") and "not 15% worse" in d.detail
     assert d.figures["measured_current_attainment"] == 1.0 and d.figures["measured_current_requests"] == 12
+    half = replace(s, requests=tuple(replace(r, ttft_s=0.01, tpot_s=(0.01, 1.0)[i % 2])
+                                     for i, r in enumerate(s.requests)))  # every other one misses
+    d = decide(half, replace(left, left_attainment=0.6), cfg)  # 50% against 60%: worse, within the margin
+    assert (d.action, d.reason) == (HOLD, "revisit") and "now 50%: not 15% worse" in d.detail, d.detail
+    assert decide(half, replace(left, left_attainment=0.7), cfg).action == SWITCH_ROLES  # 20 points worse
     d = decide(_finished(s, 1.0), left, cfg)  # it misses every one: 1P+1D had done better
     assert (d.action, d.reason) == (SWITCH_ROLES, "prefill_bound")
     assert d.state.left == (0, 2) and d.state.left_attainment == 0.0
