@@ -452,7 +452,6 @@ class LLMEngine(TieredKV):
     def stats(self) -> dict:
         pool = self.kv.pool
         return {
-            "step_tokens": self.step_tokens,
             "num_blocks": self.num_blocks,
             "free_blocks": self.kv.num_free_blocks,
             "kv_usage": self.kv.usage,
