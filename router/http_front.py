@@ -3,7 +3,8 @@ each bound can be kept.
 
     connection (uvicorn's h11 protocol, ``guarded_protocol``)
       headers complete within header_timeout_s of the connection opening (or of the last
-      response), else 408 and closed: uvicorn alone waits for them forever (slowloris)
+      response), else 408 and a short lingering close: uvicorn alone waits for them forever
+      (slowloris)
       a body is read only as the app asks for it: a refused request costs one socket read
       a refused client still sending its body gets the answer, then a lingering close
     request (ASGI, ``FrontDoor``), in this order
@@ -246,6 +247,14 @@ LINGER_S = 30.0
 LINGER_IDLE_S = 5.0
 LINGER_QUIET_S = 0.5
 LINGER_EXTRA_BYTES = 64 * 1024
+# A client cut off by the header deadline may be writing a header byte as its 408 goes out.
+# Closing outright with that byte unread (or arriving just after) makes the kernel send a reset
+# in place of our FIN, and a client that gets the reset before it has read the 408 loses it
+# (asyncio's read() raises; seen once in CI on the slowloris test). So the 408 is followed by
+# our FIN and whatever still arrives is read and dropped, for at most HEADER_LINGER_S and
+# HEADER_LINGER_BYTES: a slowloris client holds its socket that much longer, no more.
+HEADER_LINGER_S = 2.0
+HEADER_LINGER_BYTES = 16 * 1024
 # Bytes per socket read (asyncio reads 256 KiB by default). Until a request's headers are
 # complete, reads are small: thousands of connections waiting for admission then hold a few
 # MiB of read-ahead, not 256 KiB each. A body the app has taken on, or drops, is read in
@@ -296,6 +305,7 @@ class _GuardedH11Protocol(H11Protocol):
         self._linger_timer: asyncio.TimerHandle | None = None
         self._linger_left = 0
         self._linger_until = 0.0
+        self._linger_idle_s = LINGER_IDLE_S
         self._reading_body = False  # the app has asked for this request's body
         self._raw = transport
         super().connection_made(_LingeringTransport(transport, self))
@@ -320,30 +330,44 @@ class _GuardedH11Protocol(H11Protocol):
                 self._raw.close()
             else:
                 self._linger_timer.cancel()
-                wait = min(LINGER_IDLE_S, self._linger_until - self.loop.time())
+                wait = min(self._linger_idle_s, self._linger_until - self.loop.time())
                 self._linger_timer = self.loop.call_later(max(0.0, wait), self._raw.close)
             return
         super().data_received(data)
         self._after_events()
 
     def _close(self) -> None:
+        if self.conn.their_state is h11.SEND_BODY:  # a refused body may still be coming
+            self._linger(self.linger_bytes, LINGER_S, quiet_s=LINGER_QUIET_S, idle_s=LINGER_IDLE_S)
+        else:
+            self._raw.close()
+
+    def _linger(self, nbytes: int, total_s: float, quiet_s: float, idle_s: float) -> None:
+        """Close after the answer without a reset: send our FIN, then read and drop what the
+        client still sends (after ``quiet_s``; at most ``nbytes``, ``total_s`` in all, ``idle_s``
+        without a byte) until it closes its end."""
         raw = self._raw
-        if (self._linger_timer is None and not raw.is_closing() and self.conn.their_state is h11.SEND_BODY
-                and raw.can_write_eof()):
-            self._disarm_header_timer()
-            raw.write_eof()  # after the answer: the client reads it, then our end of the stream
-            raw.pause_reading()
-            self._linger_left = self.linger_bytes
-            self._linger_until = self.loop.time() + LINGER_S
-            self._linger_timer = self.loop.call_later(LINGER_QUIET_S, self._drain)
+        if self._linger_timer is not None or raw.is_closing():
             return
-        raw.close()
+        if not raw.can_write_eof():  # TLS: no half-close
+            raw.close()
+            return
+        self._disarm_header_timer()
+        raw.write_eof()  # after the answer: the client reads it, then our end of the stream
+        self._linger_left, self._linger_idle_s = nbytes, idle_s
+        self._linger_until = self.loop.time() + total_s
+        if quiet_s > 0:
+            raw.pause_reading()
+            self._linger_timer = self.loop.call_later(quiet_s, self._drain)
+        else:
+            self._drain()
 
     def _drain(self) -> None:
         """The client is still there after the quiet time: read (and drop) what it sends."""
         self._read_bytes(BODY_READ_BYTES)
         self._raw.resume_reading()
-        self._linger_timer = self.loop.call_later(LINGER_IDLE_S, self._raw.close)
+        wait = min(self._linger_idle_s, self._linger_until - self.loop.time())
+        self._linger_timer = self.loop.call_later(max(0.0, wait), self._raw.close)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -382,7 +406,7 @@ class _GuardedH11Protocol(H11Protocol):
             return
         if self.conn.our_state is h11.IDLE:
             self.transport.write(_header_timeout_response(self.header_timeout_s))
-        self.transport.close()
+        self._linger(HEADER_LINGER_BYTES, HEADER_LINGER_S, quiet_s=0.0, idle_s=HEADER_LINGER_S)
 
 
 def guarded_protocol(header_timeout_s: float, body_limit: int) -> type[H11Protocol]:
