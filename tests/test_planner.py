@@ -722,31 +722,39 @@ def test_measured_attainment_uses_the_models_targets():
 
 def test_the_layout_just_left_is_taken_again_only_when_it_measured_better():
     """Two saturated layouts predict alike and the model alone sends the planner back and
-    forth; for two windows after a switch, only what the layouts measured sends it back."""
-    cfg = PlannerConfig(confirm_rounds=1, cooldown_s=0.0, window_s=30.0, calibrate=False)
+    forth; for two windows after a switch, only what the layouts measured sends it back.
+    (A 150 s window and a switch 200 s back: the requests, 100 s of them, all arrived after
+    it was done, so all measure the layout it moved to.)"""
+    cfg = PlannerConfig(confirm_rounds=1, cooldown_s=0.0, window_s=150.0, calibrate=False)
     s = signals(0.4, 0.6, roles=COLOCATED)  # the model: back to 1P+1D
     first = decide(s, PlannerState(), cfg)
     assert (first.action, first.reason) == (SWITCH_ROLES, "prefill_bound")
     assert (first.state.left, first.state.left_at) == ((0, 2), 1000.0)  # what it left, and when
-    left = PlannerState(last_action_at=980.0, left=(1, 1), left_at=980.0, left_attainment=0.5)
+    left = PlannerState(last_action_at=800.0, left=(1, 1), left_at=800.0, left_attainment=0.5, settled_at=801.0)
     d = decide(_finished(s, 0.01), left, cfg)  # colocated meets every target since the switch
     assert (d.action, d.reason) == (HOLD, "revisit") and "not 15% worse" in d.detail
-    assert d.figures["measured_current_attainment"] == 1.0 and d.figures["measured_current_requests"] == 12
+    assert d.figures["measured_current_attainment"] == 1.0 and d.figures["measured_current_requests"] == 60
     half = replace(s, requests=tuple(replace(r, ttft_s=0.01, tpot_s=(0.01, 1.0)[i % 2])
                                      for i, r in enumerate(s.requests)))  # every other one misses
     d = decide(half, replace(left, left_attainment=0.6), cfg)  # 50% against 60%: worse, within the margin
-    assert (d.action, d.reason) == (HOLD, "revisit") and "now 50%: not 15% worse" in d.detail, d.detail
+    assert (d.action, d.reason) == (HOLD, "revisit") and "not 15% worse" in d.detail, d.detail
+    assert d.figures["measured_current_attainment"] == pytest.approx(0.5, abs=0.02)
     assert decide(half, replace(left, left_attainment=0.7), cfg).action == SWITCH_ROLES  # 20 points worse
     d = decide(_finished(s, 1.0), left, cfg)  # it misses every one: 1P+1D had done better
     assert (d.action, d.reason) == (SWITCH_ROLES, "prefill_bound")
     assert d.state.left == (0, 2) and d.state.left_attainment == 0.0
-    d = decide(_finished(s, 1.0), replace(left, left_attainment=None), cfg)  # left unmeasured: no evidence
-    assert (d.action, d.reason) == (HOLD, "revisit") and "10 s more" in d.detail
-    unmeasured = replace(left, left_attainment=None, left_at=965.0, last_action_at=965.0)
+    recent = replace(left, left_attainment=None, left_at=900.0, last_action_at=900.0, settled_at=901.0)
+    d = decide(_finished(s, 1.0), recent, cfg)  # left unmeasured: no evidence
+    assert (d.action, d.reason) == (HOLD, "revisit") and "no evidence it was better for 50 s more" in d.detail
+    unmeasured = replace(left, left_attainment=None, left_at=840.0, last_action_at=840.0, settled_at=841.0)
     assert decide(_finished(s, 0.01), unmeasured, cfg).action == SWITCH_ROLES  # a window on: the prediction's word
     d = decide(_finished(s, 1.0), replace(left, last_action_at=995.0), cfg)  # 3 requests measured since
     assert (d.action, d.reason) == (HOLD, "revisit") and "needed to compare" in d.detail
-    d = decide(_finished(s, 0.01), replace(left, left_at=940.0, last_action_at=940.0), cfg)  # two windows ago
+    # Measured since the switch was done: requests served across it (arrived before) do not count.
+    d = decide(_finished(s, 0.01), replace(left, settled_at=995.0), cfg)
+    assert (d.action, d.reason) == (HOLD, "revisit") and "needed to compare" in d.detail
+    gone = replace(left, left_at=690.0, last_action_at=690.0, settled_at=691.0)  # two windows ago
+    d = decide(_finished(s, 0.01), gone, cfg)
     assert (d.action, d.reason) == (SWITCH_ROLES, "prefill_bound")
 
 

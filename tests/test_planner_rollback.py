@@ -1,5 +1,6 @@
 """The planner undoes a role switch that measured worse than the layout it left, under a load no
-heavier (router/planner/decide.py, ``_rollback``): pure logic over real recorded rounds and
+heavier (router/planner/decide.py, ``_rollback``), and judges a layout only by requests it
+served from their arrival (``measured_from``): pure logic over real recorded rounds and
 hand-built ones; no model, no socket."""
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 
 from router.planner.config import PlannerConfig
 from router.planner.decide import HOLD, SWITCH_ROLES, PlannerState, decide
+from router.planner.model import measured_share
 from router.planner.record import read_rounds
+from router.planner.signals import RequestSample
 from tests.test_planner import COLOCATED, _finished, signals
 
 # The elastic benchmark's planner settings (deploy/bench/serve_elastic.py), one round to confirm.
@@ -18,77 +21,136 @@ BENCH = PlannerConfig(interval_s=2.0, cooldown_s=8.0, window_s=30.0, tpot_slo_fa
                       slo_band=(2 / 3, 1.0, 4 / 3))
 
 
-def _rounds():
-    """Six rounds of the held-out seed-6 run's elastic pass 1 (2026-12-03), in order: a threshold
-    change; 34 s on, 1P+1D -> colocated at 40% documents (83% of 14 requests measured within
-    their SLOs); 30 s on, colocated measured 62% of 16 at the same load (the recorded planner held
-    on ``no_gain`` for 108 s more); a threshold change; colocated -> 1P+1D as the phases began;
-    16 s on, 1P+1D measured worse, but under 35% more requests per second."""
-    return [s for s, _ in read_rounds(str(Path(__file__).parent / "data" / "planner_rounds_rollback.jsonl"))]
+DATA = Path(__file__).parent / "data"
+
+
+def _rounds(name: str = "planner_rounds_rollback.jsonl"):
+    return [s for s, _ in read_rounds(str(DATA / name))]
+
+
+def _chain(rounds, state: PlannerState):
+    """The decisions of ``rounds`` in order, each round's state the previous decision's."""
+    out = []
+    for s in rounds:
+        d = decide(s, state, BENCH)
+        out.append(d)
+        state = d.state
+    return out
 
 
 def test_a_switch_measured_worse_under_the_same_load_is_undone():
-    set_before, switch, worse, _, _, _ = _rounds()
-    moved = decide(switch, PlannerState(last_action_at=set_before.at), BENCH)
+    """Four rounds of the held-out seed-6 run's elastic pass 1 (2026-12-03): a threshold change;
+    34 s on, 1P+1D -> colocated at 40% documents (83% of 14 requests measured within their
+    SLOs); 2 s on, the switch seen done; 30 s on, colocated measured 67% of the 10 requests that
+    arrived after that, at the same load (the recorded planner held on ``no_gain`` for 108 s
+    more)."""
+    set_before, switch, done, worse = _rounds()[:4]
+    moved, seen, back = _chain([switch, done, worse], PlannerState(last_action_at=set_before.at))
     assert (moved.action, moved.layout.prefill, moved.layout.decode) == (SWITCH_ROLES, 0, 2), moved.detail
     st = moved.state
-    assert st.left == (1, 1) and st.left_attainment == pytest.approx(0.8333, abs=1e-3)
+    assert st.left == (1, 1) and st.left_attainment == pytest.approx(0.8333, abs=1e-3) and st.settled_at is None
     assert st.left_load == pytest.approx((0.6, 166.3), abs=0.1)  # requests, prompt tokens a second since set_before
-    back = decide(worse, st, BENCH)
+    assert seen.state.settled_at == done.at  # the first round on the new mix with no node draining
     assert (back.action, back.reason) == (SWITCH_ROLES, "measured_worse"), back.detail
     assert (back.layout.prefill, back.layout.decode) == (1, 1)
-    assert "measured 62% over 16 requests" in back.detail and "against 83% before it" in back.detail
-    assert back.figures["measured_current_attainment"] < st.left_attainment - BENCH.switch_margin
+    assert "measured 67% over 10 requests that arrived after the switch was done" in back.detail
+    assert "against 83% before it" in back.detail
+    # 16 had finished since the switch began: 6 of them queued before it, not counted.
+    assert sum(r.done and r.at >= switch.at for r in worse.requests) == 16
     # Undone, the left layout is the one just left: going there again needs the evidence again.
-    assert back.state.left == (0, 2) and back.state.left_attainment == pytest.approx(0.625, abs=1e-3)
+    assert back.state.left == (0, 2) and back.state.left_attainment == pytest.approx(0.6667, abs=1e-3)
+    assert back.state.settled_at is None
     # What the model alone said on that round: stay.
-    assert decide(worse, replace(st, left_attainment=None), BENCH).reason == "no_gain"
+    assert decide(worse, replace(seen.state, left_attainment=None), BENCH).reason == "no_gain"
+    # Not before the switch is seen done: with no round in between, no undo on that evidence.
+    assert decide(worse, st, BENCH).reason != "measured_worse"
 
 
 def test_a_worse_share_under_a_heavier_load_is_not_blamed_on_the_layout():
-    _, _, _, set_before, switch, heavier = _rounds()
-    moved = decide(switch, PlannerState(last_action_at=set_before.at), BENCH)
+    """Four more rounds of that run: a threshold change; colocated -> 1P+1D as the phases
+    began; 12 s on, the switch seen done; 26 s on, 1P+1D measured 38% of 8 requests (against
+    82%), but under twice the requests a second."""
+    set_before, switch, done, heavier = _rounds()[4:]
+    moved, _, d = _chain([switch, done, heavier], PlannerState(last_action_at=set_before.at))
     assert (moved.action, moved.layout.prefill, moved.layout.decode) == (SWITCH_ROLES, 1, 1), moved.detail
-    d = decide(heavier, moved.state, BENCH)
+    assert d.figures["measured_current_requests"] >= BENCH.calibration_min_samples
     assert d.figures["measured_current_attainment"] < moved.state.left_attainment - BENCH.switch_margin
     assert heavier.offered_since(moved.state.left_at)[0] > moved.state.left_load[0] * 1.3
     assert d.action == HOLD and d.reason != "measured_worse", d.detail
 
 
+def test_requests_served_across_a_switch_do_not_measure_the_new_layout():
+    """Five rounds of the seed-7 rerun's elastic pass 2 (2026-12-03): the last action; colocated
+    -> 1P+1D at 40% documents (56% of 13 measured); a round draining; 10 s on, the switch seen
+    done; 12 s on, 9 requests had finished since it began, at 30% within their SLOs, and the
+    recorded planner undid it (``measured_worse``): but 8 of the 9 arrived before the switch
+    (queued through the drain) and none after it was done. Now: no undo, no return on them."""
+    last, switch, draining, done, after = _rounds("planner_rounds_rollback_seed7_again.jsonl")
+    moved, wait, seen, d = _chain([switch, draining, done, after], PlannerState(last_action_at=last.at))
+    assert (moved.action, moved.layout.prefill, moved.layout.decode) == (SWITCH_ROLES, 1, 1), moved.detail
+    assert (wait.reason, wait.state.settled_at) == ("switching", None)
+    assert seen.state.settled_at == done.at
+    finished = [r for r in after.requests if r.done and r.at >= switch.at]
+    assert len(finished) == 9 and sum(r.arrived_at < switch.at for r in finished) == 8
+    assert measured_share(after, BENCH.ttft_slo_factor, BENCH.tpot_slo_factor, since=switch.at,
+                          band=BENCH.slo_band)[0] < 0.5641 - BENCH.switch_margin  # the old evidence
+    assert d.figures["measured_current_requests"] == 0
+    assert d.action == HOLD and d.reason == "revisit", d.detail  # the model wanted colocated again
+    assert "0 requests measured since, 8 needed to compare" in d.detail
+
+
+def test_arrival_is_read_back_from_a_finished_requests_latencies():
+    r = RequestSample(100.0, 50, 0, 11, ttft_s=2.0, tpot_s=0.5)
+    assert r.arrived_at == pytest.approx(100.0 - 2.0 - 10 * 0.5)
+    assert replace(r, output_tokens=1, tpot_s=None).arrived_at == pytest.approx(98.0)
+    assert replace(r, ttft_s=None, tpot_s=None).arrived_at == 100.0  # failed before its first token
+    assert replace(r, done=False, ttft_s=None, tpot_s=None).arrived_at == 100.0  # in flight: placed then
+
+
 def test_rollback_needs_enough_requests_a_fresh_switch_and_a_clear_margin():
     """Hand-built: colocated after a switch from 1P+1D, every request missing its TPOT target."""
-    cfg = PlannerConfig(confirm_rounds=1, cooldown_s=0.0, window_s=30.0, calibrate=False)
+    cfg = PlannerConfig(confirm_rounds=1, cooldown_s=0.0, window_s=60.0, calibrate=False)
     s = _finished(signals(0.1, 0.6, roles=COLOCATED), 1.0)  # chat-heavy: the model keeps colocated
-    load = s.offered_since(980.0)
-    left = PlannerState(last_action_at=980.0, left=(1, 1), left_at=980.0, left_attainment=0.9, left_load=load)
+    load = s.offered_since(900.0)
+    left = PlannerState(last_action_at=900.0, left=(1, 1), left_at=900.0, left_attainment=0.9, left_load=load,
+                        settled_at=904.0)
     assert decide(s, replace(left, left_attainment=None), cfg).reason == "no_gain"  # the model's word alone
     d = decide(s, left, cfg)
     assert (d.action, d.reason, (d.layout.prefill, d.layout.decode)) == (SWITCH_ROLES, "measured_worse", (1, 1))
+    assert "over 14 requests that arrived after the switch was done" in d.detail
     # A fine share within the margin of what was left: stay.
     fine = _finished(signals(0.1, 0.6, roles=COLOCATED), 0.01)
     assert decide(fine, replace(left, left_attainment=0.95), cfg).reason == "no_gain"
-    # Three requests measured since the action: too few to judge.
-    assert decide(s, replace(left, last_action_at=995.0), cfg).reason != "measured_worse"
+    # Done later: the requests finished since arrived before it (chat answers run 64-128 s at 1 s
+    # a token), too few to judge; not seen done at all: no undo.
+    assert decide(s, replace(left, settled_at=990.0), cfg).reason != "measured_worse"
+    assert decide(s, replace(left, settled_at=None), cfg).reason != "measured_worse"
     # Two windows after the switch: the model decides again.
-    assert decide(s, replace(left, left_at=940.0, last_action_at=940.0), cfg).reason == "no_gain"
+    assert decide(s, replace(left, left_at=870.0, last_action_at=870.0, settled_at=872.0), cfg).reason == "no_gain"
     # Half the load back then: today's is heavier, the layout is not to blame.
     assert decide(s, replace(left, left_load=(load[0] / 2, load[1])), cfg).reason == "no_gain"
     assert decide(s, replace(left, left_load=(load[0], load[1] / 2)), cfg).reason == "no_gain"
 
 
-def test_after_an_undo_the_planner_does_not_go_back_on_a_share_within_the_noise():
-    """Four rounds of the held-out seed-7 run's elastic pass 1 (2026-12-03): a threshold change;
-    24 s on, 1P+1D (88% of 11) -> colocated at 20% documents; 26 s on, colocated measured 71% of 8
-    and the switch was undone; 12 s on, 1P+1D had measured 69% of 12 and the recorded planner
-    went colocated again (a third switch in 38 s). Two points on 8-12 requests are noise: it
-    holds (``revisit``) until one layout measures ``switch_margin`` worse than the other."""
-    rounds = [s for s, _ in read_rounds(str(Path(__file__).parent / "data" / "planner_rounds_rollback_seed7.jsonl"))]
-    set_before, switch, worse, back_again = rounds
-    st = decide(switch, PlannerState(last_action_at=set_before.at), BENCH).state
-    undo = decide(worse, st, BENCH)
-    assert (undo.action, undo.reason) == (SWITCH_ROLES, "measured_worse"), undo.detail
-    assert "measured 71% over 8 requests" in undo.detail and "against 88% before it" in undo.detail
-    d = decide(back_again, undo.state, BENCH)
-    assert (d.action, d.reason) == (HOLD, "revisit"), d.detail
-    assert "at 71% measured, now 69%: not 15% worse" in d.detail
-    assert "-> 2 colocated" in d.detail  # what the model wanted: colocated again
+def test_after_an_undo_the_planner_does_not_go_back_on_requests_served_across_it():
+    """Six rounds of the held-out seed-7 run's elastic pass 1 (2026-12-03): a threshold change;
+    24 s on, 1P+1D (88% of 11) -> colocated at 20% documents; 6 s on, seen done; 20 s on,
+    colocated measured 71% of the 8 requests finished since the switch and the recorded planner
+    undid it, but only 1 of them arrived after the switch: now it holds. The recorded run went
+    on: undone (2 s on, seen done), and 12 s on, back to colocated on 69% of 12 finished since the
+    undo (a third switch in 38 s), 1 of them arrived after it: now it holds."""
+    set_before, switch, done, worse, undone, back_again = _rounds("planner_rounds_rollback_seed7.jsonl")
+    moved, seen, held = _chain([switch, done, worse], PlannerState(last_action_at=set_before.at))
+    assert seen.state.settled_at == done.at
+    assert sum(r.done and r.at >= switch.at for r in worse.requests) == 8
+    assert held.figures["measured_current_requests"] == 1 and held.reason != "measured_worse", held.detail
+    assert held.action == HOLD
+    # As the recorded run went on: the undo made (its state as decide() leaves it), seen done.
+    undo = replace(seen.state, last_action_at=worse.at, left=(0, 2), left_at=worse.at, settled_at=None,
+                   left_attainment=0.7083, left_load=worse.offered_since(switch.at), pending=None, pending_rounds=0)
+    first, d = _chain([undone, back_again], undo)
+    assert (first.action, first.reason) == (HOLD, "revisit"), first.detail  # the model: colocated again
+    assert "0 requests measured since, 8 needed to compare" in first.detail
+    assert sum(r.done and r.at >= worse.at for r in back_again.requests) == 12
+    assert d.figures["measured_current_requests"] == 1
+    assert d.action == HOLD, d.detail  # uncalibrated on one request, the model no longer wants colocated

@@ -33,6 +33,8 @@ Why it does not flap:
   there under the same load, and stayed 140 s on the model's ``no_gain``;
 - no role switch on an uncalibrated model: the current layout must have measured
   ``calibration_min_samples`` finished requests since the last action (``calibrating``);
+  after a role switch, requests that also arrived after it was done (``measured_from``): one
+  served across the switch measures the switch, not the new layout;
 - no move from a layout that measures fine: one predicted past saturation whose window's
   requests (``calibration_min_samples`` or more measured since the last action) met their
   SLOs for ``1 - switch_margin`` of them is held (``measured_unsaturated``): the model is off.
@@ -69,6 +71,9 @@ class PlannerState:
     left_attainment: float | None = None
     # The load it measured that under: (requests, prompt tokens) per second since the action before.
     left_load: tuple[float, float] | None = None
+    # When that switch was seen done: the first round with the new role mix and no node
+    # draining (None: not yet). The undo counts only requests that arrived after it.
+    settled_at: float | None = None
 
 
 # Windows after a role switch during which the layout it left needs measured evidence to return.
@@ -140,19 +145,36 @@ def current_layout(s: PlannerSignals) -> Layout:
     return Layout(s.count(Role.PREFILL), s.count(Role.DECODE), s.short_prompt_tokens)
 
 
-def calibration(s: PlannerSignals, cfg: PlannerConfig, since: float | None) -> Calibration:
-    """The window measured the current layout (since the last action, ``since``): its figures
-    over the model's correct every layout's (router/planner/model.py, calibrate)."""
+def measured_from(state: PlannerState) -> tuple[float | None, float | None]:
+    """(finished since, arrived since): the window's requests that measured the layout running
+    now. Those finished since the last action; after a role switch, only those that also
+    arrived after it was done (``settled_at``; its start until then): a request queued before
+    it and finished seconds after was served across it (the drain, a migrated stream) and
+    measures the switch, not the new layout. In the recorded elastic runs, 7 of 52 role switches
+    were made 12-26 s after the last one on 8-16 such requests, none of them on 8 that arrived
+    after it (the held-out seed-7 runs of 2026-12-03: an undo on 9, 8 of them queued before
+    the switch). A threshold change moves no request: what finished since counts."""
+    if state.left_at is not None and state.left_at == state.last_action_at:
+        return state.last_action_at, state.settled_at if state.settled_at is not None else state.left_at
+    return state.last_action_at, None
+
+
+def calibration(s: PlannerSignals, cfg: PlannerConfig, since: float | None,
+                arrived: float | None = None) -> Calibration:
+    """The window measured the current layout (the requests finished since ``since`` that
+    arrived since ``arrived``: ``measured_from``): its figures over the model's correct every
+    layout's (router/planner/model.py, calibrate)."""
     if not cfg.calibrate:
         return Calibration()
     cur = current_layout(s)
     return calibrate(s, estimate(cur, s, cfg.ttft_slo_factor, cfg.tpot_slo_factor), cfg.calibration_min_samples,
-                     cfg.calibration_min_scale, cfg.calibration_max_scale, since=since)
+                     cfg.calibration_min_scale, cfg.calibration_max_scale, since=since, arrived_since=arrived)
 
 
 def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decision:
     """One round: hold, or move toward the layout with the most predicted goodput."""
     current = current_layout(s)
+    state = _settled(state, s, current)
     base = _base_figures(s, current)
 
     def hold(reason: str, detail: str, figures: dict, st: PlannerState = state) -> Decision:
@@ -167,12 +189,13 @@ def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decisi
         # A node is switching role or leaving: the figures describe neither layout yet.
         return hold("switching", f"{s.draining} node(s) draining (a role switch or a removal under way)", base,
                     replace(state, pending=None, pending_rounds=0))
-    cal = calibration(s, cfg, state.last_action_at)
+    since, arrived = measured_from(state)
+    cal = calibration(s, cfg, since, arrived)
     base.update(cal.figures())
     j = _Judge(s, cfg, cal, current)
     cur = j.cur
-    here_att, here_n = measured_share(s, cfg.ttft_slo_factor, cfg.tpot_slo_factor, since=state.last_action_at,
-                                     band=cfg.slo_band)
+    here_att, here_n = measured_share(s, cfg.ttft_slo_factor, cfg.tpot_slo_factor, since=since, band=cfg.slo_band,
+                                     arrived_since=arrived)
     target, action, reason, undo_why = j.choose(state, here_att, here_n)
     figures = {**base, **cur.figures("current"), **target.figures("target")}
     cost = j.cost(target) if action in (None, SWITCH_ROLES) else SwitchCost()
@@ -206,7 +229,8 @@ def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decisi
         # Not on an uncalibrated model: in the elastic benchmark's recordings 7 of 39 role
         # switches came within seconds of a threshold change, on 2-7 requests measured since,
         # all from 1P+1D to colocated, the calibration not yet applying (seeds 4 and 5).
-        return hold("calibrating", f"{detail}; {here_n} requests measured since the last action, "
+        scope = "since the last action" if arrived is None else "that arrived after the last role switch"
+        return hold("calibrating", f"{detail}; {here_n} requests measured {scope}, "
                     f"{cfg.calibration_min_samples} needed before a role switch", figures,
                     replace(state, pending=None, pending_rounds=0))
     rounds = state.pending_rounds + 1 if state.pending == target.layout else 1
@@ -220,12 +244,22 @@ def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decisi
                if cfg.resizes and action != SET_THRESHOLD else None)
     nxt = replace(state, last_action_at=s.at, pending=None, pending_rounds=0)
     if action == SWITCH_ROLES:
-        nxt = replace(nxt, left=(current.prefill, current.decode), left_at=s.at,
+        nxt = replace(nxt, left=(current.prefill, current.decode), left_at=s.at, settled_at=None,
                       left_attainment=here_att if here_n >= cfg.calibration_min_samples else None,
                       left_load=s.offered_since(state.last_action_at))
     return Decision(action, reason, detail, target.layout, target.layout.threshold,
                     roles=role_changes(s.nodes, target.layout), pool_targets=targets, figures=figures,
                     state=nxt)
+
+
+def _settled(state: PlannerState, s: PlannerSignals, current: Layout) -> PlannerState:
+    """``state`` with the last role switch seen done on this round: the first on a new role mix
+    with no node draining (a round between the decision and the node's drain still shows the
+    mix it left)."""
+    if (s.draining or state.left is None or state.settled_at is not None
+            or (current.prefill, current.decode) == state.left):
+        return state
+    return replace(state, settled_at=s.at)
 
 
 def _base_figures(s: PlannerSignals, current: Layout) -> dict[str, float]:
@@ -376,18 +410,22 @@ def _rollback(state: PlannerState, s: PlannerSignals, cfg: PlannerConfig, curren
     windows of it, the layout it moved to measured ``switch_margin`` less of its requests within
     their SLOs than the one it left had, under a load at most ``ROLLBACK_LOAD_TOLERANCE`` heavier
     (requests and prompt tokens per second). A heavier load (the next, document-heavier mix; a
-    burst) explains a worse share without the layout."""
+    burst) explains a worse share without the layout. Only once the switch is seen done: the
+    requests measured (``measured_from``) arrived after it."""
     if state.left is None or state.left_at is None or state.left_attainment is None or state.left_load is None:
         return ""
     if state.left == (current.prefill, current.decode) or s.at - state.left_at >= REVISIT_WINDOWS * cfg.window_s:
         return ""
-    if here_n < cfg.calibration_min_samples or here_att >= state.left_attainment - cfg.switch_margin:
+    if state.settled_at is None or here_n < cfg.calibration_min_samples:
+        return ""
+    if here_att >= state.left_attainment - cfg.switch_margin:
         return ""
     rps, tps = s.offered_since(state.left_at)
     left_rps, left_tps = state.left_load
     if rps > left_rps * (1 + ROLLBACK_LOAD_TOLERANCE) or tps > left_tps * (1 + ROLLBACK_LOAD_TOLERANCE):
         return ""
-    return (f"measured {here_att:.0%} over {here_n} requests since the switch {s.at - state.left_at:.0f} s ago, "
+    return (f"measured {here_att:.0%} over {here_n} requests that arrived after the switch was done "
+            f"({s.at - state.settled_at:.0f} s ago, {s.at - state.left_at:.0f} s since it began), "
             f"against {state.left_attainment:.0%} before it, at {rps:.2f} req/s and {tps:.0f} prompt tokens/s "
             f"(then {left_rps:.2f} and {left_tps:.0f})")
 

@@ -145,12 +145,14 @@ class Calibration:
 
 
 def calibrate(s: PlannerSignals, current: LayoutEstimate, min_samples: int = 8, lo: float = 0.5,
-              hi: float = 4.0, since: float | None = None) -> Calibration:
+              hi: float = 4.0, since: float | None = None, arrived_since: float | None = None) -> Calibration:
     """The factors that bring the current layout's predicted mean TPOT and TTFT to the window's
     measured means (``current``: the uncalibrated estimate of the layout the window ran on).
     ``since``: only requests finished from then on measured it (the last action: before it, the
-    window's requests ran on another layout)."""
-    mine = [r for r in s.requests if since is None or r.at >= since]
+    window's requests ran on another layout); ``arrived_since``: and only those that arrived
+    from then on (after a role switch: not those served across it)."""
+    mine = [r for r in s.requests if (since is None or r.at >= since)
+            and (arrived_since is None or r.arrived_at >= arrived_since)]
     tpots = [r.tpot_s for r in mine if r.tpot_s is not None and r.output_tokens > 1]
     ttfts = [r.ttft_s for r in mine if r.ttft_s is not None]
 
@@ -189,12 +191,15 @@ def slo_targets(r: RequestSample, s: PlannerSignals, prefill_s: float, ttft_slo_
 
 
 def measured_share(s: PlannerSignals, ttft_slo_factor: float = 5.0, tpot_slo_factor: float = 2.0,
-                   since: float | None = None, band: tuple[float, ...] = (1.0,)) -> tuple[float, int]:
-    """(share meeting both targets, requests): the window's requests finished since ``since``,
-    judged by the targets the model predicts against (``estimate``, with the same ``band``:
-    the mean share over the targets scaled by each), so a layout measured and one predicted
-    compare on one scale."""
-    mine = [r for r in s.requests if r.done and (since is None or r.at >= since)]
+                   since: float | None = None, band: tuple[float, ...] = (1.0,),
+                   arrived_since: float | None = None) -> tuple[float, int]:
+    """(share meeting both targets, requests): the window's requests finished since ``since``
+    (and, with ``arrived_since``, that arrived since then: served by one layout from start to
+    end), judged by the targets the model predicts against (``estimate``, with the same
+    ``band``: the mean share over the targets scaled by each), so a layout measured and one
+    predicted compare on one scale."""
+    mine = [r for r in s.requests if r.done and (since is None or r.at >= since)
+            and (arrived_since is None or r.arrived_at >= arrived_since)]
     ok = 0.0
     for r in mine:
         prefill_s = s.prefill.predict(r.uncached, r.cached_tokens)

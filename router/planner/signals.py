@@ -38,6 +38,16 @@ class RequestSample:
     def uncached(self) -> int:
         return max(0, self.prompt_tokens - self.cached_tokens)
 
+    @property
+    def arrived_at(self) -> float:
+        """Wall clock when the router took it: for a finished request its latencies read back
+        from ``at`` (``ttft_s`` runs from arrival, ``tpot_s`` is the mean gap over the other
+        output tokens), so recordings made before this existed answer it too; ``at`` itself
+        for one in flight, or one that failed before its first token."""
+        if not self.done or self.ttft_s is None:
+            return self.at
+        return self.at - self.ttft_s - (self.tpot_s or 0.0) * max(0, self.output_tokens - 1)
+
 
 @dataclass(frozen=True, slots=True)
 class NodeSignal:
