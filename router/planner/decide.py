@@ -174,7 +174,7 @@ def calibration(s: PlannerSignals, cfg: PlannerConfig, since: float | None,
 def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decision:
     """One round: hold, or move toward the layout with the most predicted goodput."""
     current = current_layout(s)
-    state = _settled(state, s, current)
+    state = seen_settled(state, s, current)
     base = _base_figures(s, current)
 
     def hold(reason: str, detail: str, figures: dict, st: PlannerState = state) -> Decision:
@@ -252,7 +252,7 @@ def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decisi
                     state=nxt)
 
 
-def _settled(state: PlannerState, s: PlannerSignals, current: Layout) -> PlannerState:
+def seen_settled(state: PlannerState, s: PlannerSignals, current: Layout) -> PlannerState:
     """``state`` with the last role switch seen done on this round: the first on a new role mix
     with no node draining (a round between the decision and the node's drain still shows the
     mix it left)."""

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from router.planner.config import PlannerConfig
-from router.planner.decide import calibration, thresholds
+from router.planner.decide import PlannerState, calibration, measured_from, seen_settled, thresholds
 from router.planner.decide import current_layout as layout_of
 from router.planner.model import Calibration, Layout, estimate, measured_share
 from router.planner.record import read_rounds
@@ -54,23 +54,32 @@ class Ranked:
     seen_from: str  # "a" or "b": the layout whose planner predicted
 
 
-def _share(s: PlannerSignals, cfg: PlannerConfig, since: float | None = None) -> tuple[float, int]:
-    return measured_share(s, cfg.ttft_slo_factor, cfg.tpot_slo_factor, since=since, band=cfg.slo_band)
+def _share(s: PlannerSignals, cfg: PlannerConfig, since: float | None = None,
+           arrived: float | None = None) -> tuple[float, int]:
+    return measured_share(s, cfg.ttft_slo_factor, cfg.tpot_slo_factor, since=since, band=cfg.slo_band,
+                          arrived_since=arrived)
 
 
 def current_layout(rounds: Iterable[tuple[PlannerSignals, dict]], cfg: PlannerConfig) -> list[Scored]:
     """Per round that measured ``calibration_min_samples`` finished requests since the recording's last
-    action (its decisions say when; before it the window ran another layout)."""
-    out, since = [], None
+    action (its decisions say when; before it the window ran another layout), after a role
+    switch only those that arrived after it was done, as ``decide`` measures them."""
+    out, state = [], PlannerState()
     for s, decision in rounds:
         cur = layout_of(s)
+        state = seen_settled(state, s, cur)
+        since, arrived = measured_from(state)
         if not s.draining and cur.decode >= 1 and len(s.requests) >= cfg.min_requests:
-            measured, n = _share(s, cfg, since)
+            measured, n = _share(s, cfg, since, arrived)
             if n >= cfg.calibration_min_samples:
-                e = estimate(cur, s, cfg.ttft_slo_factor, cfg.tpot_slo_factor, calibration(s, cfg, since), cfg.slo_band)
+                e = estimate(cur, s, cfg.ttft_slo_factor, cfg.tpot_slo_factor, calibration(s, cfg, since, arrived),
+                             cfg.slo_band)
                 out.append(Scored(s.at, (cur.prefill, cur.decode), e.attainment, measured, n))
-        if decision.get("action", "hold") != "hold":
-            since = s.at
+        action = decision.get("action", "hold")
+        if action == "switch_roles":
+            state = PlannerState(last_action_at=s.at, left=(cur.prefill, cur.decode), left_at=s.at)
+        elif action != "hold":
+            state = PlannerState(last_action_at=s.at)
     return out
 
 
