@@ -72,7 +72,8 @@ class PlannerState:
     # The load it measured that under: (requests, prompt tokens) per second since the action before.
     left_load: tuple[float, float] | None = None
     # When that switch was seen done: the first round with the new role mix and no node
-    # draining (None: not yet). The undo counts only requests that arrived after it.
+    # draining (None: not yet). What the new mix measured counts only requests that arrived
+    # after it (``measured_from``).
     settled_at: float | None = None
 
 
