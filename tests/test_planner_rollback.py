@@ -55,7 +55,7 @@ def test_a_switch_measured_worse_under_the_same_load_is_undone():
     assert (back.layout.prefill, back.layout.decode) == (1, 1)
     assert "measured 67% over 10 requests that arrived after the switch was done" in back.detail
     assert "against 83% before it" in back.detail
-    # 16 had finished since the switch began: 6 of them queued before it, not counted.
+    # 16 had finished since the switch began: 6 of them arrived before it was done, not counted.
     assert sum(r.done and r.at >= switch.at for r in worse.requests) == 16
     # Undone, the left layout is the one just left: going there again needs the evidence again.
     assert back.state.left == (0, 2) and back.state.left_attainment == pytest.approx(0.6667, abs=1e-3)
