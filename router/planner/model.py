@@ -144,6 +144,14 @@ class Calibration:
                 "measured_tpot_s": round(self.measured_tpot_s, 4), "measured_ttft_s": round(self.measured_ttft_s, 4)}
 
 
+def measured_requests(s: PlannerSignals, since: float | None = None,
+                      arrived_since: float | None = None) -> list[RequestSample]:
+    """The window's finished requests that measured the layout running now: finished since
+    ``since``, and arrived since ``arrived_since`` (decide.py, ``measured_from``)."""
+    return [r for r in s.requests if r.done and (since is None or r.at >= since)
+            and (arrived_since is None or r.arrived_at >= arrived_since)]
+
+
 def calibrate(s: PlannerSignals, current: LayoutEstimate, min_samples: int = 8, lo: float = 0.5,
               hi: float = 4.0, since: float | None = None, arrived_since: float | None = None) -> Calibration:
     """The factors that bring the current layout's predicted mean TPOT and TTFT to the window's
@@ -151,8 +159,7 @@ def calibrate(s: PlannerSignals, current: LayoutEstimate, min_samples: int = 8, 
     ``since``: only requests finished from then on measured it (the last action: before it, the
     window's requests ran on another layout); ``arrived_since``: and only those that arrived
     from then on (after a role switch: not those served across it)."""
-    mine = [r for r in s.requests if (since is None or r.at >= since)
-            and (arrived_since is None or r.arrived_at >= arrived_since)]
+    mine = measured_requests(s, since, arrived_since)
     tpots = [r.tpot_s for r in mine if r.tpot_s is not None and r.output_tokens > 1]
     ttfts = [r.ttft_s for r in mine if r.ttft_s is not None]
 
@@ -198,8 +205,7 @@ def measured_share(s: PlannerSignals, ttft_slo_factor: float = 5.0, tpot_slo_fac
     end), judged by the targets the model predicts against (``estimate``, with the same
     ``band``: the mean share over the targets scaled by each), so a layout measured and one
     predicted compare on one scale."""
-    mine = [r for r in s.requests if r.done and (since is None or r.at >= since)
-            and (arrived_since is None or r.arrived_at >= arrived_since)]
+    mine = measured_requests(s, since, arrived_since)
     ok = 0.0
     for r in mine:
         prefill_s = s.prefill.predict(r.uncached, r.cached_tokens)
