@@ -151,6 +151,7 @@ class Orchestrator:
         run = self._running[client_id] = Running(arrival, trace=rt)
         observer = StreamObserver(metrics.requests, arrival)
         sent = False
+        first: float | None = None  # its TTFT, once its first token came
         try:
             # to_thread runs it in a copy of this task's context: router.place is current there
             prep = await asyncio.to_thread(rt.place, self.preparer.prepare, req, client_id, max_tokens_to_context,
@@ -163,6 +164,8 @@ class Orchestrator:
                     observer.queued(run.queue_s or 0.0)
                 resp.request_id = client_id
                 observer.feed(resp)
+                if first is None and (first := observer.ttft_s) is not None:
+                    self.window.first_token(client_id, first)
                 yield resp
         except RouterError as e:
             if not sent:

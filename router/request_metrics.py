@@ -47,6 +47,12 @@ class StreamObserver:
             self.generation_tokens += done.usage.completion_tokens
             self.recorder.sample(done.index, 0, _REASON_NAMES.get(done.finish_reason, "unknown"), now)
 
+    @property
+    def ttft_s(self) -> float | None:
+        """Arrival to the first token (None: none yet)."""
+        first = self.recorder.first_token_at
+        return None if first is None else max(0.0, first - self.recorder.arrival)
+
     def finish(self, now: float | None = None) -> None:
         self.recorder.finish(self.prompt_tokens, now, generated=self.generation_tokens)
 
@@ -63,7 +69,8 @@ class StreamObserver:
 
 def in_flight_sample(prep: Prepared) -> RequestSample:
     """A placed request as the planner's window holds it until it finishes: its ``max_tokens``
-    as the output it may still produce, no latencies yet (router/planner/signals.py)."""
+    as the output it may still produce, no latencies yet: its TTFT once its first token comes
+    (RequestWindow.first_token; router/planner/signals.py)."""
     return RequestSample(time.time(), prep.num_prompt_tokens, prep.placement.predicted_cached_tokens,
                          prep.params.max_tokens, None, None, prep.slo_class, prep.placement.prefill_node is None,
-                         done=False)
+                         done=False, first_token_watched=True)

@@ -244,13 +244,15 @@ def test_a_live_router_plans_from_what_it_serves(redis_url, tok_dir, tiny_model)
         assert plan["reason"] != "warming_up" and 0 < plan["figures"]["long_share"] < 1
         assert RoleStore(redis_client(redis_url), ns).all() == {}  # advisory: no node was asked to switch
         # A request the router placed and has not finished is in the planner's window (its
-        # max_tokens as the output to come), and leaves it when it ends, whatever the end.
+        # max_tokens as the output to come, its TTFT once its first token came: a request past
+        # its target is a miss before it finishes), and leaves it when it ends, whatever the end.
         window = router.orchestrator.window
         with pdserve.Client(router.address, timeout=60) as c:
             stream = c.generate(token_ids=prompt(9, 16), max_tokens=240, ignore_eos=True, request_id="inflight-1")
             next(iter(stream))  # its first chunk: placed, running
             flying = [r for r in window.recent(time.time(), 60.0, 1) if not r.done]
-            assert [(r.prompt_tokens, r.output_tokens, r.ttft_s) for r in flying] == [(16, 240, None)]
+            assert [(r.prompt_tokens, r.output_tokens, r.first_token_watched) for r in flying] == [(16, 240, True)]
+            assert 0 < flying[0].ttft_s < 60 and flying[0].tpot_s is None
             c.abort("inflight-1")
             for _ in stream:
                 pass

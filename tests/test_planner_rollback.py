@@ -11,9 +11,9 @@ import pytest
 
 from router.planner.config import PlannerConfig
 from router.planner.decide import HOLD, SWITCH_ROLES, PlannerState, decide
-from router.planner.model import measured_share
+from router.planner.model import measured_share, slo_targets
 from router.planner.record import read_rounds
-from router.planner.signals import RequestSample
+from router.planner.signals import RequestSample, RequestWindow
 from tests.test_planner import COLOCATED, _finished, signals
 
 # The elastic benchmark's planner settings (deploy/bench/serve_elastic.py), one round to confirm.
@@ -154,3 +154,81 @@ def test_after_an_undo_the_planner_does_not_go_back_on_requests_served_across_it
     assert sum(r.done and r.at >= worse.at for r in back_again.requests) == 12
     assert d.figures["measured_current_requests"] == 1
     assert d.action == HOLD, d.detail  # uncalibrated on one request, the model no longer wants colocated
+
+
+def _late(at: float, waited: float, first_token: bool = False, watched: bool = True, prompt: int = 100,
+          output: int = 64) -> RequestSample:
+    """A request in flight, placed at ``at``, that has waited ``waited`` seconds for its first
+    token by the round (``first_token``: it came then)."""
+    return RequestSample(at, prompt, 0, output, waited if first_token else None, None, done=False,
+                         first_token_watched=watched)
+
+
+def _ttft_target(s, band: float = 1.0, factor: float = 5.0, prompt: int = 100) -> float:
+    r = RequestSample(s.at, prompt, 0, 64, None, None)
+    return slo_targets(r, s, s.prefill.predict(prompt, 0), band * factor, 1.0)[0]
+
+
+def test_requests_in_flight_past_their_ttft_target_count_as_misses():
+    """A request still running whose first token came late, or has not come by its TTFT target,
+    is a miss whatever comes next: ``measured_share`` counts it before it finishes. One under
+    its target so far, one from a recording made before the router watched first tokens, and
+    one that arrived before the layout measured are not counted."""
+    s = replace(_finished(signals(0.0, 0.5), 0.06), unloaded_tpot_s=0.05)  # 60 finished, all within
+    target = _ttft_target(s, band=4 / 3)  # the widest of the band below
+    late = [_late(990.0, target + 1.0, first_token=True),  # first token late, still decoding
+            _late(s.at - target - 1.0, target + 1.0)]  # no first token, waiting past its target
+    not_yet = [_late(s.at - target / 2, target / 2),  # waiting, under its target so far
+               _late(995.0, target / 2, first_token=True),  # first token in time
+               _late(s.at - target - 1.0, target + 1.0, watched=False)]  # an old recording's
+    both = replace(s, requests=(*s.requests, *late, *not_yet))
+    band = (2 / 3, 1.0, 4 / 3)
+    assert measured_share(s, tpot_slo_factor=2.0, band=band) == (pytest.approx(1.0), 60)
+    assert measured_share(both, tpot_slo_factor=2.0, band=band) == (pytest.approx(60 / 62), 62)
+    # Arrived before the layout ran (the switch seen done at 991): served across it, not counted.
+    share, n = measured_share(both, tpot_slo_factor=2.0, band=band, since=985.0, arrived_since=991.0)
+    assert n == 1 + sum(r.done and r.at >= 985.0 and r.arrived_at >= 991.0 for r in s.requests)
+    # Late at the tightest target only: may yet count as met at the widest, not counted.
+    edge = replace(s, requests=(*s.requests, _late(990.0, _ttft_target(s, band=2 / 3) + 0.01, first_token=True)))
+    assert measured_share(edge, tpot_slo_factor=2.0, band=band) == (pytest.approx(1.0), 60)
+
+
+def test_the_window_records_a_first_token_on_the_request_in_flight():
+    w = RequestWindow()
+    w.started("a", RequestSample(100.0, 64, 0, 128, None, None, done=False, first_token_watched=True))
+    w.first_token("a", 1.5)
+    w.first_token("gone", 2.0)  # ended before its first token reached the window: nothing to mark
+    (r,) = w.recent(101.0, 30.0, 1)
+    assert (r.ttft_s, r.done, r.at, r.arrived_at) == (1.5, False, 100.0, 100.0)
+    w.ended("a")
+    w.first_token("a", 3.0)
+    assert w.recent(101.0, 30.0, 1) == ()
+
+
+def test_late_requests_in_flight_send_the_planner_back_before_eight_finish():
+    """After a switch 1P+1D -> colocated at 40% documents, the documents queue: 3 requests that
+    arrived after the switch was done finished, 8 more are in flight past their TTFT target.
+    Before, ``revisit`` held the model's return to 1P+1D until 8 had finished (18-22 s in the
+    held-out seed-6 run's documents phase, 2026-12-03); the 11 measured say colocated is worse.
+    The model alone, with no switch to go back on, still waits for 8 finished ones
+    (``calibrating``): the late ones are evidence against the layout, not a calibration."""
+    cfg = PlannerConfig(confirm_rounds=1, cooldown_s=0.0, window_s=60.0, calibrate=False)
+    base = signals(0.4, 0.5, roles=COLOCATED)
+    early = [replace(r, at=r.at - 47.0) for r in base.requests[11:]]  # finished before the switch
+    fin = [replace(r, at=995.0 + i, ttft_s=0.01, tpot_s=0.001, output_tokens=2) for i, r in enumerate(early[:3])]
+    flying = [_late(962.0 + i * 0.5, 1000.0 - 962.0 - i * 0.5, prompt=900, output=16) for i in range(8)]  # documents
+    assert min(1000.0 - x.at for x in flying) > _ttft_target(base, 4 / 3, prompt=900)  # no first token by then
+    s = replace(base, requests=(*early, *fin, *flying))
+    left = PlannerState(last_action_at=958.0, left=(1, 1), left_at=958.0, left_attainment=0.9,
+                        left_load=s.offered_since(900.0), settled_at=960.0)
+    old = replace(s, requests=tuple(replace(r, first_token_watched=False) for r in s.requests))
+    held = decide(old, left, cfg)
+    assert (held.action, held.reason) == (HOLD, "revisit") and "3 requests measured since, 8 needed" in held.detail
+    d = decide(s, left, cfg)
+    assert d.figures["measured_current_requests"] == 11
+    assert d.figures["measured_current_attainment"] == pytest.approx(3 / 11, abs=1e-4)
+    assert (d.action, (d.layout.prefill, d.layout.decode)) == (SWITCH_ROLES, (1, 1)), d.detail
+    # No switch to go back on (the last action a threshold change): 3 finished, the model waits.
+    wait = decide(s, PlannerState(last_action_at=958.0), cfg)
+    assert (wait.action, wait.reason) == (HOLD, "calibrating"), wait.detail
+    assert "3 requests finished since the last action, 8 needed" in wait.detail

@@ -20,7 +20,8 @@ Why it does not flap:
 - no return on a prediction alone: for ``REVISIT_WINDOWS`` windows after a role switch, the
   layout it left is taken again only when the layout it moved to measured ``switch_margin``
   worse than the one it left had (``model.measured_share``: the share of finished requests
-  within the model's targets; a layout left before it measured enough: for one window, then
+  within the model's targets, those in flight already past their TTFT target counted as misses;
+  a layout left before it measured enough: for one window, then
   the prediction decides). Two
   saturated layouts predict alike and their load estimates swing round to round, so the model
   alone sends the planner back and forth (the held-out elastic run of 2026-12-02: three
@@ -34,7 +35,9 @@ Why it does not flap:
 - no role switch on an uncalibrated model: the current layout must have measured
   ``calibration_min_samples`` finished requests since the last action (``calibrating``);
   after a role switch, requests that also arrived after it was done (``measured_from``): one
-  served across the switch measures the switch, not the new layout;
+  served across the switch measures the switch, not the new layout. A return to the mix the
+  switch left, on measured evidence that counts late requests in flight, is exempt
+  (``_back_on_evidence``);
 - no move from a layout that measures fine: one predicted past saturation whose window's
   requests (``calibration_min_samples`` or more measured since the last action) met their
   SLOs for ``1 - switch_margin`` of them is held (``measured_unsaturated``): the model is off.
@@ -49,7 +52,8 @@ from dataclasses import dataclass, field, replace
 
 from kv_index.nodes import Role
 from router.planner.config import PlannerConfig
-from router.planner.model import Calibration, Layout, LayoutEstimate, calibrate, estimate, measured_share
+from router.planner.model import (Calibration, Layout, LayoutEstimate, calibrate, estimate, measured_requests,
+                                  measured_share)
 from router.planner.signals import PlannerSignals, measured_attainment
 from router.planner.switch_cost import SwitchCost, over_horizon, role_changes, switch_cost, util_over_horizon
 
@@ -226,12 +230,16 @@ def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decisi
     detail += f"; {undo_why}" if undo_why else ""
     if action == SWITCH_ROLES and (back := _revisit(state, target.layout, s.at, cfg, here_att, here_n)):
         return hold("revisit", f"{detail}; {back}", figures, replace(state, pending=None, pending_rounds=0))
-    if action == SWITCH_ROLES and here_n < cfg.calibration_min_samples:
+    finished = len(measured_requests(s, since, arrived))
+    if action == SWITCH_ROLES and finished < cfg.calibration_min_samples and \
+            not _back_on_evidence(state, target.layout, cfg, here_att, here_n):
         # Not on an uncalibrated model: in the elastic benchmark's recordings 7 of 39 role
         # switches came within seconds of a threshold change, on 2-7 requests measured since,
-        # all from 1P+1D to colocated, the calibration not yet applying (seeds 4 and 5).
+        # all from 1P+1D to colocated, the calibration not yet applying (seeds 4 and 5). The
+        # calibration takes finished requests only; a return to the mix left on what the two
+        # measured (late requests in flight counted) stands on the measure, not the model.
         scope = "since the last action" if arrived is None else "that arrived after the last role switch"
-        return hold("calibrating", f"{detail}; {here_n} requests measured {scope}, "
+        return hold("calibrating", f"{detail}; {finished} requests finished {scope}, "
                     f"{cfg.calibration_min_samples} needed before a role switch", figures,
                     replace(state, pending=None, pending_rounds=0))
     rounds = state.pending_rounds + 1 if state.pending == target.layout else 1
@@ -403,6 +411,13 @@ def _revisit(state: PlannerState, target: Layout, now: float, cfg: PlannerConfig
         return (f"left {ago:.0f} s ago at {state.left_attainment:.0%} measured, now {here_att:.0%}: "
                 f"not {cfg.switch_margin:.0%} worse")
     return ""
+
+
+def _back_on_evidence(state: PlannerState, target: Layout, cfg: PlannerConfig, here_att: float, here_n: int) -> bool:
+    """The target is the role mix the last switch left, and the layout it moved to measured
+    ``switch_margin`` worse than that one had, over enough requests (``_revisit`` lets it go)."""
+    return (state.left == (target.prefill, target.decode) and state.left_attainment is not None
+            and here_n >= cfg.calibration_min_samples and here_att <= state.left_attainment - cfg.switch_margin)
 
 
 def _rollback(state: PlannerState, s: PlannerSignals, cfg: PlannerConfig, current: Layout, here_att: float,

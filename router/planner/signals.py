@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kv_index.nodes import NodeInfo, Role
 from router.admission import SLO_CLASSES
@@ -33,6 +33,10 @@ class RequestSample:
     slo_class: str = "relaxed"
     local: bool = False  # prefilled on its decode node
     done: bool = True  # False: admitted and placed, not finished (``at``: when it was placed)
+    # In flight: the router sets ``ttft_s`` when its first token comes (RequestWindow.first_token),
+    # so one with none yet has waited ``signals.at - at`` so far. False in recordings made before
+    # that, whose requests in flight carry no first token whether they had one or not.
+    first_token_watched: bool = False
 
     @property
     def uncached(self) -> int:
@@ -160,6 +164,13 @@ class RequestWindow:
         """A request was placed (``sample.done`` False): the planner sees it before it finishes."""
         with self._lock:
             self._inflight[key] = sample
+
+    def first_token(self, key: str, ttft_s: float) -> None:
+        """The request ``key``, in flight, had its first token ``ttft_s`` after it arrived: one
+        still running past its TTFT target is a miss already (model.measured_share)."""
+        with self._lock:
+            if key in self._inflight:
+                self._inflight[key] = replace(self._inflight[key], ttft_s=ttft_s)
 
     def ended(self, key: str) -> None:
         """The request ``key`` left (finished, failed or aborted): no longer in flight."""
