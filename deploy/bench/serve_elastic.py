@@ -17,8 +17,9 @@ Three layouts of the embedded cluster, each node pinned to its own core with one
 Workloads: each fixed mix of ``--long-shares`` (default 0.1, 0.2, 0.4) at ``--rate`` requests
 per second, and the shifting workload of ``--phases FILE`` (serve_phases.py; the shipped
 phases/elastic_default.json: chat-heavy, document-heavy, a burst). Without ``--rate`` the rate
-follows the machine's speed: ``RATE_X_TPOT`` / the unloaded TPOT the first layout measures,
-and the phases' rates scale with it (``auto_rate``, ``streams``).
+follows the machine's speed: ``RATE_X_TPOT`` / the unloaded TPOT the first layout measures, or
+``RATE_X_LONG_TTFT`` / its unloaded document TTFT where that is lower, and the phases' rates
+scale with it (``auto_rate``, ``streams``).
 
 Interleaved, A B C C B A (serve_elastic_figures.schedule): every layout is started twice, once
 per pass, so a machine that drifts through the run favours none. In each pass a layout serves
@@ -77,6 +78,16 @@ DEFAULT_SHARES = (0.1, 0.2, 0.4)
 # under the fixed layout's knee at 10% documents (about 0.04), where two decode nodes still have
 # headroom.
 RATE_X_TPOT = 0.035
+# ... or RATE_X_LONG_TTFT / the unloaded median TTFT of a document (its prefill alone), where
+# that is lower: the fixed layout's one prefill node then spends at most 0.4 x 1.5 = 60% of its
+# time on documents in the 40% mix. Why: decode and prefill do not speed up alike across CPUs,
+# so the TPOT alone does not say the load. On the AVX-512 Xeon of the first ten sessions
+# (unloaded TPOT 63-82 ms, the prefill fit 3.0-3.4 ms a token) the TPOT rule gave 0.43-0.56 a
+# second, about 1.3-1.8 documents' prefill time a second (this rule would have trimmed the
+# fastest of those runs); on an EPYC (2026-12-04: TPOT 40 ms,
+# 2.25-2.4 ms a token, a document 2.45 s) it gave 0.885, 2.2 documents' time a second, and every
+# layout drowned in the 40% mix (fixed 0.035 request/s good, colocated 0.16).
+RATE_X_LONG_TTFT = 1.5
 # The shipped phases file's rates were written for a 0.5/s machine; with the rate following the
 # machine they scale by rate / this (an explicit --rate plays them as written).
 PHASES_REFERENCE_RATE = 0.5
@@ -221,11 +232,24 @@ class Stream:
 
 
 def auto_rate(unloaded: list[Record]) -> float:
-    """The fixed mixes' rate on this machine: ``RATE_X_TPOT`` / the unloaded median TPOT."""
+    """The fixed mixes' rate on this machine: ``RATE_X_TPOT`` / the unloaded median TPOT, or
+    ``RATE_X_LONG_TTFT`` / the unloaded median document TTFT where lower (none measured: the
+    TPOT's alone)."""
     tpots = sorted(t for r in unloaded if (t := r.tpot) is not None and t > 0)
     if not tpots:
         raise SystemExit("--compare elastic: no unloaded request measured a TPOT, so no rate follows; pass --rate")
-    return round(RATE_X_TPOT / tpots[len(tpots) // 2], 3)
+    longs = sorted(t for r in unloaded if r.kind == "long" and (t := r.ttft) is not None and t > 0)
+    by_prefill = RATE_X_LONG_TTFT / longs[len(longs) // 2] if longs else math.inf
+    return round(min(RATE_X_TPOT / tpots[len(tpots) // 2], by_prefill), 3)
+
+
+def rate_rule(unloaded: list[Record], rate: float) -> str:
+    """Which of ``auto_rate``'s two rules set ``rate``, in words."""
+    tpots = sorted(t for r in unloaded if (t := r.tpot) is not None and t > 0)
+    by_tpot = round(RATE_X_TPOT / tpots[len(tpots) // 2], 3) if tpots else math.inf
+    if rate >= by_tpot:
+        return f"{RATE_X_TPOT:g} / the unloaded TPOT {RATE_X_TPOT / rate * 1e3:.0f} ms"
+    return f"{RATE_X_LONG_TTFT:g} / the unloaded document TTFT {RATE_X_LONG_TTFT / rate:.2f} s (the TPOT's: {by_tpot:g})"
 
 
 def streams(args, rate: float | None = None) -> list[Stream]:
@@ -412,16 +436,17 @@ def compare_elastic(args, report) -> dict:
     lays = layouts(args)
     streams(args)  # the flags checked before any cluster starts
     rate: float | None = args.rate
+    rule = "--rate"
     plan: list[Stream] = []
 
     def plan_for(first_unloaded: list[Record]) -> list[Stream]:
-        """The streams, built once: at the first slot's call its unloaded TPOT sets the rate."""
-        nonlocal rate
+        """The streams, built once: at the first slot's call its unloaded medians set the rate."""
+        nonlocal rate, rule
         if not plan:
             if rate is None:
                 rate = auto_rate(first_unloaded)
-                report.progress(f"rate {rate:g} requests/s ({RATE_X_TPOT:g} / the unloaded TPOT "
-                                f"{RATE_X_TPOT / rate * 1e3:.0f} ms; phases x {rate / PHASES_REFERENCE_RATE:.2f})")
+                rule = rate_rule(first_unloaded, rate)
+                report.progress(f"rate {rate:g} requests/s ({rule}; phases x {rate / PHASES_REFERENCE_RATE:.2f})")
             plan.extend(streams(args, rate))
         return plan
 
@@ -460,9 +485,9 @@ def compare_elastic(args, report) -> dict:
                   "local_prefill_tokens": x.local_prefill_tokens, "chunk_tokens": x.chunk_tokens,
                   "prefill_chunk_tokens": x.prefill_chunk_tokens or x.chunk_tokens} for x in lays],
         schedule=[f"{name}#{p + 1}" for p, name in order],
-        rate=rate, rate_rule=("--rate" if args.rate is not None else f"{RATE_X_TPOT:g} / the first layout's unloaded "
-                                                                  f"median TPOT" + (" in the warm-up slot" if
-                                                                                    args.warmup_s > 0 else "")),
+        rate=rate, rate_rule=("--rate" if args.rate is not None else
+                              (f"{rule}: the first layout's unloaded medians" + (" in the warm-up slot" if
+                                                                                 args.warmup_s > 0 else ""))),
         warmup_s=args.warmup_s,
         mix_seconds=args.mix_seconds, lead_s=args.lead_s,
         phases=[{"name": p.label(i), "seconds": p.seconds, "rate": p.rate, "long_share": p.long_share}

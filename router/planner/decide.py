@@ -52,8 +52,15 @@ from dataclasses import dataclass, field, replace
 
 from kv_index.nodes import Role
 from router.planner.config import PlannerConfig
-from router.planner.model import (Calibration, Layout, LayoutEstimate, calibrate, estimate, measured_requests,
-                                  measured_share)
+from router.planner.model import (
+    Calibration,
+    Layout,
+    LayoutEstimate,
+    calibrate,
+    estimate,
+    measured_requests,
+    measured_share,
+)
 from router.planner.signals import PlannerSignals, measured_attainment
 from router.planner.switch_cost import SwitchCost, over_horizon, role_changes, switch_cost, util_over_horizon
 
