@@ -244,9 +244,14 @@ def test_the_layouts_share_two_pinned_cores_and_only_the_elastic_one_plans():
     assert (elastic.planner_interval_s, elastic.planner_cooldown_s, elastic.planner_window_s) == (2.0, 8.0, 20.0)
     assert configs["fixed"].short_prompt_tokens == elastic.short_prompt_tokens == 256
     # Each role on its static layout's step budget: the elastic nodes decode (and prefill beside
-    # decodes) in colocated's chunks and prefill for others in the fixed prefill node's.
+    # decodes) in colocated's chunks and prefill for others in the fixed prefill node's; the
+    # fixed decode node on the elastic nodes' decode budget (elastic at 1P+1D is fixed exactly).
     budgets = {n: (c.engine.scheduler.max_num_batched_tokens, c.prefill_step_tokens) for n, c in configs.items()}
-    assert budgets == {"fixed": (512, None), "colocated": (256, None), "elastic": (256, 512)}
+    assert budgets == {"fixed": (256, 512), "colocated": (256, None), "elastic": (256, 512)}
+    lays = {lay.name: lay for lay in serve_elastic.layouts(_args("--fixed-decode-chunk-tokens", "512"))}
+    assert (lays["fixed"].chunk_tokens, lays["fixed"].prefill_chunk_tokens) == (512, 512)
+    lays = {lay.name: lay for lay in serve_elastic.layouts(_args("--elastic-chunk-tokens", "128"))}
+    assert (lays["fixed"].chunk_tokens, lays["elastic"].chunk_tokens) == (128, 128)
     # The planner is told the SLO grid's middle point, what the layouts are scored around.
     assert (elastic.planner_ttft_slo_factor, elastic.planner_tpot_slo_factor) == (5.0, 3.0)
     assert serve_elastic.planner_slo(_args("--slo-grid-tpot-factors", "4,1.5")) == (5.0, 4.0)
