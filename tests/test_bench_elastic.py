@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from deploy.bench import serve, serve_elastic
+from deploy.bench import serve, serve_elastic, serve_elastic_rate
 from deploy.bench import serve_elastic_figures as fig
 from deploy.bench import serve_phases as ph
 from deploy.bench.serve_metrics import Record, Slo
@@ -301,12 +301,12 @@ def test_without_rate_the_load_follows_the_machines_unloaded_tpot():
         # One token, then the rest 1/tpot apart: the record's TPOT is exactly ``tpot``.
         return [rec(i, out=11, end=i + 0.5 + 10 * t) for i, t in enumerate(tpots)]
 
-    assert serve_elastic.auto_rate(unloaded(0.1, 0.04, 0.12)) == pytest.approx(serve_elastic.RATE_X_TPOT / 0.1, abs=1e-3)
-    slow = serve_elastic.auto_rate(unloaded(0.2))
-    assert slow == pytest.approx(serve_elastic.auto_rate(unloaded(0.1)) / 2, abs=1e-3)
+    assert serve_elastic_rate.auto_rate(unloaded(0.1, 0.04, 0.12)) == pytest.approx(serve_elastic_rate.RATE_X_TPOT / 0.1, abs=1e-3)
+    slow = serve_elastic_rate.auto_rate(unloaded(0.2))
+    assert slow == pytest.approx(serve_elastic_rate.auto_rate(unloaded(0.1)) / 2, abs=1e-3)
     with pytest.raises(SystemExit, match="pass --rate"):
-        serve_elastic.auto_rate([rec(0, out=1)])  # a single token: no TPOT
-    assert "the unloaded TPOT 100 ms" in serve_elastic.rate_rule(unloaded(0.1), serve_elastic.auto_rate(unloaded(0.1)))
+        serve_elastic_rate.auto_rate([rec(0, out=1)])  # a single token: no TPOT
+    assert "the unloaded TPOT 100 ms" in serve_elastic_rate.rate_rule(unloaded(0.1), serve_elastic_rate.auto_rate(unloaded(0.1)))
     written = ph.load_phases(ph.DEFAULT_FILE)
     mixes, play = serve_elastic.streams(_args("--long-shares", "0.1"), slow)
     assert {p.rate for p in mixes.phases} == {slow}
@@ -367,7 +367,7 @@ def test_a_warmup_slot_runs_first_unmeasured_and_sets_the_rate(monkeypatch):
             serve_elastic.compare_elastic(_args("--long-shares", "0.1", *argv), SimpleNamespace(progress=print))
         return calls
 
-    fast, slow = serve_elastic.RATE_X_TPOT / 0.1, serve_elastic.RATE_X_TPOT / 0.2
+    fast, slow = serve_elastic_rate.RATE_X_TPOT / 0.1, serve_elastic_rate.RATE_X_TPOT / 0.2
     assert run() == [("warm-up", "fixed"), ("fixed", 0, pytest.approx(fast, abs=1e-3))]
     assert run("--warmup-s", "0") == [("fixed", 0, pytest.approx(slow, abs=1e-3))]
     assert run("--elastic-layouts", "colocated,fixed") == [("warm-up", "colocated"),
@@ -383,9 +383,9 @@ def test_the_rate_follows_the_prefill_too_where_it_is_the_slower_side():
         doc = rec(1, out=11, ttft=long_ttft, end=1 + long_ttft + 10 * tpot, kind="long")
         return [chat, doc]
 
-    epyc = serve_elastic.auto_rate(unloaded(0.04, 2.45))
-    assert epyc == pytest.approx(serve_elastic.RATE_X_LONG_TTFT / 2.45, abs=1e-3)  # not 0.035 / 0.04 = 0.875
-    assert "document TTFT 2.45 s (the TPOT's: 0.875)" in serve_elastic.rate_rule(unloaded(0.04, 2.45), epyc)
-    xeon = serve_elastic.auto_rate(unloaded(0.075, 3.0))  # the TPOT's rule binds: 0.467 < 1.5 / 3 = 0.5
-    assert xeon == pytest.approx(serve_elastic.RATE_X_TPOT / 0.075, abs=1e-3)
-    assert "the unloaded TPOT 75 ms" in serve_elastic.rate_rule(unloaded(0.075, 3.0), xeon)
+    epyc = serve_elastic_rate.auto_rate(unloaded(0.04, 2.45))
+    assert epyc == pytest.approx(serve_elastic_rate.RATE_X_LONG_TTFT / 2.45, abs=1e-3)  # not 0.035 / 0.04 = 0.875
+    assert "document TTFT 2.45 s (the TPOT's: 0.875)" in serve_elastic_rate.rate_rule(unloaded(0.04, 2.45), epyc)
+    xeon = serve_elastic_rate.auto_rate(unloaded(0.075, 3.0))  # the TPOT's rule binds: 0.467 < 1.5 / 3 = 0.5
+    assert xeon == pytest.approx(serve_elastic_rate.RATE_X_TPOT / 0.075, abs=1e-3)
+    assert "the unloaded TPOT 75 ms" in serve_elastic_rate.rate_rule(unloaded(0.075, 3.0), xeon)

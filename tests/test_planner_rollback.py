@@ -1,5 +1,5 @@
 """The planner undoes a role switch that measured worse than the layout it left, under a load no
-heavier (router/planner/decide.py, ``_rollback``), and judges a layout only by requests it
+heavier (router/planner/returns.py, ``rollback_reason``), and judges a layout only by requests it
 served from their arrival (``measured_from``): pure logic over real recorded rounds and
 hand-built ones; no model, no socket."""
 from __future__ import annotations

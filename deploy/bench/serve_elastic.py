@@ -19,7 +19,7 @@ per second, and the shifting workload of ``--phases FILE`` (serve_phases.py; the
 phases/elastic_default.json: chat-heavy, document-heavy, a burst). Without ``--rate`` the rate
 follows the machine's speed: ``RATE_X_TPOT`` / the unloaded TPOT the first layout measures, or
 ``RATE_X_LONG_TTFT`` / its unloaded document TTFT where that is lower, and the phases' rates
-scale with it (``auto_rate``, ``streams``).
+scale with it (serve_elastic_rate.py, ``streams``).
 
 Interleaved, A B C C B A (serve_elastic_figures.schedule): every layout is started twice, once
 per pass, so a machine that drifts through the run favours none. In each pass a layout serves
@@ -63,31 +63,12 @@ from deploy.bench import serve_elastic_figures as fig
 from deploy.bench import serve_phases as ph
 from deploy.bench import serve_workload as wl
 from deploy.bench.serve_client import run_load
+from deploy.bench.serve_elastic_rate import auto_rate, rate_rule
 from deploy.bench.serve_elastic_results import workload_result, write_records
 from deploy.bench.serve_elastic_sampler import RoleSampler
 from deploy.bench.serve_metrics import Record, slo_from_unloaded, summarize
 
 DEFAULT_SHARES = (0.1, 0.2, 0.4)
-# Without --rate the fixed mixes' rate follows the machine: RATE_X_TPOT / the unloaded TPOT the
-# first layout measures alone (its decode node, one core). Why: these VMs drift 2.5x in speed
-# within a day (unloaded TPOT 40 ms one morning, 105-131 ms that afternoon), and one fixed rate
-# put the layouts near their knees in the morning (1.0/s at 40 ms: the fixed layout scored 0.35
-# and 0.12 on two passes at 10% documents) and all of them far past it in the afternoon (0.5/s at
-# 120 ms: every layout overloaded, attainment 0-18%). A node's whole cost scales with its speed,
-# so requests per unloaded decode step is the load; 0.035, chosen on seed 0's runs, is a little
-# under the fixed layout's knee at 10% documents (about 0.04), where two decode nodes still have
-# headroom.
-RATE_X_TPOT = 0.035
-# ... or RATE_X_LONG_TTFT / the unloaded median TTFT of a document (its prefill alone), where
-# that is lower: the fixed layout's one prefill node then spends at most 0.4 x 1.5 = 60% of its
-# time on documents in the 40% mix. Why: decode and prefill do not speed up alike across CPUs,
-# so the TPOT alone does not say the load. On the AVX-512 Xeon of the first ten sessions
-# (unloaded TPOT 63-82 ms, the prefill fit 3.0-3.4 ms a token) the TPOT rule gave 0.43-0.56 a
-# second, about 1.3-1.8 documents' prefill time a second (this rule would have trimmed the
-# fastest of those runs); on an EPYC (2026-12-04: TPOT 40 ms,
-# 2.25-2.4 ms a token, a document 2.45 s) it gave 0.885, 2.2 documents' time a second, and every
-# layout drowned in the 40% mix (fixed 0.035 request/s good, colocated 0.16).
-RATE_X_LONG_TTFT = 1.5
 # The shipped phases file's rates were written for a 0.5/s machine; with the rate following the
 # machine they scale by rate / this (an explicit --rate plays them as written).
 PHASES_REFERENCE_RATE = 0.5
@@ -238,27 +219,6 @@ class Stream:
 
     def requests(self, pass_index: int, cap: int | None) -> list[wl.LoadRequest]:
         return ph.phased(self.phases, self.seed + (7 * pass_index if self.per_pass else 0), max_tokens_cap=cap)
-
-
-def auto_rate(unloaded: list[Record]) -> float:
-    """The fixed mixes' rate on this machine: ``RATE_X_TPOT`` / the unloaded median TPOT, or
-    ``RATE_X_LONG_TTFT`` / the unloaded median document TTFT where lower (none measured: the
-    TPOT's alone)."""
-    tpots = sorted(t for r in unloaded if (t := r.tpot) is not None and t > 0)
-    if not tpots:
-        raise SystemExit("--compare elastic: no unloaded request measured a TPOT, so no rate follows; pass --rate")
-    longs = sorted(t for r in unloaded if r.kind == "long" and (t := r.ttft) is not None and t > 0)
-    by_prefill = RATE_X_LONG_TTFT / longs[len(longs) // 2] if longs else math.inf
-    return round(min(RATE_X_TPOT / tpots[len(tpots) // 2], by_prefill), 3)
-
-
-def rate_rule(unloaded: list[Record], rate: float) -> str:
-    """Which of ``auto_rate``'s two rules set ``rate``, in words."""
-    tpots = sorted(t for r in unloaded if (t := r.tpot) is not None and t > 0)
-    by_tpot = round(RATE_X_TPOT / tpots[len(tpots) // 2], 3) if tpots else math.inf
-    if rate >= by_tpot:
-        return f"{RATE_X_TPOT:g} / the unloaded TPOT {RATE_X_TPOT / rate * 1e3:.0f} ms"
-    return f"{RATE_X_LONG_TTFT:g} / the unloaded document TTFT {RATE_X_LONG_TTFT / rate:.2f} s (the TPOT's: {by_tpot:g})"
 
 
 def streams(args, rate: float | None = None) -> list[Stream]:

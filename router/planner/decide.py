@@ -29,7 +29,7 @@ Why it does not flap:
 - back on measured evidence: within those windows, a role switch whose new layout measured
   ``switch_margin`` less of its requests within their SLOs than the layout it left had, under a
   load not clearly heavier (requests and prompt tokens per second, ``PlannerSignals.offered_since``), is
-  undone whatever the model predicts (``measured_worse``, ``_rollback``). The held-out seed-6 run
+  undone whatever the model predicts (``measured_worse``, ``rollback_reason``). The held-out seed-6 run
   of 2026-12-03 switched 1P+1D (83% measured) to colocated at 40% documents, measured 62-69%
   there under the same load, and stayed 140 s on the model's ``no_gain``;
 - no role switch on an uncalibrated model: the current layout must have measured
@@ -37,7 +37,7 @@ Why it does not flap:
   after a role switch, requests that also arrived after it was done (``measured_from``): one
   served across the switch measures the switch, not the new layout. A return to the mix the
   switch left, on measured evidence that counts late requests in flight, is exempt
-  (``_back_on_evidence``);
+  (``back_on_evidence``);
 - no move from a layout that measures fine: one predicted past saturation whose window's
   requests (``calibration_min_samples`` or more measured since the last action) met their
   SLOs for ``1 - switch_margin`` of them is held (``measured_unsaturated``): the model is off.
@@ -61,41 +61,19 @@ from router.planner.model import (
     measured_requests,
     measured_share,
 )
+from router.planner.returns import (
+    PlannerState,
+    back_on_evidence,
+    measured_from,
+    revisit_hold,
+    rollback_reason,
+    seen_settled,
+)
 from router.planner.signals import PlannerSignals, measured_attainment
 from router.planner.switch_cost import SwitchCost, over_horizon, role_changes, switch_cost, util_over_horizon
 
 # Actions (the metric's action label).
 HOLD, SWITCH_ROLES, SET_THRESHOLD, SCALE_UP, SCALE_DOWN = "hold", "switch_roles", "set_threshold", "scale_up", "scale_down"
-
-
-@dataclass(frozen=True, slots=True)
-class PlannerState:
-    """What the planner carries from one round to the next."""
-
-    last_action_at: float | None = None  # wall clock of the last action (None: never acted)
-    pending: Layout | None = None  # the target that won the last rounds
-    pending_rounds: int = 0
-    # The role mix the last role switch left (prefill, decode nodes), and what it measured
-    # then (model.measured_share; None: too few requests to say).
-    left: tuple[int, int] | None = None
-    left_at: float | None = None
-    left_attainment: float | None = None
-    # The load it measured that under: (requests, prompt tokens) per second since the action before.
-    left_load: tuple[float, float] | None = None
-    # When that switch was seen done: the first round with the new role mix and no node
-    # draining (None: not yet). What the new mix measured counts only requests that arrived
-    # after it (``measured_from``).
-    settled_at: float | None = None
-
-
-# Windows after a role switch during which the layout it left needs measured evidence to return.
-REVISIT_WINDOWS = 2.0
-# How much heavier the load since a role switch may be than before it for the switch to be
-# undone on what the two layouts measured (``_rollback``). Not ``switch_margin``: the 15-20
-# requests a window holds after a switch count a document more or less by chance, and one
-# document of 768-1024 tokens moves their prompt tokens per second by ~20% (the seed-6 run's
-# switch: 166 before, 190-215 after, the same 40%-documents mix at the same rate).
-ROLLBACK_LOAD_TOLERANCE = 0.3
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,20 +133,6 @@ def best(cands: list[LayoutEstimate], current: Layout,
 def current_layout(s: PlannerSignals) -> Layout:
     """The layout the round's signals ran on."""
     return Layout(s.count(Role.PREFILL), s.count(Role.DECODE), s.short_prompt_tokens)
-
-
-def measured_from(state: PlannerState) -> tuple[float | None, float | None]:
-    """(finished since, arrived since): the window's requests that measured the layout running
-    now. Those finished since the last action; after a role switch, only those that also
-    arrived after it was done (``settled_at``; its start until then): a request queued before
-    it and finished seconds after was served across it (the drain, a migrated stream) and
-    measures the switch, not the new layout. In the recorded elastic runs, 7 of 52 role switches
-    were made 12-26 s after the last one on 8-16 such requests, none of them on 8 that arrived
-    after it (the held-out seed-7 runs of 2026-12-03: an undo on 9, 8 of them queued before
-    the switch). A threshold change moves no request: what finished since counts."""
-    if state.left_at is not None and state.left_at == state.last_action_at:
-        return state.last_action_at, state.settled_at if state.settled_at is not None else state.left_at
-    return state.last_action_at, None
 
 
 def calibration(s: PlannerSignals, cfg: PlannerConfig, since: float | None,
@@ -235,11 +199,11 @@ def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decisi
             reason = "prefill_bound" if target.layout.prefill > current.prefill else "decode_bound"
     detail = f"{current} -> {target.layout}: predicted {_fig(cur)} -> {_fig(target)}"
     detail += f"; {undo_why}" if undo_why else ""
-    if action == SWITCH_ROLES and (back := _revisit(state, target.layout, s.at, cfg, here_att, here_n)):
+    if action == SWITCH_ROLES and (back := revisit_hold(state, target.layout, s.at, cfg, here_att, here_n)):
         return hold("revisit", f"{detail}; {back}", figures, replace(state, pending=None, pending_rounds=0))
     finished = len(measured_requests(s, since, arrived))
     if action == SWITCH_ROLES and finished < cfg.calibration_min_samples and \
-            not _back_on_evidence(state, target.layout, cfg, here_att, here_n):
+            not back_on_evidence(state, target.layout, cfg, here_att, here_n):
         # Not on an uncalibrated model: in the elastic benchmark's recordings 7 of 39 role
         # switches came within seconds of a threshold change, on 2-7 requests measured since,
         # all from 1P+1D to colocated, the calibration not yet applying (seeds 4 and 5). The
@@ -266,16 +230,6 @@ def decide(s: PlannerSignals, state: PlannerState, cfg: PlannerConfig) -> Decisi
     return Decision(action, reason, detail, target.layout, target.layout.threshold,
                     roles=role_changes(s.nodes, target.layout), pool_targets=targets, figures=figures,
                     state=nxt)
-
-
-def seen_settled(state: PlannerState, s: PlannerSignals, current: Layout) -> PlannerState:
-    """``state`` with the last role switch seen done on this round: the first on a new role mix
-    with no node draining (a round between the decision and the node's drain still shows the
-    mix it left)."""
-    if (s.draining or state.left is None or state.settled_at is not None
-            or (current.prefill, current.decode) == state.left):
-        return state
-    return replace(state, settled_at=s.at)
 
 
 def _base_figures(s: PlannerSignals, current: Layout) -> dict[str, float]:
@@ -335,14 +289,14 @@ class _Judge:
                                                                                  str | None, str]:
         """The round's target before the guards, as (target, action, reason, why undone): with
         ``resize`` a pool one node larger or smaller when that is due; else the undo of the last
-        role switch when it measured worse (``_rollback``); else the best layout of the nodes
+        role switch when it measured worse (``rollback_reason``); else the best layout of the nodes
         running, its action (None) left to the gain."""
         here = self.best_here()
         if self.cfg.resizes:
             target, action, reason = self.resized(here)
             if action is not None:
                 return target, action, reason, ""
-        why = _rollback(state, self.s, self.cfg, self.current, here_att, here_n)
+        why = rollback_reason(state, self.s, self.cfg, self.current, here_att, here_n)
         undo = self.best_of(state.left) if why else None  # None: the mix left is out of bounds now
         if undo is not None:
             return undo, SWITCH_ROLES, "measured_worse", why
@@ -390,67 +344,6 @@ class _Judge:
             return "", figures  # nothing the margin would have taken anyway
         return (f"; {e.layout} would serve more once switched ({e.goodput_rps:.3f} req/s), but its "
                 f"{self.cost(e).drain_s:.0f} s drain loses that over the {self.cfg.window_s:.0f} s window"), figures
-
-
-def _revisit(state: PlannerState, target: Layout, now: float, cfg: PlannerConfig, here_att: float,
-             here_n: int) -> str:
-    """Why not to go back to the role mix the last switch left (module docstring; '' to go):
-    within ``REVISIT_WINDOWS`` windows of it, unless the layout it moved to measured worse."""
-    if state.left != (target.prefill, target.decode) or state.left_at is None:
-        return ""
-    ago = now - state.left_at
-    if ago >= REVISIT_WINDOWS * cfg.window_s:
-        return ""
-    if state.left_attainment is None:
-        # Left before it measured enough to compare: one window, not two, on the prediction's word
-        # (a shifting workload's next phase must not wait out two windows for evidence never taken).
-        if ago >= cfg.window_s:
-            return ""
-        return (f"left {ago:.0f} s ago before it measured {cfg.calibration_min_samples} requests: no evidence it "
-                f"was better for {cfg.window_s - ago:.0f} s more")
-    if here_n < cfg.calibration_min_samples:
-        return (f"left {ago:.0f} s ago at {state.left_attainment:.0%} measured; {here_n} requests measured since, "
-                f"{cfg.calibration_min_samples} needed to compare")
-    if here_att > state.left_attainment - cfg.switch_margin:
-        # Not on noise: 8-20 requests measure a share within ~0.1-0.15 of what they would over
-        # many (one standard error); the held-out seed-7 run went back to colocated 12 s after
-        # undoing it (``measured_worse``), 1P+1D at 69% of 12 requests against its 71% of 8.
-        return (f"left {ago:.0f} s ago at {state.left_attainment:.0%} measured, now {here_att:.0%}: "
-                f"not {cfg.switch_margin:.0%} worse")
-    return ""
-
-
-def _back_on_evidence(state: PlannerState, target: Layout, cfg: PlannerConfig, here_att: float, here_n: int) -> bool:
-    """The target is the role mix the last switch left, and the layout it moved to measured
-    ``switch_margin`` worse than that one had, over enough requests (``_revisit`` lets it go)."""
-    return (state.left == (target.prefill, target.decode) and state.left_attainment is not None
-            and here_n >= cfg.calibration_min_samples and here_att <= state.left_attainment - cfg.switch_margin)
-
-
-def _rollback(state: PlannerState, s: PlannerSignals, cfg: PlannerConfig, current: Layout, here_att: float,
-              here_n: int) -> str:
-    """Why to undo the last role switch (module docstring; '' not to): within ``REVISIT_WINDOWS``
-    windows of it, the layout it moved to measured ``switch_margin`` less of its requests within
-    their SLOs than the one it left had, under a load at most ``ROLLBACK_LOAD_TOLERANCE`` heavier
-    (requests and prompt tokens per second). A heavier load (the next, document-heavier mix; a
-    burst) explains a worse share without the layout. Only once the switch is seen done: the
-    requests measured (``measured_from``) arrived after it."""
-    if state.left is None or state.left_at is None or state.left_attainment is None or state.left_load is None:
-        return ""
-    if state.left == (current.prefill, current.decode) or s.at - state.left_at >= REVISIT_WINDOWS * cfg.window_s:
-        return ""
-    if state.settled_at is None or here_n < cfg.calibration_min_samples:
-        return ""
-    if here_att >= state.left_attainment - cfg.switch_margin:
-        return ""
-    rps, tps = s.offered_since(state.left_at)
-    left_rps, left_tps = state.left_load
-    if rps > left_rps * (1 + ROLLBACK_LOAD_TOLERANCE) or tps > left_tps * (1 + ROLLBACK_LOAD_TOLERANCE):
-        return ""
-    return (f"measured {here_att:.0%} over {here_n} requests that arrived after the switch was done "
-            f"({s.at - state.settled_at:.0f} s ago, {s.at - state.left_at:.0f} s since it began), "
-            f"against {state.left_attainment:.0%} before it, at {rps:.2f} req/s and {tps:.0f} prompt tokens/s "
-            f"(then {left_rps:.2f} and {left_tps:.0f})")
 
 
 def _fig(e: LayoutEstimate) -> str:

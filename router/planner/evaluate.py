@@ -27,10 +27,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from router.planner.config import PlannerConfig
-from router.planner.decide import PlannerState, calibration, measured_from, seen_settled, thresholds
+from router.planner.decide import calibration, thresholds
 from router.planner.decide import current_layout as layout_of
 from router.planner.model import Calibration, Layout, estimate, measured_share
 from router.planner.record import read_rounds
+from router.planner.returns import PlannerState, measured_from, seen_settled
 from router.planner.signals import PlannerSignals
 
 

@@ -120,7 +120,7 @@ class PlannerSignals:
     def offered_since(self, since: float | None) -> tuple[float, float]:
         """(requests, prompt tokens) per second over the window's requests since ``since`` (all
         of them when None), finished or in flight: the load two layouts measured under, compared
-        before the attainments they measured are (decide.py, ``_rollback``). Prompt tokens, not
+        before the attainments they measured are (returns.py, ``rollback_reason``). Prompt tokens, not
         uncached ones: what the cache saves depends on the layout."""
         span = self.span_s if since is None else min(self.span_s, self.at - since)
         if span <= 0:
