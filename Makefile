@@ -6,7 +6,7 @@
 PROMPT ?= Explain in two sentences why the KV cache makes LLM decoding fast.
 PYTEST_ARGS ?=
 
-.PHONY: setup run test protos
+.PHONY: setup run test protos lock
 
 setup:
 	./scripts/setup.sh
@@ -15,7 +15,11 @@ run: setup
 	.venv/bin/pdserve up --model smollm2-135m --demo "$(PROMPT)"
 
 test: setup
-	.venv/bin/python -m pytest -q $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 protos: setup
 	.venv/bin/python -m protos.generate
+
+# Regenerate requirements/lock.txt after changing pyproject.toml's dependencies (then `make setup`).
+lock:
+	./scripts/lock.sh

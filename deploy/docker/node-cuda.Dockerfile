@@ -31,6 +31,9 @@ RUN apt-get update \
 RUN pip install --index-url "https://download.pytorch.org/whl/${TORCH_CUDA}" "torch==${TORCH_VERSION}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# The versions CI tested (requirements/lock.txt) as constraints, less its torch (the CPU build):
+# this image's torch is the CUDA build of the same release, installed above.
+COPY requirements/lock.txt requirements/
 COPY tokens tokens
 COPY engine engine
 COPY kv_index kv_index
@@ -46,7 +49,8 @@ COPY security security
 COPY deploy deploy
 # the project itself, from this build context, and pinned flashinfer packages
 # hadolint ignore=DL3013
-RUN pip install ".[gpu]" "ray[default]==${RAY_VERSION}" "flashinfer-python==${FLASHINFER_VERSION}" "flashinfer-cubin==${FLASHINFER_VERSION}"
+RUN grep -v '^torch==' requirements/lock.txt > /tmp/constraints.txt \
+    && pip install -c /tmp/constraints.txt ".[gpu]" "ray[default]==${RAY_VERSION}" "flashinfer-python==${FLASHINFER_VERSION}" "flashinfer-cubin==${FLASHINFER_VERSION}"
 USER 1000:1000
 WORKDIR /home/pdserve
 CMD ["pdserve", "--help"]

@@ -11,7 +11,9 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/router
 ENV PATH=/opt/router/bin:$PATH
 COPY deploy/docker/router-requirements.txt /tmp/router-requirements.txt
-RUN pip install -r /tmp/router-requirements.txt
+# at the versions CI tested (requirements/lock.txt as constraints)
+COPY requirements/lock.txt /tmp/lock.txt
+RUN pip install -c /tmp/lock.txt -r /tmp/router-requirements.txt
 
 FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/router/bin:$PATH \

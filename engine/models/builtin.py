@@ -8,6 +8,13 @@ is converted once into a plain Hugging Face directory under the cache dir::
         config.json         without quantization_config
         model.safetensors   float32, dequantized
         tokenizer.json, tokenizer_config.json, ... (chat template included)
+        pdserve-cache.json  the cache format; a cache of an older format is converted again
+
+The directory is what ``save_pretrained`` writes for the architecture (transformers refuses to save
+a GGUF-loaded model, so the weights move into a plain model first): every tensor the architecture
+names, a tied ``lm_head`` stored once as ``model.embed_tokens.weight``. Other loaders depend on
+that: vLLM reads embeddings only from ``model.embed_tokens.weight`` and, given a file holding only
+the ``lm_head.weight`` alias, served every token id 0 with no error (format 1 of this cache).
 
 The directory is built in a temporary sibling and renamed into place in one step, so its existence
 means it is complete: a crash mid-conversion leaves only a stale temp dir, never a half cache.
@@ -43,6 +50,9 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 
 # Files whose presence marks a finished conversion (the rename makes them appear together).
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
+_FORMAT_FILE = "pdserve-cache.json"
+# 2: written as save_pretrained writes it (format 1 stored tied embeddings as lm_head.weight only).
+CACHE_FORMAT = 2
 
 
 def cache_dir() -> Path:
@@ -82,7 +92,10 @@ def convert_gguf(gguf_path: Path, target: Path, progress: Progress = None) -> Pa
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         _convert_gguf(gguf_path, tmp, progress)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; the cache is meant to be shared
+        # mkdtemp makes it owner-only (and save_pretrained its weights file); the cache is shared.
+        os.chmod(tmp, 0o755)
+        for file in tmp.iterdir():
+            os.chmod(file, 0o644)
         if target.exists() and not _complete(target):
             shutil.rmtree(target)  # a leftover without the marker files, never a finished copy
         try:
@@ -97,13 +110,18 @@ def convert_gguf(gguf_path: Path, target: Path, progress: Progress = None) -> Pa
 
 
 def _complete(directory: Path) -> bool:
-    return all((directory / f).is_file() for f in _REQUIRED_FILES)
+    """A finished conversion in the current format (an older one is converted again)."""
+    if not all((directory / f).is_file() for f in _REQUIRED_FILES):
+        return False
+    try:
+        return json.loads((directory / _FORMAT_FILE).read_text()).get("format") == CACHE_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress) -> None:
     """Dequantize a GGUF through transformers and save it as safetensors + config + tokenizer."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import safetensors.torch
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -113,12 +131,31 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
     say("converting GGUF: tokenizer done, dequantizing weights ...")
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
-    # save_model drops the duplicate of tied tensors and writes plain contiguous float32.
-    safetensors.torch.save_model(model, str(out_dir / "model.safetensors"))
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config.pop("_name_or_path", None)  # this machine's path to the GGUF; not part of the model
-    config["architectures"] = [type(model).__name__]
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    say("converting GGUF: writing safetensors ...")
+    _save_as_pretrained(model, out_dir)
     tokenizer.save_pretrained(out_dir)
+    (out_dir / _FORMAT_FILE).write_text(json.dumps({"format": CACHE_FORMAT, "source": gguf_path.name}) + "\n")
     say("converting GGUF: done")
+
+
+def _save_as_pretrained(gguf_model, out_dir: Path) -> None:
+    """Write ``gguf_model`` exactly as ``save_pretrained`` does for an unquantized model.
+
+    transformers refuses to serialize a model that carries a GGUF quantizer, so its (already
+    dequantized, float32) tensors are moved, without a copy, into a fresh model built on the meta
+    device from the same config less ``quantization_config``, and that one is saved.
+    """
+    import torch
+
+    config = gguf_model.config.to_dict()
+    config.pop("quantization_config", None)
+    # The GGUF's display name and this machine's path to it: not part of the model.
+    config.pop("_name_or_path", None)
+    config.pop("_model_name_or_path", None)
+    clean_config = type(gguf_model.config).from_dict(config)
+    clean_config.architectures = [type(gguf_model).__name__]
+    with torch.device("meta"):
+        clean = type(gguf_model)(clean_config)
+    clean.load_state_dict(gguf_model.state_dict(), assign=True)
+    clean.tie_weights()
+    clean.save_pretrained(out_dir)
