@@ -24,10 +24,10 @@ from collections.abc import Callable
 
 import grpc
 
-from decode_node.proposers import build_proposer
 from decode_node.responses import ResponseBuilder
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
+from engine.speculative.proposers import build_proposer
 from kv_index.nodes import Role
 from kv_transfer.validate import Reservation, new_token
 from node.config import NodeConfig

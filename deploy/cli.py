@@ -240,7 +240,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             cfg = engine_config_from_args(a)
             factory = None
             if cfg.speculative.enabled:  # in-process: this engine plays the decode role
-                from decode_node.proposers import build_proposer as factory
+                from engine.speculative.proposers import build_proposer as factory
             eng = LLMEngine(cfg, progress=sp.update, proposer_factory=factory)
             sp.update("tokenizing")
             ids = eng.encode(a.prompt, chat=not a.no_chat, system=a.system)
@@ -273,7 +273,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace, rest: list[str]) -> int:
-    from deploy.bench import Reporter, benchmark_module
+    from bench import Reporter, benchmark_module
 
     mod = benchmark_module(a.name)
     p = argparse.ArgumentParser(prog=f"pdserve bench {a.name}")
@@ -380,10 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     pm = sub.add_parser("prepare-model", help="put a model (or its tokenizer) into a directory, for pods")
     model_files.add_arguments(pm)
 
-    from deploy import chaos
+    import chaos
 
     ch = sub.add_parser("chaos", help="faults injected into a local cluster under load, judged against a fault-free "
-                                      "run; exit 1 if any check failed (deploy/chaos/)")
+                                      "run; exit 1 if any check failed (chaos/)")
     _add_engine_args(ch)
     chaos.add_arguments(ch)
 

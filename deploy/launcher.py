@@ -93,7 +93,7 @@ class LocalCluster:
         import ray
 
         from engine.models.loader import read_model_config, resolve_source
-        from router.server import serve
+        from frontend.server import serve
 
         cfg = self.config
         # Convert a builtin or GGUF model once here, so the nodes don't race to do it.

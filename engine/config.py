@@ -64,7 +64,7 @@ class SchedulerConfig:
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """Speculative decoding (decode role). The engine only runs the mechanism; the proposer
-    named by ``method`` is built by whoever constructs the engine (``decode_node.proposers``)."""
+    named by ``method`` is built by whoever constructs the engine (``engine.speculative.proposers``)."""
 
     # off | ngram | draft | early_exit | low_precision | medusa | eagle (see docs/speculative.md)
     method: str = "off"

@@ -57,7 +57,7 @@ class LLMEngine(TieredKV):
     ) -> None:
         """``proposer_factory`` builds the speculative-decoding proposer from this engine (its
         model, KV cache, device); required when ``config.speculative`` is on. Decode nodes
-        pass ``decode_node.proposers.build_proposer``. It may return None when it measured that its
+        pass ``engine.speculative.proposers.build_proposer``. It may return None when it measured that its
         drafter cannot pay here; the engine then runs without speculation (``self.spec`` None).
         ``runner_class``: builds the runner (tensor parallel: engine/parallel/executor.py)."""
         self.config = config
@@ -128,7 +128,7 @@ class LLMEngine(TieredKV):
         if proposer_factory is None:
             raise ValueError(
                 f"speculative method {cfg.method!r} is configured but no proposer "
-                "factory was passed (decode nodes pass decode_node.proposers.build_proposer)")
+                "factory was passed (decode nodes pass engine.speculative.proposers.build_proposer)")
         # None: the factory measured that its drafter cannot pay on this machine (a bf16
         # draft on a CPU without bf16 matmuls); the engine serves without speculation.
         proposer = proposer_factory(self)

@@ -9,7 +9,7 @@ refuses get INVALID_ARGUMENT with ``protos.wire_check``'s account of the field t
 (``field prompt_token_ids: ...``), before the call takes a long-call slot or reaches the
 servicer. Client-streaming calls (PushBlocks) parse each message as it arrives; the first bad
 one ends the call. The router's asyncio server does the same for its own API
-(``router/grpc_parsing.py``). Plain grpc and protobuf.
+(``frontend/grpc_parsing.py``). Plain grpc and protobuf.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """OpenAI's and vLLM's request shapes for structured outputs and tools, to serving.proto
-messages: shared by the router's HTTP API (router/openai_protocol.py) and the SDK (pdserve/),
+messages: shared by the router's HTTP API (frontend/openai_protocol.py) and the SDK (pdserve/),
 so that ``response_format=``, ``structured_outputs`` / ``guided_*`` and ``tools=`` mean the same
 through either. Plain dicts in, protobuf messages out, no I/O and nothing but the wire imported
 (the SDK ships it).

@@ -1,4 +1,4 @@
-"""Router configuration: one frozen dataclass; each flag of ``python -m router.server`` sets
+"""Router configuration: one frozen dataclass; each flag of ``python -m frontend.server`` sets
 the field of the same name (the rest keep their defaults)."""
 from __future__ import annotations
 
@@ -65,9 +65,9 @@ class RouterConfig:
     decode_progress_floor_s: float = 3.0
     decode_progress_ceiling_s: float = 30.0
     max_message_bytes: int = MAX_MESSAGE_BYTES
-    # The HTTP front's bounds (router/http_front.py). An HTTP body over max_body_bytes is 413;
+    # The HTTP front's bounds (frontend/http_front.py). An HTTP body over max_body_bytes is 413;
     # None = what max_model_len tokens of the tokenizer's longest token can use, plus JSON
-    # (router/http_budget.py body_limit_bytes; 1.2 MiB for SmolLM2's 8192 tokens).
+    # (frontend/http_budget.py body_limit_bytes; 1.2 MiB for SmolLM2's 8192 tokens).
     max_body_bytes: int | None = None
     # Body bytes held at once across HTTP requests (each until its response ends); a body
     # that would pass it is refused 429 + Retry-After before it is read.
@@ -198,7 +198,7 @@ class RouterConfig:
 
     @property
     def rpc_limit(self) -> int:
-        """gRPC calls (and HTTP requests, router/http_front.py) the router holds at once: room
+        """gRPC calls (and HTTP requests, frontend/http_front.py) the router holds at once: room
         for every admitted request, as many refusals in flight, and control calls."""
         return 2 * self.max_inflight + 64
 
@@ -209,7 +209,7 @@ class RouterConfig:
 
 def add_deadline_arguments(p: argparse.ArgumentParser) -> None:
     """How the router gives up on a quiet node (router/liveness.py): the flags of
-    ``python -m router.server`` and ``pdserve up``, each setting the RouterConfig field of
+    ``python -m frontend.server`` and ``pdserve up``, each setting the RouterConfig field of
     its dest, with that field's default."""
     default = {f.name: f.default for f in fields(RouterConfig)}
     p.add_argument("--decode-progress-factor", type=float, default=default["decode_progress_factor"],

@@ -22,7 +22,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from router.tool_formats import ToolFormat, detect_format, template_inputs, unsupported_message
+from tool_calling.formats import ToolFormat, detect_format, template_inputs, unsupported_message
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
                        "mask_token")
@@ -104,7 +104,7 @@ class PromptTokenizer:
         self.special_tokens = {k: t for k in _SPECIAL_TOKEN_KEYS
                                if (t := _token_text(config.get(k))) is not None}
         source = _load_template(directory, config)
-        # The tool-call format of the model, read from its template (router/tool_formats.py).
+        # The tool-call format of the model, read from its template (tool_calling/formats.py).
         self.tool_format: ToolFormat | None = detect_format(source)
         self.template_source = source
         self._template = None
@@ -155,7 +155,7 @@ class PromptTokenizer:
                     tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """``tools``: plain {"name", "description", "parameters"} dicts, rendered by the template
         in the model's own tool format (or written into the messages for a template that has
-        none: router/tool_formats.py); ``messages`` may carry tool calls and tool results."""
+        none: tool_calling/formats.py); ``messages`` may carry tool calls and tool results."""
         if self._template is None:
             raise ChatTemplateError("this model's tokenizer has no chat template; send a text or token prompt")
         # Tool turns without tools and without calls are plain messages, rendered as transformers would.

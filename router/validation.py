@@ -1,6 +1,6 @@
 """What the router refuses before it places a request: the served model, the prompt (its kind,
 its size before and after tokenizing, its token ids), the sampling parameters, the structured
-output and the tools (router/tool_requests.py), and the context limits of ``RouterConfig``.
+output and the tools (tool_calling/requests.py), and the context limits of ``RouterConfig``.
 Every refusal is a ``RouterError`` naming the field at fault.
 
 Tools are rendered by the model's chat template; ``tool_choice`` "required" or a named function
@@ -19,12 +19,12 @@ import grpc
 
 from protos.convert import sampling_from_proto, slo_class_from_proto
 from protos.pdserve.v1 import serving_pb2 as pb
-from router import tool_requests
 from router.config import RouterConfig
 from router.structured import StructuredChecker, check_structured
 from router.tokenizer import ChatTemplateError, PromptTokenizer
 from telemetry import tracing
 from tokens.sampling_params import SamplingParams
+from tool_calling import requests as tool_requests
 
 
 class RouterError(Exception):

@@ -94,8 +94,8 @@ def test_a_full_waiting_queue_refuses_new_requests(redis_url, tiny_model):
 
 def test_overloaded_node_is_http_429_with_a_retry_hint_through_the_router(redis_url, tiny_model):
     from engine.models.builtin import resolve_builtin
+    from frontend.server import serve
     from router.config import RouterConfig
-    from router.server import serve
 
     ns = f"bp-{uuid.uuid4().hex[:6]}"
     node = start_node("decode", "decode-0", engine(tiny_model), redis_url=redis_url, namespace=ns,

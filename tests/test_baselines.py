@@ -203,7 +203,7 @@ def test_llmd_precise_scorer_weighs_each_block_by_its_tier():
 def test_with_tiers_sglang_trees_span_the_hierarchy_and_llmd_turns_precise():
     from router.replay.simulator import SimConfig
 
-    mod = pytest.importorskip("deploy.bench").benchmark_module("router")
+    mod = pytest.importorskip("bench").benchmark_module("router")
     flat = SimConfig(cache_tokens=5120, block_size=512)
     tiered = SimConfig(cache_tokens=5120, host_cache_tokens=10240, disk_cache_tokens=20480, block_size=512)
     assert mod.make_policy("sglang_cache_aware", flat, None).max_tree_blocks == 10

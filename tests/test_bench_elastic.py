@@ -10,10 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from deploy.bench import serve, serve_elastic, serve_elastic_rate
-from deploy.bench import serve_elastic_figures as fig
-from deploy.bench import serve_phases as ph
-from deploy.bench.serve_metrics import Record, Slo
+from bench.serve import phases as ph
+from bench.serve import run as serve
+from bench.serve.elastic import figures as fig
+from bench.serve.elastic import rate as serve_elastic_rate
+from bench.serve.elastic import run as serve_elastic
+from bench.serve.metrics import Record, Slo
 
 
 def test_the_shipped_phases_file_plays_chat_documents_and_a_burst():
@@ -215,7 +217,7 @@ def test_a_stream_is_cut_into_its_workloads_by_arrival_and_time():
 
 
 def test_the_plot_draws_goodput_and_the_roles_over_time(tmp_path):
-    from deploy.bench.serve_elastic_plot import plot
+    from bench.serve.elastic.plot import plot
 
     by = {name: {"grid_goodput_rps": g, "role_switches": 0, "dropped": 0} for name, g in
           (("fixed", 0.5), ("colocated", 0.7), ("elastic", 0.8))}
@@ -320,8 +322,8 @@ def test_a_phases_workload_reports_each_phases_good_requests_and_the_oracle():
     """Two phases of 10 s, two requests each, and a grid of two SLOs, the loose one met by
     every request: fixed meets the tight one only in the second phase, colocated only in the
     first. Each serves 3 of 4 a phase-mean; running colocated then fixed would serve 4."""
-    from deploy.bench.serve_elastic import ElasticLayout, Run, Segment, Stream
-    from deploy.bench.serve_elastic_results import workload_result
+    from bench.serve.elastic.results import workload_result
+    from bench.serve.elastic.run import ElasticLayout, Run, Segment, Stream
 
     def r(i, sent, tpot):
         return Record(i, "chat", 64, 10, sent, sent, first_token_s=sent + 0.1, end_s=sent + 0.1 + 9 * tpot,

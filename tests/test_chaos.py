@@ -1,4 +1,4 @@
-"""`pdserve chaos` (deploy/chaos/): the judge on hand-built histories, the checks and the exit
+"""`pdserve chaos` (chaos/): the judge on hand-built histories, the checks and the exit
 code, the nemesis schedule, the router process's flags, the silent proxy and the freezer on
 real loopback sockets and processes; then scenarios on the embedded cluster (real Redis, real
 Ray actors frozen with SIGSTOP, a real router process SIGKILLed, real gRPC and HTTP) with a tiny
@@ -17,15 +17,15 @@ import time
 
 import pytest
 
-from deploy.chaos.cli import summary
-from deploy.chaos.cluster import parse_migrations
-from deploy.chaos.context import Options
-from deploy.chaos.faults import FREEZER
-from deploy.chaos.history import Attempt, Expect, RequestLog, checks, exit_code, figures, judge, recovery_s
-from deploy.chaos.nemesis import FAULTS, plan
-from deploy.chaos.proxy import SilentProxy
-from deploy.chaos.scenarios import ORDER, SCENARIOS, run_scenario
-from deploy.chaos.workload import Batch, Endpoints, _read_sse, make_specs
+from chaos.cli import summary
+from chaos.cluster import parse_migrations
+from chaos.context import Options
+from chaos.faults import FREEZER
+from chaos.history import Attempt, Expect, RequestLog, checks, exit_code, figures, judge, recovery_s
+from chaos.nemesis import FAULTS, plan
+from chaos.proxy import SilentProxy
+from chaos.scenarios import ORDER, SCENARIOS, run_scenario
+from chaos.workload import Batch, Endpoints, _read_sse, make_specs
 
 REF = {"a": [1, 2, 3], "b": [4, 5]}
 
@@ -139,7 +139,7 @@ def test_requests_are_greedy_and_seeded_over_grpc_and_http():
     sampled = dict(specs[1].sampling)
     assert sampled["temperature"] == 0.8 and sampled["top_p"] == 0.95
     assert all(s.messages[0][1].startswith("Chaos run salt") for s in specs)  # no cache from other runs
-    from deploy.chaos.context import Run
+    from chaos.context import Run
 
     for n, every in ((8, 2), (8, 4), (4, 2)):  # each half of a split batch: gRPC and HTTP both
         halves = Run(None, Options(requests=n), make_specs(n, 16, "s", http_every=every)).halves()
@@ -185,15 +185,15 @@ def test_migrations_are_read_from_a_metrics_page():
 
 
 def test_the_router_process_gets_the_routers_flags_and_no_password_on_its_command_line():
-    from deploy.chaos.router_process import router_argv
+    from chaos.router_process import router_argv
+    from frontend.server import build_parser
     from router.config import RouterConfig
-    from router.server import build_parser
 
     cfg = RouterConfig(redis_url="redis://:s3cr%2Ft@127.0.0.1:6390/0", model_name="m", tokenizer_dir="/tok",
                        max_model_len=512, namespace="ns", short_prompt_tokens=16, max_migrations=3,
                        straggler_factor=2.5, max_tokens_limit=100)
     argv, env = router_argv(cfg, port=5001, http_port=None)
-    assert argv[1:3] == ["-m", "router.server"] and "s3cr" not in " ".join(argv)
+    assert argv[1:3] == ["-m", "frontend.server"] and "s3cr" not in " ".join(argv)
     assert env == {"PDSERVE_REDIS_PASSWORD": "s3cr/t"}
     a = build_parser().parse_args(argv[3:])
     assert (a.redis_url, a.port, a.http_port, a.namespace, a.short_prompt_tokens, a.max_migrations,
@@ -257,7 +257,7 @@ def test_the_freezer_stops_and_always_continues_a_real_process():
 
 
 def test_a_batch_reports_an_unreachable_router_as_lost():
-    from deploy.chaos.workload import RetryBudget
+    from chaos.workload import RetryBudget
 
     b = Batch(Endpoints("127.0.0.1:1", "127.0.0.1:1", timeout_s=5, sdk_retry_budget_s=0.5),
               make_specs(2, 4, "x", http_every=1), RetryBudget(attempts=2, seconds=2, base_s=0.05), timeout_s=30)
@@ -272,7 +272,7 @@ STEP_DELAY_S = 0.03  # decode steps of the tiny model are too fast for a fault t
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from deploy.chaos.cluster import ChaosCluster
+    from chaos.cluster import ChaosCluster
     from deploy.launcher import ClusterConfig
     from engine.config import CacheConfig, EngineConfig
     from engine.models.tiny import save_tiny_chat_model

@@ -120,7 +120,7 @@ def test_router_image_has_what_the_router_imports_and_no_torch():
             if "extra ==" not in r:
                 provided.add(re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower().replace("_", "-"))
     dists = metadata.packages_distributions()
-    reached = reach("router.server")
+    reached = reach("frontend.server")
     stdlib = sys.stdlib_module_names
     third_party = {name.split(".")[0] for name in reached if name not in modules()} - set(stdlib)
     for top in sorted(third_party):
@@ -185,7 +185,7 @@ def test_ray_cluster_launcher_config():
     a = p.parse_args(_commands_of(head, ["pdserve", "nodes"]))
     assert (a.prefill_nodes, a.decode_nodes, a.prefill_gpu, a.decode_gpu) == (None, None, True, True)
     assert (a.grpc_port, a.metrics_port) == (0, 0)  # several nodes per machine: free ports, registered
-    router_args = _commands_of(head, ["python", "-m", "router.server"])
+    router_args = _commands_of(head, ["python", "-m", "frontend.server"])
     assert "--redis-url" in router_args and not any("@" in w for w in router_args)  # password from the env
     setup = "\n".join(config["setup_commands"])
     assert "RAY_AUTH_MODE=token" in setup and "RAY_AUTH_TOKEN_PATH" in setup

@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-from decode_node.proposers import build_proposer
-from decode_node.proposers.eagle import _SeqState, load_eagle, save_tiny_eagle
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.engine import LLMEngine
 from engine.models.config import ModelConfig
 from engine.models.tiny import save_tiny_model
+from engine.speculative.proposers import build_proposer
+from engine.speculative.proposers.eagle import _SeqState, load_eagle, save_tiny_eagle
 from tokens.sampling_params import SamplingParams
 
 

@@ -16,8 +16,8 @@ import uuid
 import pytest
 
 import pdserve
+from frontend.server import serve
 from router.config import RouterConfig
-from router.server import serve
 from tests.clusters import start_node
 from tests.helpers import engine_config, prompt, wait_for
 

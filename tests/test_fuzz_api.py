@@ -25,9 +25,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import pdserve
+from frontend.server import serve
 from protos.pdserve.v1 import serving_pb2 as pb
 from router.config import RouterConfig
-from router.server import serve
 from tests.clusters import start_node
 from tests.helpers import engine_config, wait_for
 

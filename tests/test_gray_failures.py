@@ -19,8 +19,8 @@ import grpc
 import pytest
 
 import pdserve
+from frontend.server import serve
 from router.config import RouterConfig
-from router.server import serve
 from tests.clusters import start_node
 from tests.helpers import engine_config, prompt, wait_for
 

@@ -522,10 +522,10 @@ def test_kv_tier_values_reach_the_nodes_and_their_volume():
 
 
 def test_router_values_map_onto_router_server_flags():
-    """Every flag the chart gives the router exists in ``python -m router.server`` (its own
+    """Every flag the chart gives the router exists in ``python -m frontend.server`` (its own
     parser reads the rendered args), and the reliability values arrive: max_migrations and the
     straggler factor, default and set."""
-    from router.server import build_parser
+    from frontend.server import build_parser
 
     def router_args(values: dict):
         args = one(render(values), "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -720,8 +720,8 @@ def test_client_certificates_for_the_router(redis_server, tmp_path):
     import uuid
 
     from engine.models.builtin import resolve_builtin
+    from frontend.server import build_parser, serve
     from router.config import RouterConfig
-    from router.server import build_parser, serve
     from security.ca import ThrowawayCA, private_dir
 
     docs = render({"tls": {"enabled": True, "secretName": "pd-tls", "clientAuth": True}})

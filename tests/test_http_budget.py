@@ -1,4 +1,4 @@
-"""The HTTP front's bounds as plain data (router/http_budget.py): the body limit a context
+"""The HTTP front's bounds as plain data (frontend/http_budget.py): the body limit a context
 implies, the byte budget across requests, the admission count. No server, no sockets."""
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from router.config import RouterConfig
-from router.http_budget import (
+from frontend.http_budget import (
     BASE_JSON_BYTES,
     MESSAGE_JSON_BYTES,
     MIN_BODY_BYTES,
@@ -17,7 +16,8 @@ from router.http_budget import (
     RetryHint,
     body_limit_bytes,
 )
-from router.http_front import front_limits
+from frontend.http_front import front_limits
+from router.config import RouterConfig
 
 
 def test_body_limit_follows_the_context_with_a_floor():
@@ -120,7 +120,7 @@ def test_a_429_from_further_in_counts_and_gets_the_longer_hint():
     import asyncio
     import time
 
-    from router.http_front import FrontDoor
+    from frontend.http_front import FrontDoor
 
     async def app(scope, receive, send):
         await receive()

@@ -16,9 +16,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from frontend.http_server import HttpServer, build_app
+from frontend.openai_protocol import ChatCompletionRequest
 from router.config import RouterConfig
-from router.http_server import HttpServer, build_app
-from router.openai_protocol import ChatCompletionRequest
 from tokens.sampling_params import SamplingParamError, SamplingParams
 
 LIMIT = 64 * 1024

@@ -17,11 +17,11 @@ import uuid
 
 import pytest
 
+from frontend.http_errors import ErrorResponse
+from frontend.http_routes import _first_response, _interleaved
+from frontend.server import serve
 from protos.pdserve.v1 import serving_pb2 as pb
 from router.config import RouterConfig
-from router.http_errors import ErrorResponse
-from router.http_routes import _first_response, _interleaved
-from router.server import serve
 from tests.clusters import start_node
 from tests.helpers import engine_config, wait_for
 
@@ -186,8 +186,8 @@ def test_the_first_failure_of_a_batch_ends_the_response_and_aborts_every_prompt(
     """_completion_events over two plain streams: prompt 1 fails (an error message) while
     prompt 0 still streams; the response ends with the error event, no [DONE], prompt 0's
     stream is closed and every request of the call is aborted."""
-    from router.http_routes import _completion_events
-    from router.openai_responses import CompletionStream
+    from frontend.http_routes import _completion_events
+    from frontend.openai_responses import CompletionStream
 
     closed, aborted = [], []
 

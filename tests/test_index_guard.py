@@ -203,7 +203,7 @@ def test_node_redis_timeouts_are_checked(field):
 def test_the_flags_set_the_timeouts():
     from deploy.nodes import add_arguments, template_from_args
     from engine.config import EngineConfig
-    from router.server import build_parser
+    from frontend.server import build_parser
 
     a = build_parser().parse_args(["--redis-url", "redis://x", "--tokenizer-dir", "t", "--model-name", "m",
                                    "--max-model-len", "64", "--redis-connect-timeout", "0.3",

@@ -35,11 +35,11 @@ FP = "bench"  # the receiving process's fingerprint
 
 
 class ReceiverProcess:
-    """deploy/bench/transfer_receiver.py in a child process: reserve, digest, freeze, kill."""
+    """bench/transfer_receiver.py in a child process: reserve, digest, freeze, kill."""
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "deploy.bench.transfer_receiver", "--shape", *map(str, SHAPE)],
+            [sys.executable, "-m", "bench.transfer_receiver", "--shape", *map(str, SHAPE)],
             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         ports = json.loads(self.proc.stdout.readline())
         self.address = f"127.0.0.1:{ports['grpc']}"

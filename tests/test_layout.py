@@ -35,7 +35,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 MAP = REPO / "docs" / "map.md"
 PACKAGES = ("tokens", "engine", "kv_index", "kv_transfer", "node", "prefill_node", "decode_node", "router",
-            "pdserve", "deploy", "protos", "telemetry", "security")
+            "tool_calling", "frontend", "pdserve", "deploy", "bench", "chaos", "protos", "telemetry", "security")
 
 
 def _module_name(path: Path) -> str:
@@ -132,7 +132,7 @@ def test_the_graph_is_read():
     assert "torch" in edges("engine.model_runner")[1]
     assert "tokens.block_hash" in edges("router.prepare")[0]
     lazy = reach("deploy.launcher")  # ray and the router are imported inside functions there
-    assert "ray" in lazy and "router.server" in lazy
+    assert "ray" in lazy and "frontend.server" in lazy
     assert "node.server" not in edges("node.actor")[0]  # only under TYPE_CHECKING
 
 
@@ -305,7 +305,15 @@ def test_placement_is_pure():
 
 
 def test_the_serving_path_never_imports_the_trace_replay():
-    bad = violations(("router",), ("router.replay",), exempt=lambda m: in_package(m, "router.replay"))
+    bad = violations(("router", "frontend"), ("router.replay",), exempt=lambda m: in_package(m, "router.replay"))
+    assert not bad, "\n".join(bad)
+
+
+def test_only_the_cli_reaches_benchmarks_and_chaos():
+    """What deploys (the launcher, `pdserve nodes`, the pool controller) carries no benchmark and
+    no fault injector: of `deploy/`, only the CLI that dispatches `pdserve bench` and `pdserve
+    chaos` reaches `bench/` or `chaos/`."""
+    bad = violations(("deploy",), ("bench", "chaos"), exempt=lambda m: m == "deploy.cli")
     assert not bad, "\n".join(bad)
 
 

@@ -138,8 +138,8 @@ FIELDS = ("decode_progress_factor", "decode_progress_floor_s", "decode_progress_
 def test_flags_reach_the_router_config_from_pdserve_up_and_router_server():
     from deploy.cli import add_up_arguments, cluster_config_from_args
     from deploy.launcher import router_config
+    from frontend.server import build_parser
     from router.config import RouterConfig
-    from router.server import build_parser
 
     p = argparse.ArgumentParser()
     add_up_arguments(p)
@@ -149,7 +149,7 @@ def test_flags_reach_the_router_config_from_pdserve_up_and_router_server():
     required = ["--redis-url", "redis://x", "--tokenizer-dir", "/t", "--model-name", "m", "--max-model-len", "64"]
     args = build_parser().parse_args(required + list(FLAGS))
     assert tuple(getattr(args, f) for f in FIELDS) == (5.0, 2.0, 20.0, 3.0, 7.0)
-    # the defaults agree: RouterConfig, `pdserve up`, router.server
+    # the defaults agree: RouterConfig, `pdserve up`, frontend.server
     defaults = RouterConfig(**bring_up)
     up = router_config(cluster_config_from_args(p.parse_args([])), **bring_up)
     cli = build_parser().parse_args(required)

@@ -1,5 +1,5 @@
 """N-gram prompt lookup on hand-built token lists."""
-from decode_node.proposers.ngram import ngram_propose
+from engine.speculative.proposers.ngram import ngram_propose
 
 
 def test_longest_suffix_most_recent_occurrence():
@@ -23,7 +23,7 @@ def test_no_match_and_short_inputs():
 
 
 def test_match_reports_the_matched_length_as_confidence():
-    from decode_node.proposers.ngram import ngram_match
+    from engine.speculative.proposers.ngram import ngram_match
 
     toks = [5, 6, 7, 8, 1, 7, 2, 5, 6, 7]
     assert ngram_match(toks, 2, 1, 3) == (3, [8, 1])

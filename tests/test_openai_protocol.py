@@ -7,10 +7,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
+from frontend import openai_protocol as oai
+from frontend import openai_responses as oresp
+from frontend.http_errors import ErrorResponse
 from protos.pdserve.v1 import serving_pb2 as pb
-from router import openai_protocol as oai
-from router import openai_responses as oresp
-from router.http_errors import ErrorResponse
 from router.request_metrics import StreamObserver
 from telemetry.metrics import RequestMetrics, RouterMetrics
 

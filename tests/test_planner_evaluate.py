@@ -1,5 +1,5 @@
 """The planner's model judged on recordings (router/planner/evaluate.py,
-deploy/bench/serve_elastic_model.py): pure functions over recorded rounds, and the two commands
+bench/serve/elastic/model.py): pure functions over recorded rounds, and the two commands
 on recordings written by the planner's own recorder."""
 from __future__ import annotations
 
@@ -93,10 +93,10 @@ def test_evaluate_command_reads_recordings(tmp_path, capsys):
 
 
 def test_elastic_model_command_pairs_rounds_by_offset_into_each_stream(tmp_path, capsys):
-    """deploy/bench/serve_elastic_model.py: the fixed and colocated passes' rounds at the same
+    """bench/serve/elastic/model.py: the fixed and colocated passes' rounds at the same
     offset into the same stream are paired, whatever their wall clocks."""
-    from deploy.bench.serve_elastic_model import by_offset, pairs
-    from deploy.bench.serve_elastic_model import main as bench_main
+    from bench.serve.elastic.model import by_offset, pairs
+    from bench.serve.elastic.model import main as bench_main
 
     starts = []
     for lay, roles, t0, tpot in (("fixed", DISAGG, 1000.0, 0.1), ("colocated", COLOCATED, 5000.0, 0.5)):

@@ -174,7 +174,7 @@ def test_pdserve_up_flags_reach_the_routers_planner():
 
 def test_the_charts_planner_values_reach_the_router():
     pytest.importorskip("helm_python")
-    from router.server import build_parser
+    from frontend.server import build_parser
     from tests.test_helm_chart import one, render
 
     def planner_of(values: dict) -> PlannerConfig:
@@ -219,8 +219,8 @@ def test_a_live_router_plans_from_what_it_serves(redis_url, tok_dir, tiny_model)
     import urllib.request
 
     import pdserve
+    from frontend.server import serve
     from router.config import RouterConfig
-    from router.server import serve
     from tests.clusters import start_node
     from tests.helpers import engine_config, prompt, wait_for
 

@@ -16,7 +16,7 @@ from router.planner.record import read_rounds
 from router.planner.signals import RequestSample, RequestWindow
 from tests.test_planner import COLOCATED, _finished, signals
 
-# The elastic benchmark's planner settings (deploy/bench/serve_elastic.py), one round to confirm.
+# The elastic benchmark's planner settings (bench/serve/elastic/run.py), one round to confirm.
 BENCH = PlannerConfig(interval_s=2.0, cooldown_s=8.0, window_s=30.0, tpot_slo_factor=3.0, confirm_rounds=1,
                       slo_band=(2 / 3, 1.0, 4 / 3))
 

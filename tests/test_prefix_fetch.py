@@ -296,10 +296,10 @@ def test_the_next_turn_fetches_the_answer_from_the_decode_node(tiny_model, tok_d
     node only the prompt's: the router has the prefill node fetch the rest from the decode node.
     Greedy outputs equal a single engine's, with fetch on and with it off."""
     import pdserve
+    from frontend.server import serve
     from kv_index.client import redis_client
     from kv_index.reader import IndexReader
     from router.config import RouterConfig
-    from router.server import serve
 
     ns = f"turns-{uuid.uuid4().hex[:6]}"
     kw = dict(redis_url=redis_url, namespace=ns, lease_s=1.0, heartbeat_s=0.1)

@@ -21,6 +21,7 @@ import redis
 
 import pdserve
 from deploy.redis_server import RedisServer
+from frontend.server import serve
 from kv_index.client import RedisTimeouts, redis_client
 from kv_index.events import BlockStored
 from kv_index.nodes import NodeInfo
@@ -28,7 +29,6 @@ from kv_index.publisher import NodePublisher
 from kv_index.reader import IndexReader
 from node.publisher import IndexPublisherThread
 from router.config import RouterConfig
-from router.server import serve
 from tests.clusters import start_node
 from tests.helpers import engine_config, prompt, wait_for
 from tokens.block_hash import hash_prompt_blocks

@@ -197,10 +197,10 @@ def test_prefill_node_turns_decode_and_back_under_live_streams(tiny_dir, tok_dir
 
     from deploy.nodes import server_builder
     from engine.engine import LLMEngine
+    from frontend.server import serve
     from kv_index.reader import IndexReader
     from node.actor import spawn_node
     from router.config import RouterConfig
-    from router.server import serve
     from tokens.block_hash import hash_prompt_blocks
     from tokens.sampling_params import SamplingParams
 
@@ -360,10 +360,10 @@ def test_a_new_role_that_cannot_start_gives_the_node_its_old_role_back_on_the_sa
     import pdserve
     from deploy.nodes import server_builder
     from engine.engine import LLMEngine
+    from frontend.server import serve
     from kv_index.reader import IndexReader
     from node.actor import spawn_node
     from router.config import RouterConfig
-    from router.server import serve
     from tokens.block_hash import hash_prompt_blocks
     from tokens.sampling_params import SamplingParams
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from deploy.bench import Reporter, benchmark_module
+from bench import Reporter, benchmark_module
 from router.cost_model import CostBook, PrefillCost
 from router.node_view import PrefillLedger
 from router.placement import Placement, PlacementPolicy, TtftPolicy

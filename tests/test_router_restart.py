@@ -1,4 +1,4 @@
-"""Clients across a router restart: a real ``python -m router.server`` process killed and
+"""Clients across a router restart: a real ``python -m frontend.server`` process killed and
 started again on the same ports, in front of an in-process decode node (real gRPC, Redis, a
 tiny random model carrying SmolLM2's tokenizer). A request sent while the router is down
 completes once it is back: the pdserve SDK with its default retry budget, and the official
@@ -105,11 +105,11 @@ def chat_model(tmp_path_factory) -> Path:
 
 
 class RouterProcess:
-    """``python -m router.server`` on fixed ports; the Redis password through the environment."""
+    """``python -m frontend.server`` on fixed ports; the Redis password through the environment."""
 
     def __init__(self, model: Path, redis_server, namespace: str, grpc_port: int, http_port: int) -> None:
         url = urlsplit(redis_server.url)
-        self.args = [sys.executable, "-m", "router.server", "--redis-url", f"redis://{url.hostname}:{url.port}/0",
+        self.args = [sys.executable, "-m", "frontend.server", "--redis-url", f"redis://{url.hostname}:{url.port}/0",
                      "--namespace", namespace, "--tokenizer-dir", str(model), "--model-name", "m",
                      "--max-model-len", "512", "--port", str(grpc_port), "--http-port", str(http_port),
                      "--ready-min-prefill", "0", "--node-refresh-s", "0.1", "--drain-timeout", "1"]

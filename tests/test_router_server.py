@@ -12,8 +12,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import pdserve
+from frontend.server import serve
 from router.config import RouterConfig
-from router.server import serve
 from tests.clusters import start_node
 from tests.helpers import engine_config, prompt, wait_for
 
@@ -36,7 +36,7 @@ def bare_router(redis_url, tok_dir):
 
 
 def test_router_and_sdk_import_no_torch_or_ray():
-    code = ("import sys, router.server, pdserve; bad = [m for m in ('torch', 'ray') if m in sys.modules]; "
+    code = ("import sys, frontend.server, pdserve; bad = [m for m in ('torch', 'ray') if m in sys.modules]; "
             "print(bad); sys.exit(bool(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr

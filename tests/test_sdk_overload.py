@@ -24,8 +24,8 @@ from tests.test_backpressure import engine
 @pytest.fixture(scope="module")
 def full_router(redis_url, tiny_model, tok_dir):
     """(router, holder): the router's one admission slot taken by a running stream."""
+    from frontend.server import serve
     from router.config import RouterConfig
-    from router.server import serve
 
     ns = f"ovl-{uuid.uuid4().hex[:6]}"
     node = start_node("decode", "decode-0", engine(tiny_model), redis_url=redis_url, namespace=ns, grpc_workers=8)

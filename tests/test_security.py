@@ -17,10 +17,10 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import pdserve
+from frontend.server import serve
 from kv_index.redis_url import redact
 from node.config import NodeConfig
 from router.config import RouterConfig
-from router.server import serve
 from security import tls as tls_
 from security.api_keys import ApiKeys, bearer_token, keys_from
 from security.ca import ThrowawayCA, private_dir

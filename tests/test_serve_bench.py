@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from deploy.bench import serve_workload as wl
-from deploy.bench.serve_metrics import Record, Slo, knee, percentile, slo_from_unloaded, summarize
+from bench.serve import workload as wl
+from bench.serve.metrics import Record, Slo, knee, percentile, slo_from_unloaded, summarize
 from router.replay.traces import TraceRequest
 
 
@@ -105,7 +105,7 @@ def test_salted_points_share_nothing_with_each_other_but_keep_their_own_sharing(
 def test_compare_layouts_slo_grid_and_tuning_candidates():
     import argparse
 
-    from deploy.bench import serve
+    from bench.serve import run as serve
 
     p = argparse.ArgumentParser()
     serve.add_arguments(p)

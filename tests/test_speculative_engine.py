@@ -9,13 +9,13 @@ import pytest
 import torch
 from scipy import stats
 
-from decode_node.proposers import build_proposer
-from decode_node.proposers.eagle import save_tiny_eagle
-from decode_node.proposers.heads import save_tiny_heads
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.engine import LLMEngine
 from engine.models.tiny import save_tiny_model
 from engine.sampler import SamplingRow, processed_probs
+from engine.speculative.proposers import build_proposer
+from engine.speculative.proposers.eagle import save_tiny_eagle
+from engine.speculative.proposers.heads import save_tiny_heads
 from tokens.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20)
@@ -296,7 +296,7 @@ def test_low_precision_declines_where_its_draft_cannot_pay(models, reference, mo
     (both kernel plans measured on this machine) and declines when a draft round would cost
     MAX_DRAFT_COST target steps or more: the engine then decodes without speculation, exactly.
     The threshold is moved instead of the machine, so the test means the same on every CPU."""
-    from decode_node.proposers import low_precision
+    from engine.speculative.proposers import low_precision
 
     adaptive = SpeculativeConfig(method="low_precision", num_speculative_tokens=3)
     monkeypatch.setattr(low_precision, "MAX_DRAFT_COST", 0.0)

@@ -25,8 +25,8 @@ import pytest
 
 import pdserve
 from engine.config import SpeculativeConfig
+from frontend.server import serve
 from router.config import RouterConfig
-from router.server import serve
 from tests.clusters import start_node
 from tests.helpers import engine_config, wait_for
 

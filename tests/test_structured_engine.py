@@ -18,11 +18,11 @@ from dataclasses import replace
 import jsonschema
 import pytest
 
-from decode_node.proposers import build_proposer
 from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.models.tiny import save_tiny_model
+from engine.speculative.proposers import build_proposer
 from tokens.sampling_params import SamplingParams, StructuredOutput
 
 SCHEMAS = [

@@ -107,8 +107,8 @@ def _generate(client, ids, tokens: list | None = None) -> list[int]:
 
 def test_tp_nodes_exchange_kv_and_a_dead_rank_fails_the_node_and_its_stream_migrates(
         tp_ray, tiny_dir, tok_dir, redis_url, reference):
+    from frontend.server import serve
     from router.config import RouterConfig
-    from router.server import serve
 
     ns = f"tp-{uuid.uuid4().hex[:6]}"
     common = dict(redis_url=redis_url, namespace=ns, lease_s=1.5, heartbeat_s=0.2, load_tokenizer=False,
@@ -175,12 +175,12 @@ def test_a_tp1_prefill_node_streams_into_a_tp2_decode_node_over_dist_and_tcp(tin
     shm does not apply): TP 1 -> TP 2, the KV streamed layer by layer lands full-head and each
     rectangle is scattered into both ranks' pools; over dist, then over tcp."""
     prefill_tp, decode_tp = 1, 2
+    from frontend.server import serve
     from kv_transfer.dist_transport import DistKVSender
     from kv_transfer.grpc_transport import GrpcKVSender
     from kv_transfer.tcp_transport import TcpKVSender
     from kv_transfer.transport import FallbackKVSender
     from router.config import RouterConfig
-    from router.server import serve
     from tests.clusters import start_node
 
     ns = f"tpin-{uuid.uuid4().hex[:6]}"
@@ -287,10 +287,10 @@ def test_a_full_landing_area_answers_resource_exhausted_with_a_retry_hint_and_th
     import grpc
 
     from decode_node.server import RETRY_AFTER_MS
+    from frontend.server import serve
     from protos.conventions import retry_after_ms
     from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
     from router.config import RouterConfig
-    from router.server import serve
     from tests.clusters import start_node
 
     ns = f"tpfull-{uuid.uuid4().hex[:6]}"

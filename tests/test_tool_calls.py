@@ -1,6 +1,6 @@
-"""Tool calls on plain strings: each format's parser (router/tool_calls.py) fed whole and in
+"""Tool calls on plain strings: each format's parser (tool_calling/parser.py) fed whole and in
 every split, the events of a stream equal to the whole answer's; the format read from a chat
-template, the tool turns rendered through it (router/tool_formats.py, router/tokenizer.py), the
+template, the tool turns rendered through it (tool_calling/formats.py, router/tokenizer.py), the
 constraint that keeps calls valid; OpenAI's and vLLM's shapes to wire messages
 (protos/openai_shapes.py)."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 
 from protos import openai_shapes as shapes
 from protos.pdserve.v1 import serving_pb2 as pb
-from router.tool_calls import ArgsDelta, CallStart, TextDelta, ToolCallParser, parse_all
-from router.tool_formats import HERMES, LLAMA3_JSON, SMOLLM2, call_constraint, detect_format, template_inputs
+from tool_calling.formats import HERMES, LLAMA3_JSON, SMOLLM2, call_constraint, detect_format, template_inputs
+from tool_calling.parser import ArgsDelta, CallStart, TextDelta, ToolCallParser, parse_all
 
 
 def ids():
@@ -338,7 +338,7 @@ CALL_TEXT = ['Sure.\n<tool_', 'call>\n{"name": "get_weather", "arg', 'uments": {
 
 
 def test_a_chat_stream_sends_openai_tool_call_deltas():
-    from router.openai_responses import ChatStream, chat_completion_json
+    from frontend.openai_responses import ChatStream, chat_completion_json
 
     stream = ChatStream("r", "m", False, False, str, HERMES)
     chunks = [c for t in CALL_TEXT for c in stream.feed(_chunk(t))] + stream.feed(_complete())
@@ -369,7 +369,7 @@ def test_a_chat_stream_sends_openai_tool_call_deltas():
 
 
 def test_the_grpc_answer_carries_the_calls_in_its_complete():
-    from router.tool_requests import CallCollector
+    from tool_calling.requests import CallCollector
 
     calls = CallCollector(HERMES)
     for t in CALL_TEXT:
@@ -399,7 +399,7 @@ WIRE_TOOLS = [pb.Tool(name="f", parameters='{"type": "object", "properties": {"a
     (_chat(tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED)), "tool_choice", "no tools"),
 ])
 def test_the_router_refuses_raw_grpc_tools_by_name(chat, field, words):
-    from router import tool_requests
+    from tool_calling import requests as tool_requests
 
     with pytest.raises(tool_requests.ToolRequestError) as e:
         tool_requests.tool_constraint(chat, tool_requests.template_tools(chat), HERMES, "")
@@ -407,7 +407,7 @@ def test_the_router_refuses_raw_grpc_tools_by_name(chat, field, words):
 
 
 def test_tool_choice_picks_the_constraint():
-    from router import tool_requests
+    from tool_calling import requests as tool_requests
 
     def constraint(fmt=HERMES, **fields):
         chat = _chat(tools=WIRE_TOOLS, **fields)
@@ -435,7 +435,7 @@ def test_tool_choice_picks_the_constraint():
 
 
 def test_an_openai_chat_body_with_tools_becomes_one_request():
-    from router import openai_protocol as oai
+    from frontend import openai_protocol as oai
 
     body = {"messages": [{"role": "user", "content": "Weather?"},
                          {"role": "assistant", "content": None, "tool_calls": [
@@ -506,7 +506,7 @@ def test_any_value_of_the_new_fields_is_taken_or_refused_by_name(fields, calls):
     """The HTTP API's reading of them: a request, or a 400 naming a field; never another error."""
     from pydantic import ValidationError
 
-    from router import openai_protocol as oai
+    from frontend import openai_protocol as oai
 
     msgs = [{"role": "user", "content": "x"}]
     if calls != "absent":

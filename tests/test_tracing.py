@@ -22,8 +22,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 import pdserve
+from frontend.server import serve
 from router.config import RouterConfig
-from router.server import serve
 from telemetry import tracing
 from tests.clusters import start_node
 from tests.helpers import engine_config, prompt, wait_for

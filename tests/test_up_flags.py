@@ -1,6 +1,6 @@
 """`pdserve up`'s router flags reach the RouterConfig the launcher starts the router with: the
 CLI's own parser, ClusterConfig and ``deploy.launcher.router_config`` (the function bring-up
-calls), no cluster needed. The flags match the router CLI's (`python -m router.server`)."""
+calls), no cluster needed. The flags match the router CLI's (`python -m frontend.server`)."""
 from __future__ import annotations
 
 import argparse
@@ -28,7 +28,7 @@ def test_router_fault_flags_reach_the_router_config():
 
 
 def test_defaults_are_the_router_clis():
-    from router.server import build_parser
+    from frontend.server import build_parser
 
     router_defaults = build_parser().parse_args(["--redis-url", "redis://x", "--tokenizer-dir", "/t", "--model-name", "m",
                                                  "--max-model-len", "64"])
@@ -39,7 +39,7 @@ def test_defaults_are_the_router_clis():
 
 
 def test_no_prefix_fetch_reaches_the_router_config():
-    from router.server import build_parser
+    from frontend.server import build_parser
 
     assert router_config(cluster_config_from_args(parse_up("--no-prefix-fetch")), **BRING_UP).prefix_fetch is False
     args = build_parser().parse_args(["--redis-url", "redis://x", "--tokenizer-dir", "/t", "--model-name", "m",

@@ -20,7 +20,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or the model's context length
     ABORT = "abort"  # cancelled by the client, a deadline or a node shutting down
     ERROR = "error"  # a failure after output started (the stream carries an Error first)
-    # The text ended in tool calls: the router's tool-call parser sets it (router/tool_calls.py)
+    # The text ended in tool calls: the router's tool-call parser sets it (tool_calling/parser.py)
     # on a sample that stopped; never the stop rule below.
     TOOL_CALLS = "tool_calls"
 

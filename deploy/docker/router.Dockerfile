@@ -29,7 +29,9 @@ COPY protos protos
 COPY telemetry telemetry
 COPY security security
 COPY router router
+COPY tool_calling tool_calling
+COPY frontend frontend
 USER 1000:1000
 EXPOSE 50051 8000
-ENTRYPOINT ["python", "-m", "router.server"]
+ENTRYPOINT ["python", "-m", "frontend.server"]
 CMD ["--help"]

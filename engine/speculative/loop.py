@@ -10,7 +10,7 @@
 
 The engine owns the mechanism's state-free parts (scheduler lookahead, verification in the
 runner); this object owns what speculation learns and counts. The proposer is injected (the
-decode role builds it, ``decode_node/proposers/``); what it needs from the target's forward it
+decode role builds it, ``engine/speculative/proposers/``); what it needs from the target's forward it
 declares in ``Proposer.target_states`` and receives through ``observe_target`` (the runner's
 one hook), so nothing here or in the runner knows which method is running.
 """

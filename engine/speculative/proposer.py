@@ -2,7 +2,7 @@
 
 The engine owns the mechanism (lookahead slots, one verification forward, rejection sampling,
 rollback); a ``Proposer`` only guesses tokens. Proposers live with the decode role
-(``decode_node/proposers/``) and are injected: the engine never imports them.
+(``engine/speculative/proposers/``) and are injected: the engine never imports them.
 
 One speculating sequence in one step, k = 3::
 

@@ -1,5 +1,5 @@
 """The planner's configuration: one frozen dataclass, checked at start, and its flags (defined
-once here for ``python -m router.server`` and ``pdserve up``)."""
+once here for ``python -m frontend.server`` and ``pdserve up``)."""
 from __future__ import annotations
 
 import argparse
@@ -137,7 +137,7 @@ class PlannerConfig:
 
 
 def add_planner_arguments(p: argparse.ArgumentParser) -> None:
-    """The planner's flags of ``python -m router.server`` and ``pdserve up``: each sets the
+    """The planner's flags of ``python -m frontend.server`` and ``pdserve up``: each sets the
     PlannerConfig field of its dest, with that field's default."""
     d = {f.name: f.default for f in fields(PlannerConfig)}
     p.add_argument("--planner", choices=MODES, default=d["mode"], dest="planner",

@@ -15,7 +15,7 @@ Two questions, each a pure function of recorded rounds:
 
     python -m router.planner.evaluate RECORDING.jsonl [...]
 
-prints the first per role mix; ``deploy/bench/serve_elastic_model.py`` pairs a benchmark's
+prints the first per role mix; ``bench/serve/elastic/model.py`` pairs a benchmark's
 recordings for the second.
 """
 from __future__ import annotations

@@ -164,7 +164,7 @@ def threshold_setter(policy) -> Callable[[int], None]:
 
 def router_planner(config: PlannerConfig, client, namespace: str, refresher, costs, orchestrator, policy,
                    on_decision: Callable[[str, str], None]) -> PlannerLoop:
-    """The planner of a router process (router/server.py): its signals from the router's node
+    """The planner of a router process (frontend/server.py): its signals from the router's node
     view, finished requests, cost book and prefill ledger; its stores on the router's Redis
     client (bounded waits)."""
     decode_fit = DecodeFit()

@@ -1,6 +1,6 @@
 """The planner's rounds on disk: each round's signals and decision as one JSON line, and back.
 
-``python -m router.server --planner-record FILE`` (``pdserve up --planner-record FILE``) appends
+``python -m frontend.server --planner-record FILE`` (``pdserve up --planner-record FILE``) appends
 a line per round the router leads: what the planner saw (``PlannerSignals``: nodes, finished
 requests, fitted costs) and what it decided. Read back with ``read_rounds``, a recording is the
 planner's input series, so its model and rules can be judged and tuned offline against what

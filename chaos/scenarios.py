@@ -1,0 +1,121 @@
+"""The scenario registry and the one way every scenario runs.
+
+    reference run  the requests, no fault (after the faulted run where the fault needs prompts
+                   no node has cached: kill-prefill, freeze-prefill, corrupt-kv)
+    faulted run    the same requests; the fault injected mid-way (chaos/scenario_*.py)
+    result         the clients' figures against the reference (chaos/history.py), the
+                   router's migrations over the run, ``detect_s``, ``recovery_s``, the
+                   scenario's own figures, and ``checks``: each expectation -> whether it held
+
+``detect_s``: from the fault to the first migration the router made (the router's counters,
+watched every 50 ms), or where nothing migrates, to what the scenario names (slow-node: until
+placement leaves the node out; redis-hang: until the router says ``degraded``; all-decode-down:
+until its health says NOT_SERVING; restart-router: until a client saw an error; corrupt-kv: none). ``recovery_s``: the longest wait, from the fault,
+for the next token of a request open at the fault (after a client's retry, the retry's first).
+"""
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from chaos import faults, scenario_infra, scenario_nodes
+from chaos.cluster import FirstIncrease
+from chaos.context import Options, Outcome, Run
+from chaos.history import Expect, checks, figures, problems, recovery_s
+from chaos.workload import Batch, Reference, make_specs
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    body: Callable[[Run], Outcome]
+    fault_first: bool = False  # the faulted run goes before its reference (uncached prompts)
+    failures_allowed: bool = False  # requests may fail with a typed error after their retries
+    http_every: int = 4  # every http_every-th pair of requests goes over HTTP
+    expect: Callable[[Options], tuple[Expect, ...]] = lambda o: ()
+    needs_decode: int = 1  # decode nodes the scenario needs
+    shape: Callable[[list], list] = lambda specs: specs  # the scenario's own changes to its requests
+
+
+def _restarted(o: Options) -> tuple[Expect, ...]:
+    return (Expect("restart_s", "not_none"),) if o.restart_timeout_s > 0 else ()
+
+
+def _detected(o: Options) -> tuple[Expect, ...]:
+    return (Expect("detect_s", "<=", o.detect_bound_s),)
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario("kill-decode", scenario_nodes.kill_decode, expect=lambda o: (Expect("detect_s", "not_none"), *_restarted(o))),
+    Scenario("kill-prefill", scenario_nodes.kill_prefill, fault_first=True,
+             expect=lambda o: (Expect("detect_s", "not_none"), *_restarted(o))),
+    Scenario("freeze-decode", scenario_nodes.freeze_decode, needs_decode=2,
+             expect=lambda o: (*_detected(o), Expect("rejoined_s", "not_none"))),
+    Scenario("freeze-prefill", scenario_nodes.freeze_prefill, fault_first=True,
+             expect=lambda o: (*_detected(o), Expect("rejoined_s", "not_none"))),
+    Scenario("partition", scenario_infra.partition, expect=_detected, needs_decode=2),
+    Scenario("redis-hang", scenario_infra.redis_hang,
+             expect=lambda o: (Expect("detect_s", "not_none"), Expect("recovered_s", "not_none"))),
+    Scenario("redis-restart", scenario_infra.redis_restart,
+             expect=lambda o: (Expect("reregistered_s", "not_none"), Expect("index_rebuilt_s", "not_none"))),
+    Scenario("step-error", scenario_nodes.step_error, needs_decode=2,
+             expect=lambda o: (Expect("detect_s", "not_none"), Expect("rejoined_s", "not_none"))),
+    Scenario("corrupt-kv", scenario_infra.corrupt_kv, fault_first=True,
+             expect=lambda o: (Expect("transfers_refused", ">=", 1), Expect("damaged_shm", ">=", 1),
+                               Expect("damaged_tcp", ">=", 1), Expect("damaged_grpc", ">=", 1))),
+    Scenario("slow-node", scenario_nodes.slow_node, needs_decode=2, shape=scenario_nodes.slow_node_specs,
+             expect=lambda o: (Expect("detect_s", "not_none"), Expect("placed_on_slow_node", "==", 0))),
+    Scenario("all-decode-down", scenario_nodes.all_decode_down, failures_allowed=True,
+             expect=lambda o: (Expect("probe_unavailable_s", "<=", o.unavailable_within_s),
+                               Expect("unavailable_s", "none_or_le", o.unavailable_within_s), *_restarted(o))),
+    Scenario("restart-router", scenario_infra.restart_router, http_every=2,
+             expect=lambda o: (Expect("interrupted", ">=", 1), Expect("retried_before_start", ">=", 1))),
+)}
+# `--scenario all` runs them in this order: the ones that restart nodes come after those that
+# need every node measured (slow-node first: both decode nodes have step times then).
+ORDER = ("slow-node", "corrupt-kv", "freeze-decode", "partition", "step-error", "kill-decode", "freeze-prefill",
+         "kill-prefill", "redis-hang", "redis-restart", "all-decode-down", "restart-router")
+assert sorted(ORDER) == sorted(SCENARIOS)
+
+
+def run_scenario(cluster, name: str, opts: Options = Options(),
+                 progress: Callable[[str], None] = lambda m: None) -> dict:
+    """Run scenario ``name`` on a started ChaosCluster; returns its result (module docstring)."""
+    sc = SCENARIOS.get(name)
+    if sc is None:
+        raise ValueError(f"unknown scenario {name!r}; choose one of {', '.join(ORDER)}")
+    if len(cluster.role_actors("decode")) < sc.needs_decode:
+        raise ValueError(f"{name} needs at least {sc.needs_decode} decode nodes")
+    salt = f"{name}-{uuid.uuid4().hex[:8]}"
+    run = Run(cluster, opts, sc.shape(make_specs(opts.requests, opts.max_tokens, salt, sc.http_every)), progress)
+    if opts.step_delay_s:
+        faults.set_step_delay(cluster.actors.values(), opts.step_delay_s)
+
+    def reference_run() -> Reference:
+        progress(f"{name}: reference run, {len(run.specs)} requests x {opts.max_tokens} tokens, no fault")
+        return Reference.of(Batch(run.endpoints(), run.specs).join())
+
+    reference = None if sc.fault_first else reference_run()
+    progress(f"{name}: faulted run")
+    before = cluster.migrations()
+    watch = FirstIncrease(cluster.moved).arm()
+    try:
+        out = sc.body(run)
+    finally:
+        watch.stop()
+    if sc.fault_first:
+        reference = reference_run()
+    if not out.own_detect:
+        out.detect_s = watch.since(out.fault_at)
+    result = {"scenario": name, **figures(out.logs, reference.tokens, sc.failures_allowed),
+              "detect_s": out.detect_s, "recovery_s": recovery_s(out.logs, out.fault_at), **out.extra}
+    after = cluster.migrations() if cluster.router is not None else {}
+    if after and name != "restart-router":  # a restarted router counts from zero
+        result["migrations"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    bad = problems(out.logs, reference.tokens, sc.failures_allowed)
+    if bad:
+        result["problems"] = bad
+    result["checks"] = checks(result, sc.expect(opts), sc.failures_allowed)
+    result["passed"] = all(result["checks"].values())
+    return result

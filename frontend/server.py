@@ -1,0 +1,346 @@
+"""The router process: its client-facing gRPC server (PdServe: Generate, Abort, ListModels;
+the standard grpc.health.v1 service; server reflection) and, beside it on the same event loop,
+the HTTP server (OpenAI-compatible API, /metrics, /health, /ready: frontend/http_server.py).
+
+    python -m frontend.server --redis-url redis://127.0.0.1:6379/0 --tokenizer-dir DIR \
+        --model-name smollm2-135m --max-model-len 2048 --port 50051 --http-port 8000
+
+It runs on grpc.aio: a request spends its life waiting on nodes, so one event loop carries
+thousands of them where a thread per stream would not. ``serve(config)`` runs that loop on a
+thread of its own so callers (the launcher, tests) stay synchronous.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from frontend.grpc_parsing import add_parsing_servicer
+from frontend.http_server import HttpServer, build_app, node_readiness
+from kv_index.client import RedisTimeouts, redis_client
+from kv_index.nodes import index_freshness
+from kv_index.reader import IndexReader
+from kv_index.redis_url import resolve_redis_url
+from protos.conventions import grpc_options, keepalive_server_options, retry_after_metadata
+from protos.pdserve.v1 import serving_pb2 as pb
+from protos.pdserve.v1 import serving_pb2_grpc as pb_grpc
+from router.config import RouterConfig, add_deadline_arguments
+from router.cost_model import CostBook
+from router.index_guard import GuardedLookup, LookupBreaker
+from router.node_view import NodeRefresher
+from router.orchestrator import Orchestrator, RouterError
+from router.placement import PrefixLoadPolicy, TtftPolicy
+from router.planner.config import add_planner_arguments, planner_config
+from router.planner.loop import router_planner
+from router.tokenizer import PromptTokenizer
+from security import tls as tls_
+from security.api_keys import ApiKeyInterceptor, ApiKeys, keys_from
+from telemetry import tracing
+from telemetry.metrics import RouterMetrics
+from tool_calling.requests import CallCollector, parses_calls
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PdServe"].full_name
+
+
+class PdServeService(pb_grpc.PdServeServicer):
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self.orch = orchestrator
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        # Tools given: each sample's Complete carries the calls parsed from its text.
+        fmt = self.orch.tokenizer.tool_format
+        calls = CallCollector(fmt) if fmt is not None and parses_calls(request) else None
+        try:
+            parent = tracing.context_from_metadata(context.invocation_metadata())  # a client's traceparent
+            async for resp in self.orch.generate(request, trace_context=parent):
+                yield calls.feed(resp) if calls is not None else resp
+        except RouterError as e:
+            md = retry_after_metadata(e.retry_after_ms) if e.retry_after_ms is not None else ()
+            await context.abort(e.code, e.message, trailing_metadata=md)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        return pb.AbortResponse(found=await self.orch.abort(request.request_id))
+
+    async def ListModels(self, request, context) -> pb.ListModelsResponse:
+        cfg = self.orch.config
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id=cfg.model_name, max_context_length=cfg.max_model_len)])
+
+
+class RouterServer:
+    """A running router. ``address`` is host:port as bound (port 0 picks a free one)."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.address: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self._grace = 0.0
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._thread_main, name="router-server", daemon=True)
+        self.orchestrator: Orchestrator | None = None  # set once started: stats(), accuracy
+        self.http_address: str | None = None  # host:port of the HTTP API (None: not serving HTTP)
+
+    def start(self) -> "RouterServer":
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self, grace: float = 0.0) -> None:
+        if self._loop is not None and self._stopping is not None and self._thread.is_alive():
+            self._grace = grace
+            self._loop.call_soon_threadsafe(self._stopping.set)
+        self._thread.join()
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """SIGTERM: report NOT_SERVING, refuse new requests (UNAVAILABLE + retry hint), let
+        those in flight finish for up to ``timeout_s`` (default config.drain_timeout_s), then
+        stop. Returns whether they all finished."""
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        orch = self.orchestrator
+        if orch is None or self._loop is None:
+            self.stop()
+            return True
+        orch.draining = True  # read on the loop; a plain attribute store is atomic
+        deadline = time.monotonic() + timeout_s
+        while orch.inflight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        done = orch.inflight == 0
+        if not done:
+            log.warning("router drain timed out after %.0f s with %d requests in flight", timeout_s, orch.inflight)
+        self.stop(grace=1.0)
+        return done
+
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:  # reported to start(); a failed start must not hang it
+            self._error = e
+            self._started.set()
+
+    async def _main(self) -> None:
+        cfg = self.config
+        self._loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        tracing.setup_tracing("pdserve-router", cfg.otlp_endpoint)
+        # Two clients: the background thread's, and the request path's lookup with a short bound.
+        client = redis_client(cfg.redis_url, RedisTimeouts(cfg.redis_connect_timeout_s, cfg.redis_timeout_s))
+        lookup_client = redis_client(cfg.redis_url, RedisTimeouts(cfg.index_lookup_timeout_s,
+                                                                  cfg.index_lookup_timeout_s))
+        reader = IndexReader(client, cfg.namespace)
+        lookup = GuardedLookup(IndexReader(lookup_client, cfg.namespace), LookupBreaker(base_s=cfg.node_refresh_s))
+        costs = CostBook(kv_bytes_per_token=cfg.kv_bytes_per_token) if cfg.kv_bytes_per_token else CostBook()
+        refresher = NodeRefresher(reader, cfg.node_refresh_s, cfg.prune_every_s, costs, cfg.registry_outage_s,
+                                  lookup=lookup, settle_s=cfg.registry_settle_s)
+        if cfg.policy == "ttft":
+            policy = TtftPolicy(costs, cfg.short_prompt_tokens, cfg.max_n, compute_weight=cfg.compute_weight,
+                                slow_step_factor=cfg.straggler_factor, replicate=cfg.prefix_fetch)
+        else:
+            policy = PrefixLoadPolicy(cfg.load_alpha, cfg.short_prompt_tokens, cfg.max_n,
+                                      slow_step_factor=cfg.straggler_factor)
+        metrics = RouterMetrics(cfg.model_name)
+        orch = self.orchestrator = Orchestrator(cfg, PromptTokenizer(cfg.tokenizer_dir), refresher, lookup,
+                                                policy, costs, metrics)
+        accuracy = orch.accuracy
+        metrics.watch_index(lambda: index_freshness(refresher.view.nodes, time.time()),
+                            lambda: accuracy.summary()["exact_fraction"] if accuracy.requests else None)
+        metrics.watch_transfers(costs.transfer_fits)
+        metrics.watch_degraded(lambda: refresher.degraded is not None, lambda: (lookup.failures, lookup.skipped))
+        planner = (router_planner(cfg.planner, client, cfg.namespace, refresher, costs, orch, policy,
+                                  metrics.planner_decision) if cfg.planner.enabled else None)
+        server, health_servicer, port = _grpc_server(cfg, orch)
+        refresher.start()
+        await server.start()
+        if planner is not None:
+            planner.start()
+        self.address = f"{cfg.host}:{port}"
+        http = None
+        if cfg.http_port is not None:
+            app = build_app(orch, metrics.registry, node_readiness(orch, cfg.ready_min_prefill))
+            http = HttpServer(app, cfg.host, cfg.http_port,
+                              ssl=tls_.uvicorn_ssl(cfg.tls, require_client_auth=cfg.tls_client_auth),
+                              header_timeout_s=cfg.http_header_timeout_s)
+            try:
+                self.http_address = await http.start()
+            except BaseException:
+                await server.stop(0)
+                refresher.stop()
+                raise
+        log.info("router serving %s on %s (gRPC), %s (HTTP)", cfg.model_name, self.address, self.http_address)
+        self._started.set()
+        health_task = asyncio.create_task(_track_health(health_servicer, orch, cfg.node_refresh_s))
+        try:
+            await self._stopping.wait()
+        finally:
+            health_task.cancel()
+            if planner is not None:
+                await asyncio.to_thread(planner.stop)
+            if http is not None:
+                await http.stop()
+            await server.stop(self._grace)
+            refresher.stop()
+            await orch.close()
+            client.close()
+            lookup_client.close()
+            tracing.flush()  # the batch exporter holds the last requests' spans
+
+
+def _grpc_server(cfg: RouterConfig, orch: Orchestrator):
+    """The client-facing gRPC server, bound (not started): (server, its health servicer, port)."""
+    # Client routes need an API key when keys are configured (health stays open).
+    interceptors = [ApiKeyInterceptor(ApiKeys(cfg.api_keys))] if cfg.api_keys else []
+    # A bound on the RPCs held at once (memory under overload): Generate is bounded by
+    # max_inflight (429 + retry hint) well before; the rest covers Abort, health, reflection.
+    # Clients may ping (keepalive) without being cut off as abusive; the router itself does
+    # not ping its clients (protos/conventions.py keepalive_server_options).
+    server = grpc.aio.server(options=grpc_options(cfg.max_message_bytes) + keepalive_server_options(),
+                             interceptors=interceptors,
+                             maximum_concurrent_rpcs=cfg.rpc_limit)
+    # Requests are parsed by us: malformed bytes get INVALID_ARGUMENT naming the field.
+    add_parsing_servicer(PdServeService(orch), pb.DESCRIPTOR.services_by_name["PdServe"], server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = tls_.add_port(server, f"{cfg.host}:{cfg.port}", cfg.tls, require_client_auth=cfg.tls_client_auth)
+    if port == 0:
+        raise OSError(f"could not bind {cfg.host}:{cfg.port}")
+    return server, health_servicer, port
+
+
+async def _track_health(servicer, orch: Orchestrator, every_s: float) -> None:
+    """SERVING while a decode node is live and the router is not draining: a load balancer
+    then sends traffic elsewhere when this router could only answer UNAVAILABLE."""
+    last = None
+    while True:
+        status = (health_pb2.HealthCheckResponse.SERVING if orch.refresher.view.has_decode and not orch.draining
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        if status != last:
+            for name in ("", SERVICE_NAME):
+                await servicer.set(name, status)
+            last = status
+        await asyncio.sleep(every_s)
+
+
+def serve(config: RouterConfig) -> RouterServer:
+    """Start a router; returns once it accepts connections."""
+    return RouterServer(config).start()
+
+
+def add_security_arguments(p: argparse.ArgumentParser) -> None:
+    """The TLS and API-key flags: each sets the RouterConfig field of the same name."""
+    p.add_argument("--tls-cert-file", help="serve gRPC and HTTPS with this certificate (PEM); also shown to nodes")
+    p.add_argument("--tls-key-file", help="the certificate's private key (PEM)")
+    p.add_argument("--tls-ca-file", help="the CA that signs the cluster's members (nodes' certificates)")
+    p.add_argument("--tls-server-name", help="verify node certificates against this name, not the address")
+    p.add_argument("--tls-client-auth", action="store_true",
+                   help="clients must present a certificate signed by --tls-ca-file")
+    p.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
+                   help="a key clients must send (repeatable); default $PDSERVE_API_KEY (comma-separated), "
+                        "which keeps it out of process listings")
+
+
+def security_fields(args: argparse.Namespace, env) -> dict:
+    return dict(tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file, tls_ca_file=args.tls_ca_file,
+                tls_server_name=args.tls_server_name, tls_client_auth=args.tls_client_auth,
+                api_keys=keys_from(args.api_keys, env))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m frontend.server``'s flags (the Helm chart's router args are checked against it)."""
+    p = argparse.ArgumentParser(description="pdserve router (gRPC)")
+    p.add_argument("--redis-url", required=True, help="its password, if any, from $PDSERVE_REDIS_PASSWORD")
+    p.add_argument("--tokenizer-dir", required=True)
+    p.add_argument("--model-name", required=True)
+    p.add_argument("--max-model-len", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP API, /metrics, /health, /ready (-1: none)")
+    p.add_argument("--ready-min-prefill", type=int, default=1,
+                   help="live prefill nodes GET /ready needs (0: a decode-only cluster)")
+    p.add_argument("--namespace", default="pdserve")
+    p.add_argument("--max-prompt-tokens", type=int)
+    p.add_argument("--max-tokens-limit", type=int)
+    p.add_argument("--short-prompt-tokens", type=int, default=64)
+    p.add_argument("--max-inflight", type=int, default=256)
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="HTTP bodies over this are 413 (default: what --max-model-len tokens can use)")
+    p.add_argument("--max-buffered-bytes", type=int, default=128 << 20,
+                   help="HTTP body bytes held at once across requests; past it 429 + Retry-After")
+    p.add_argument("--http-header-timeout", type=float, default=20.0, dest="http_header_timeout_s",
+                   help="seconds a connection may take to send a request's headers (else 408, closed)")
+    p.add_argument("--http-body-timeout", type=float, default=30.0, dest="http_body_timeout_s",
+                   help="seconds a request may take to send its body after its headers (else 408)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
+                   help="on SIGTERM, seconds to finish in-flight requests (new ones are refused) before exiting")
+    p.add_argument("--node-refresh-s", type=float, default=0.5)
+    p.add_argument("--redis-connect-timeout", type=float, default=1.0, dest="redis_connect_timeout_s",
+                   help="seconds to open a Redis connection")
+    p.add_argument("--redis-timeout", type=float, default=2.0, dest="redis_timeout_s",
+                   help="seconds to wait for a Redis reply off the request path (node registry, step reports)")
+    p.add_argument("--index-lookup-timeout", type=float, default=0.5, dest="index_lookup_timeout_s",
+                   help="most seconds a request waits for its prefix lookup in Redis; after a failure lookups "
+                        "are skipped (placement by load) until Redis answers again")
+    p.add_argument("--policy", choices=["ttft", "prefix_load"], default="ttft")
+    p.add_argument("--no-prefix-fetch", dest="prefix_fetch", action="store_false",
+                   help="never have a prefill node fetch a prefix another node holds (policy ttft); it computes "
+                        "what it lacks")
+    p.add_argument("--default-slo-class", default="relaxed")
+    p.add_argument("--max-migrations", type=int, default=2,
+                   help="times a request whose node failed is placed again (0: the stream ends with the error)")
+    add_deadline_arguments(p)
+    add_planner_arguments(p)
+    p.add_argument("--straggler-factor", type=float, default=3.0,
+                   help="leave out a decode node whose step time is this many times the fastest one's or its "
+                   "own recent best (0: never)")
+    p.add_argument("--otlp-endpoint", help="OTLP/gRPC collector for traces, e.g. http://127.0.0.1:4317 "
+                   "(default: $OTEL_EXPORTER_OTLP_ENDPOINT if set, else no tracing)")
+    add_security_arguments(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = serve(RouterConfig(
+        redis_url=resolve_redis_url(args.redis_url, os.environ), tokenizer_dir=args.tokenizer_dir, model_name=args.model_name,
+        max_model_len=args.max_model_len, host=args.host, port=args.port, namespace=args.namespace,
+        http_port=None if args.http_port < 0 else args.http_port, ready_min_prefill=args.ready_min_prefill,
+        max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
+        short_prompt_tokens=args.short_prompt_tokens, max_inflight=args.max_inflight,
+        max_body_bytes=args.max_body_bytes, max_buffered_bytes=args.max_buffered_bytes,
+        http_header_timeout_s=args.http_header_timeout_s, http_body_timeout_s=args.http_body_timeout_s,
+        drain_timeout_s=args.drain_timeout_s,
+        node_refresh_s=args.node_refresh_s, redis_connect_timeout_s=args.redis_connect_timeout_s,
+        redis_timeout_s=args.redis_timeout_s, index_lookup_timeout_s=args.index_lookup_timeout_s,
+        policy=args.policy, default_slo_class=args.default_slo_class, prefix_fetch=args.prefix_fetch,
+        max_migrations=args.max_migrations, straggler_factor=args.straggler_factor,
+        decode_progress_factor=args.decode_progress_factor, decode_progress_floor_s=args.decode_progress_floor_s,
+        decode_progress_ceiling_s=args.decode_progress_ceiling_s,
+        prefill_deadline_factor=args.prefill_deadline_factor, prefill_deadline_floor_s=args.prefill_deadline_floor_s,
+        otlp_endpoint=args.otlp_endpoint, planner=planner_config(args), **security_fields(args, os.environ),
+    ))
+    print(f"router listening on grpc={server.address} http={server.http_address}", flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: threading.Thread(target=server.drain).start())
+    server.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
