@@ -39,16 +39,13 @@ import argparse
 import asyncio
 import os
 import random
-import shutil
 import tempfile
 import time
 from pathlib import Path
 
 from bench import load_http
-
-# Files of a tokenizer directory the router and decode nodes read.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                    "chat_template.jinja")
+from bench.tiny_model import tiny_model_with_tokenizer
+from router.quantiles import nearest_rank
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,20 +68,6 @@ def _range(text: str) -> tuple[int, int]:
     if not 1 <= lo <= hi:
         raise SystemExit(f"expected MIN,MAX with 1 <= MIN <= MAX, got {text!r}")
     return lo, hi
-
-
-def tiny_model_with_tokenizer(tmp: Path, max_position_embeddings: int = 1024) -> Path:
-    """A tiny random Llama with SmolLM2's vocabulary, its tokenizer files beside it."""
-    from engine.models.builtin import resolve_builtin
-    from engine.models.tiny import save_tiny_model
-
-    tok_dir = resolve_builtin("smollm2-135m")
-    model_dir = save_tiny_model(tmp / "tiny-llama-smollm2-vocab", arch="llama", seed=0, vocab_size=49152,
-                                max_position_embeddings=max_position_embeddings)
-    for name in _TOKENIZER_FILES:
-        if (tok_dir / name).exists():
-            shutil.copy(tok_dir / name, model_dir / name)
-    return model_dir
 
 
 class Resources:
@@ -113,13 +96,6 @@ def slope_per_min(samples: list[tuple[float, float]]) -> float:
     if var == 0:
         return 0.0
     return 60.0 * sum((t - mt) * (v - mv) for t, v in samples) / var
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
 class LoadStats:
@@ -250,7 +226,7 @@ def run(args: argparse.Namespace, report) -> dict:
             cluster.stop()
     result = {
         "requests": load.requests, "concurrency": args.streams, "seconds": args.seconds, "errors": load.errors,
-        "rejected_429": load.rejected, "ttft_p99_s": percentile(load.ttft, 0.99),
+        "rejected_429": load.rejected, "ttft_p99_s": nearest_rank(load.ttft, 0.99),
         "rss_growth_mb_per_min": round(slope_per_min(rss), 3),
         # The second half alone: growth that settles (allocator arenas, buffers reaching their
         # working size) falls here; a leak proportional to requests keeps the whole run's slope.

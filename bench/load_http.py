@@ -296,7 +296,7 @@ def _sample_rss(pid: int, stop: threading.Event, out: list[float]) -> None:
 def run(args: argparse.Namespace, report) -> dict:
     import psutil
 
-    from bench.load import tiny_model_with_tokenizer
+    from bench.tiny_model import tiny_model_with_tokenizer
     from deploy.launcher import ClusterConfig, LocalCluster
     from engine.config import CacheConfig, EngineConfig
 

@@ -34,6 +34,8 @@ import time
 import urllib.error
 import urllib.request
 
+from router.quantiles import nearest_rank
+
 PHASES = ("before", "frozen", "after")
 
 
@@ -44,13 +46,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--freeze-s", type=float, default=10.0, help="how long redis-server stays stopped")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=96, help="prompt length; all share the first 64 tokens")
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
 class Log:
@@ -147,7 +142,7 @@ def run(args: argparse.Namespace, report) -> dict:
         rows = [r for r in log.requests if lo <= r[0] < hi]
         ok = [s for _, s, e in rows if e is None]
         phases[name] = {"requests": len(ok), "errors": len(rows) - len(ok),
-                        "p50_s": percentile(ok, 0.5), "p99_s": percentile(ok, 0.99), "max_s": max(ok, default=None)}
+                        "p50_s": nearest_rank(ok, 0.5), "p99_s": nearest_rank(ok, 0.99), "max_s": max(ok, default=None)}
     p50_before, p50_frozen = phases["before"]["p50_s"], phases["frozen"]["p50_s"]
     result = {
         "streams": args.streams, "freeze_s": args.freeze_s, "phases": phases,

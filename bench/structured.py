@@ -24,6 +24,7 @@ import statistics
 import time
 
 from bench.structured_cases import CASES, GENERATION_SCHEMAS, case
+from router.quantiles import upper_rank
 
 # Bounded variants for --quick: a random-weight model never closes a free string by itself.
 _QUICK_SCHEMAS = (
@@ -123,7 +124,7 @@ def _run(args, report, tmp) -> dict:
     compile_ms = _compile_times(eng)
     result.update(valid=valid, requests=requests,
                   compile_ms_p50=round(statistics.median(compile_ms), 3),
-                  compile_ms_p99=round(_quantile(compile_ms, 0.99), 3),
+                  compile_ms_p99=round(upper_rank(compile_ms, 0.99, 0.0), 3),
                   compiles=len(compile_ms), engine="llguidance", model=str(args.model if not args.quick else "tiny"),
                   dtype=args.dtype, repeats=args.repeats)
     if args.compare_engines:
@@ -201,6 +202,3 @@ def _compile_times(eng) -> list[float]:
     return compiler.cache.compile_ms
 
 
-def _quantile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0

@@ -42,31 +42,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from deploy.node_servers import server_builder
 from engine.config import EngineConfig, SpeculativeConfig
 from kv_index.nodes import Role
 from node.config import NodeConfig, pool_resource
 
 log = logging.getLogger(__name__)
-
-
-def server_builder(role: Role):
-    """What a node actor of ``role`` runs: ``build_any_role``, which builds ``role``'s server at
-    start and the other role's over the same engine when the node switches live."""
-    Role(role)  # a bad name fails here, in the driver
-    return build_any_role
-
-
-def build_any_role(config: NodeConfig, engine=None):
-    """The server of ``config.role`` from its role package's ``build_server`` (over ``engine``
-    when given: node/role_switch.py)."""
-    import decode_node
-    import prefill_node
-
-    build = prefill_node.build_server if Role(config.role) is Role.PREFILL else decode_node.build_server
-    return build(config, engine)
-
-
-build_any_role.roles = (Role.PREFILL, Role.DECODE)  # the roles a node actor may switch between
 
 
 def node_id(role: Role, index: int) -> str:

@@ -100,7 +100,7 @@ class LocalPools:
     def __init__(self, cluster, template: NodeTemplate, bounds: PoolBounds, cores: Sequence[int]) -> None:
         from dataclasses import replace
 
-        from deploy.nodes import server_builder
+        from deploy.node_servers import server_builder
         from kv_index.client import redis_client
         from node.actor import spawn_node
         from telemetry.metrics import PoolMetrics

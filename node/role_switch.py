@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # the server module loads torch: only the node's process impo
 log = logging.getLogger(__name__)
 
 # ``build_server(config, engine=...)``: the role's server over an engine already loaded
-# (deploy/nodes.py build_any_role). Its ``roles`` attribute says which roles it builds.
+# (deploy/node_servers.py build_any_role). Its ``roles`` attribute says which roles it builds.
 ServerFactory = Callable[..., "NodeServer"]
 
 

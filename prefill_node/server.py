@@ -47,6 +47,7 @@ from protos.convert import sampling_from_proto, token_logprobs_to_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 from telemetry import tracing
 from telemetry.log_limit import RateLimitedLog
+from telemetry.metrics import PREFILLED
 from telemetry.request_recorder import RequestRecorder
 from tokens.block_hash import hash_prompt_blocks
 from tokens.sampling_params import SamplingParams
@@ -252,7 +253,7 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
                 _release(node.fetcher.done, rid)
         node.num_prefills += 1
         # The request leaves this node here: "prefilled", whatever the decode node makes of it.
-        rec.sample(0, 0, "prefilled")
+        rec.sample(0, 0, PREFILLED)
         rec.finish(len(prompt))
         resp = outcome.response(request.resumed_output_tokens)
         if fetched is not None:

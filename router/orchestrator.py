@@ -67,7 +67,15 @@ from router.tokenizer import PromptTokenizer
 from router.validation import RouterError
 from telemetry import tracing
 from telemetry.log_limit import RateLimitedLog
-from telemetry.metrics import RouterMetrics
+from telemetry.metrics import (
+    MIGRATION_DECODE_FAILED,
+    MIGRATION_GAVE_UP,
+    MIGRATION_PREFILL_FAILED,
+    REJECTED_DUPLICATE_ID,
+    REJECTED_OVERLOADED,
+    REJECTED_UNAVAILABLE,
+    RouterMetrics,
+)
 from tokens.stop import FinishReason, stop_reason
 
 log = logging.getLogger(__name__)
@@ -133,17 +141,17 @@ class Orchestrator:
         arrival = time.monotonic()
         metrics = self.metrics
         if self.draining:
-            metrics.rejected("unavailable")
+            metrics.rejected(REJECTED_UNAVAILABLE)
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "this router is shutting down (draining); retry",
                               self.config.retry_after_ms)
         if self.inflight >= self.config.max_inflight:
-            metrics.rejected("overloaded")
+            metrics.rejected(REJECTED_OVERLOADED)
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"{self.inflight} requests in flight (max_inflight {self.config.max_inflight}); "
                               f"retry after {self.config.retry_after_ms} ms", self.config.retry_after_ms)
         client_id = req.request_id if req.HasField("request_id") and req.request_id else uuid.uuid4().hex
         if client_id in self._running:
-            metrics.rejected("duplicate_id")
+            metrics.rejected(REJECTED_DUPLICATE_ID)
             raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request id {client_id!r} is already running")
         self.inflight += 1
         self.window.arrived(time.time())
@@ -211,7 +219,7 @@ class Orchestrator:
                 usage = pb.Usage(prompt_tokens=prep.num_prompt_tokens, completion_tokens=len(run.output_ids))
                 tail = [responses.complete(0, outcome, usage, run.timings(0))]
             else:
-                self.metrics.migrated("gave_up")
+                self.metrics.migrated(MIGRATION_GAVE_UP)
                 if not yielded:
                     raise RouterError(failure.code, failure.message)
                 tail = responses.error_tail(failure.code, failure.message, prep.params.n)
@@ -256,8 +264,8 @@ class Orchestrator:
                 if run.aborted or time.monotonic() >= deadline:
                     return None
                 await asyncio.sleep(cfg.node_refresh_s)
-        self.metrics.migrated("decode_failed")
-        run.trace.migrated("decode_failed", failure.node.node_id, cont.resumed_output_tokens, failure.message)
+        self.metrics.migrated(MIGRATION_DECODE_FAILED)
+        run.trace.migrated(MIGRATION_DECODE_FAILED, failure.node.node_id, cont.resumed_output_tokens, failure.message)
         log.warning("request %s: continuing on %s after %d tokens (%s)", prep.client_id,
                     nxt.placement.decode_node.node_id, cont.resumed_output_tokens, nxt.placement.reason)
         return nxt
@@ -339,8 +347,8 @@ class Orchestrator:
             if reason is not None:
                 self.exclusions.exclude(prefill, time.monotonic())
                 self.metrics.node_failure(reason)
-                self.metrics.migrated("prefill_failed")
-                run.trace.migrated("prefill_failed", prefill.node_id, prep.resumed, e.details() or "")
+                self.metrics.migrated(MIGRATION_PREFILL_FAILED)
+                run.trace.migrated(MIGRATION_PREFILL_FAILED, prefill.node_id, prep.resumed, e.details() or "")
             # A fresh id: the failed push may still hold the old reservation on the decode node
             # (it is released when that push ends), and Decode must not wait for it.
             fresh = replace(prep, node_id=fresh_node_id(prep.client_id))

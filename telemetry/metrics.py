@@ -34,11 +34,21 @@ TRANSFER_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5
 
 # The router's label values (router/placement.py Placement.kind, router/validation.py RouterError.reason).
 DECISIONS = ("disaggregated", "disaggregated_fetch", "local")
-REJECTIONS = ("invalid", "not_found", "duplicate_id", "overloaded", "slo", "unavailable")
+# The rejections the orchestrator names itself (router/orchestrator.py); the others come from
+# RouterError.reason.
+REJECTED_DUPLICATE_ID, REJECTED_OVERLOADED, REJECTED_UNAVAILABLE = "duplicate_id", "overloaded", "unavailable"
+REJECTIONS = ("invalid", "not_found", REJECTED_DUPLICATE_ID, REJECTED_OVERLOADED, "slo", REJECTED_UNAVAILABLE)
 # Requests placed again after a node failed (router/migration.py): the decode stream broke and
 # the request moved to another node, its prefill failed and was placed again, or it could not
 # move (no migration left, no live node, n > 1) and ended with an error.
-MIGRATIONS = ("decode_failed", "prefill_failed", "gave_up")
+MIGRATION_DECODE_FAILED, MIGRATION_PREFILL_FAILED, MIGRATION_GAVE_UP = "decode_failed", "prefill_failed", "gave_up"
+MIGRATIONS = (MIGRATION_DECODE_FAILED, MIGRATION_PREFILL_FAILED, MIGRATION_GAVE_UP)
+# finished_reason values exported at 0 from the start: tokens/stop.py FinishReason's values
+# (telemetry imports no first-party package), the router's "error" besides, and the prefill
+# role's one reason, "prefilled" (its requests end once their KV is pushed).
+ENGINE_FINISH_REASONS = ("stop", "length", "abort")
+ROUTER_FINISH_REASONS = (*ENGINE_FINISH_REASONS, "error")
+PREFILLED = "prefilled"
 # How the router found out that a node failed for a request (router/liveness.py).
 NODE_FAILURES = ("unavailable", "keepalive", "progress_deadline", "lease_lapsed", "step_error", "prefill_deadline")
 
@@ -127,7 +137,7 @@ class RouterMetrics:
             self._migrations.labels(model_name=model_name, reason=reason)
         for reason in NODE_FAILURES:
             self._node_failures.labels(model_name=model_name, reason=reason)
-        self.requests.declare_reasons(("stop", "length", "abort", "error"))
+        self.requests.declare_reasons(ROUTER_FINISH_REASONS)
         for reason in DECISIONS:
             self._decisions.labels(model_name=model_name, reason=reason)
         for reason in REJECTIONS:
@@ -267,9 +277,9 @@ class NodeMetrics:
         self.labels = labels
         keys = list(labels)
         self.requests = RequestMetrics(self.registry, labels)
-        # A prefill node's requests end once their KV is pushed ("prefilled"); a decode node's
+        # A prefill node's requests end once their KV is pushed (PREFILLED); a decode node's
         # samples end as the engine says (stop, length, abort).
-        self.requests.declare_reasons(("prefilled",) if role == "prefill" else ("stop", "length", "abort"))
+        self.requests.declare_reasons((PREFILLED,) if role == "prefill" else ENGINE_FINISH_REASONS)
         self.transfer_bytes = Counter(name("kv_transfer_bytes"), "KV bytes sent (prefill) or received (decode).",
                                       keys, registry=self.registry).labels(**labels)
         self.transfer_seconds = Histogram(name("kv_transfer_seconds"), "Duration of one request's KV transfer.",

@@ -323,7 +323,8 @@ def test_a_phases_workload_reports_each_phases_good_requests_and_the_oracle():
     every request: fixed meets the tight one only in the second phase, colocated only in the
     first. Each serves 3 of 4 a phase-mean; running colocated then fixed would serve 4."""
     from bench.serve.elastic.results import workload_result
-    from bench.serve.elastic.run import ElasticLayout, Run, Segment, Stream
+    from bench.serve.elastic.run import ElasticLayout
+    from bench.serve.elastic.streams import Run, Segment, Stream
 
     def r(i, sent, tpot):
         return Record(i, "chat", 64, 10, sent, sent, first_token_s=sent + 0.1, end_s=sent + 0.1 + 9 * tpot,

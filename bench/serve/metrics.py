@@ -12,9 +12,10 @@ Definitions (DistServe's, which vLLM's and SGLang's serving benchmarks also use)
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+
+from router.quantiles import percentile
 
 
 @dataclass(slots=True)
@@ -82,16 +83,6 @@ class Slo:
 
     def as_json(self) -> dict:
         return {"ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "ttft_s_by_kind": dict(self.ttft_by_kind)}
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default), without numpy."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def _dist(values: Sequence[float]) -> dict:

@@ -4,43 +4,29 @@ the live nodes between the roles within the pool bounds, each with a short-promp
 from the allowed range (powers of two, and the one in force); with ``resize``, also one
 node more or one fewer (pool targets).
 
-Why it does not flap:
+Why it does not flap (each rule in full: docs/placement.md, "The planner", step 3; the runs
+that made them: docs/bench-elastic.md):
 
 - hysteresis in value: a new layout or threshold must promise ``switch_margin`` more goodput
-  than the current one, or, the current one saturated, a busiest pool that much less loaded;
-  pools grow above ``scale_up_util`` but shrink only when one node fewer stays under
-  ``scale_down_util``;
+  (or, the current one saturated, a busiest pool that much less loaded); pools grow above
+  ``scale_up_util`` but shrink only when one node fewer stays under ``scale_down_util``;
 - hysteresis in time: the same target must win ``confirm_rounds`` rounds in a row;
 - a cool-down: no action within ``cooldown_s`` of the last one (a switched node drains, a new
   one warms up; the window must show the new layout before it is judged);
-- a switch's price: a layout is valued by its goodput over the window with the drain of the
-  nodes it moves in it (router/planner/switch_cost.py), so a decode node holding a full batch
-  moves only for a gain that outlasts its drain; and from a layout predicted to meet nothing,
-  the target must meet ``switch_margin`` of the offered requests, not merely more than 0;
-- no return on a prediction alone: for ``REVISIT_WINDOWS`` windows after a role switch, the
-  layout it left is taken again only when the layout it moved to measured ``switch_margin``
-  worse than the one it left had (``model.measured_share``: the share of finished requests
-  within the model's targets, those in flight already past their TTFT target counted as misses;
-  a layout left before it measured enough: for one window, then
-  the prediction decides). Two
-  saturated layouts predict alike and their load estimates swing round to round, so the model
-  alone sends the planner back and forth (the held-out elastic run of 2026-12-02: three
-  switches in 60 s at 40% documents); what each measured breaks the tie;
-- back on measured evidence: within those windows, a role switch whose new layout measured
-  ``switch_margin`` less of its requests within their SLOs than the layout it left had, under a
-  load not clearly heavier (requests and prompt tokens per second, ``PlannerSignals.offered_since``), is
-  undone whatever the model predicts (``measured_worse``, ``rollback_reason``). The held-out seed-6 run
-  of 2026-12-03 switched 1P+1D (83% measured) to colocated at 40% documents, measured 62-69%
-  there under the same load, and stayed 140 s on the model's ``no_gain``;
-- no role switch on an uncalibrated model: the current layout must have measured
-  ``calibration_min_samples`` finished requests since the last action (``calibrating``);
-  after a role switch, requests that also arrived after it was done (``measured_from``): one
-  served across the switch measures the switch, not the new layout. A return to the mix the
-  switch left, on measured evidence that counts late requests in flight, is exempt
-  (``back_on_evidence``);
-- no move from a layout that measures fine: one predicted past saturation whose window's
-  requests (``calibration_min_samples`` or more measured since the last action) met their
-  SLOs for ``1 - switch_margin`` of them is held (``measured_unsaturated``): the model is off.
+- a switch's price: a layout is valued over the window with the drain of the nodes it moves
+  (router/planner/switch_cost.py); from a layout predicted to meet nothing, the target must
+  meet ``switch_margin`` of the offered requests;
+- measured evidence over the model after a role switch: two saturated layouts predict alike,
+  so for ``REVISIT_WINDOWS`` windows the layout left is taken again only when the new one
+  measured ``switch_margin`` worse (``revisit``, ``model.measured_share``), and a switch that
+  measured that much worse under a load not clearly heavier is undone (``measured_worse``,
+  ``rollback_reason``);
+- no role switch on an uncalibrated model: ``calibration_min_samples`` finished requests
+  measured since the last action (``calibrating``), after a role switch only those that
+  arrived after it was done (``measured_from``: one served across it measures the switch); a
+  return on evidence that counts late requests in flight is exempt (``back_on_evidence``);
+- no move from a layout predicted saturated whose measured requests met their SLOs for
+  ``1 - switch_margin`` of them (``measured_unsaturated``): the model is off.
 
 Every decision names an action and a reason (metric labels, few values) and a one-line
 detail with the figures behind it.

@@ -7,6 +7,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from router.quantiles import upper_rank
+
 TIER_KEYS = ("device", "host", "disk", "remote")  # where a reused token came from
 
 
@@ -47,11 +49,11 @@ class PolicyResult:
             "hit_tokens": {k: self.hit_tokens.get(k, 0) for k in TIER_KEYS},
             "goodput_rps": self.ttft_met / self.span_s if self.span_s > 0 else math.nan,
             "ttft_mean_s": sum(t) / len(t) if t else math.nan,
-            "ttft_p50_s": pct(t, 0.50),
-            "ttft_p99_s": pct(t, 0.99),
+            "ttft_p50_s": upper_rank(t, 0.50, math.nan),
+            "ttft_p99_s": upper_rank(t, 0.99, math.nan),
             "ttft_requests": len(t),
             "ttft_mean_served_s": sum(s) / len(s) if s else math.nan,
-            "ttft_p99_served_s": pct(s, 0.99),
+            "ttft_p99_served_s": upper_rank(s, 0.99, math.nan),
             "slo_attainment": self.slo_met / max(1, self.requests),
             "ttft_slo_attainment": self.ttft_met / max(1, self.requests),
             "imbalance": max(busy) / mean_busy if mean_busy > 0 else 1.0,
@@ -66,9 +68,3 @@ class PolicyResult:
             "index_age_mean_s": sum(self.freshness_s) / len(self.freshness_s) if self.freshness_s else 0.0,
             "fetched_tokens": self.fetched_tokens,
         }
-
-
-def pct(sorted_vals: list[float], q: float) -> float:
-    if not sorted_vals:
-        return math.nan
-    return sorted_vals[min(len(sorted_vals) - 1, int(q * len(sorted_vals)))]
