@@ -134,22 +134,12 @@ def cmd_generate_remote(a: argparse.Namespace) -> int:
 def cluster_config_from_args(a: argparse.Namespace):
     from deploy.launcher import ClusterConfig
     from deploy.nodes import tensor_parallel_sizes
-    from router.planner.config import PLANNER_FIELDS
     from security.api_keys import keys_from
+    from settings.flags import from_args
 
-    return ClusterConfig(
-        engine=engine_config_from_args(a), prefill_nodes=a.prefill_nodes, decode_nodes=a.decode_nodes,
-        host="127.0.0.1", grpc_port=a.grpc_port, redis_url=a.redis_url, dashboard_port=a.dashboard_port,
-        short_prompt_tokens=a.short_prompt_tokens, node_threads=a.node_threads,
-        http_port=None if a.http_port < 0 else a.http_port, otlp_endpoint=a.otlp_endpoint,
-        tls=a.tls, api_keys=keys_from(a.api_keys, os.environ), drain_timeout_s=a.drain_timeout_s,
-        max_migrations=a.max_migrations, straggler_factor=a.straggler_factor,
-        decode_progress_factor=a.decode_progress_factor, decode_progress_floor_s=a.decode_progress_floor_s,
-        decode_progress_ceiling_s=a.decode_progress_ceiling_s, prefill_deadline_factor=a.prefill_deadline_factor,
-        prefill_deadline_floor_s=a.prefill_deadline_floor_s,
-        max_step_failures=a.max_step_failures, max_start_failures=a.max_start_failures,
-        prefix_fetch=a.prefix_fetch, prefill_step_tokens=a.prefill_step_tokens,
-        **{f: getattr(a, f) for f in PLANNER_FIELDS},
+    return from_args(
+        ClusterConfig, a, engine=engine_config_from_args(a), host="127.0.0.1",
+        api_keys=keys_from(a.api_keys, os.environ), prefill_step_tokens=a.prefill_step_tokens,
         **dict(zip(("prefill_tensor_parallel", "decode_tensor_parallel"), tensor_parallel_sizes(a))),
     )
 
@@ -289,47 +279,17 @@ def cmd_bench(a: argparse.Namespace, rest: list[str]) -> int:
 
 
 def add_up_arguments(u: argparse.ArgumentParser) -> None:
-    _add_engine_args(u)
-    u.add_argument("--prefill-nodes", type=int, default=1)
-    u.add_argument("--decode-nodes", type=int, default=1)
-    u.add_argument("--grpc-port", type=int, default=50051)
-    u.add_argument("--http-port", type=int, default=8000,
-                   help="the router's OpenAI-compatible HTTP API and /metrics (-1: none)")
-    u.add_argument("--otlp-endpoint", default=None,
-                   help="export traces to this OTLP/gRPC collector (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else off)")
-    u.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    u.add_argument("--dashboard-port", type=int, default=8265)
-    u.add_argument("--tls", action="store_true",
-                   help="TLS on every gRPC hop (mutual between members) and HTTPS, from a throwaway CA")
-    u.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
-                   help="clients must send this key (repeatable; default $PDSERVE_API_KEY, comma-separated)")
-    u.add_argument("--short-prompt-tokens", type=int, default=16,
-                   help="prompts shorter than this prefill on the decode node")
-    u.add_argument("--no-prefix-fetch", dest="prefix_fetch", action="store_false",
-                   help="never have a prefill node fetch a prefix another node holds; it computes what it lacks")
-    u.add_argument("--node-threads", type=int, default=1, help="torch threads per node (per rank with tensor parallelism)")
+    """`pdserve up`'s flags: the engine's, one per ClusterConfig field that declares one (the
+    router's, planner's and nodes' settings it hands down among them), the per-role ones."""
+    from deploy.cluster_config import ClusterConfig
     from deploy.nodes import add_per_role_arguments
+    from settings.flags import add_arguments
 
+    _add_engine_args(u)
+    add_arguments(u, ClusterConfig)
     add_per_role_arguments(u)
-    u.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
-                   help="on Ctrl-C / SIGTERM, seconds to finish in-flight requests (new ones refused) before stopping")
     u.add_argument("--demo", default=None, metavar="PROMPT",
                    help="once ready, stream an answer to PROMPT through the cluster, then keep serving")
-    u.add_argument("--max-migrations", type=int, default=2,
-                   help="times a request whose node failed is placed again (0: the stream ends with the error)")
-    u.add_argument("--max-step-failures", type=int, default=3,
-                   help="engine steps failing in a row before a node turns unhealthy, leaves the index and "
-                   "restarts (0: never)")
-    u.add_argument("--max-start-failures", type=int, default=3,
-                   help="failed starts in a row (with a growing wait between them) before a node stays down")
-    u.add_argument("--straggler-factor", type=float, default=3.0,
-                   help="leave out a decode node whose step time is this many times the fastest one's or its "
-                   "own recent best (0: never)")
-    from router.config import add_deadline_arguments
-    from router.planner.config import add_planner_arguments
-
-    add_deadline_arguments(u)
-    add_planner_arguments(u)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,56 +1,76 @@
-"""The embedded cluster's configuration (`pdserve up`'s flags map onto it one to one): what
-runs (nodes per role, their engine and threads), where (ports, Redis, namespace), and the
-router's and nodes' settings it hands down; ``router_config`` derives the router's."""
+"""The embedded cluster's configuration: what runs (nodes per role, their engine and threads),
+where (ports, Redis, namespace), and the router's and nodes' settings it hands down;
+``router_config`` derives the router's. Its fields declare `pdserve up`'s flags
+(settings/flags.py); a setting it hands down is the router's, planner's or node's own
+declaration (``like``), not a second one."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from node.config import NodeConfig
+from router.config import RouterConfig
+from router.planner.config import PlannerConfig, planner_config
+from settings.flags import like, setting, shared_values
+from settings.shared import drain_timeout
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
     engine: EngineConfig
-    prefill_nodes: int = 1
-    decode_nodes: int = 1
+    prefill_nodes: int = setting(1, flag="--prefill-nodes")
+    decode_nodes: int = setting(1, flag="--decode-nodes")
     host: str = "127.0.0.1"
-    grpc_port: int = 50051
-    http_port: int | None = 8000  # the router's HTTP API and /metrics (0 = a free port, None = none)
-    otlp_endpoint: str | None = None  # traces to this OTLP collector (router and nodes)
-    redis_url: str | None = None  # None: start a private redis-server
-    dashboard_port: int = 8265
+    # The router's gRPC port (RouterConfig.port; a node's own is NodeConfig.grpc_port).
+    grpc_port: int = setting(50051, flag="--grpc-port")
+    # The router's HTTP API and /metrics (0 = a free port, None = none).
+    http_port: int | None = like(RouterConfig, "http_port",
+                                 help="the router's OpenAI-compatible HTTP API and /metrics (-1: none)")
+    # Traces to this OTLP collector (router and nodes).
+    otlp_endpoint: str | None = like(RouterConfig, "otlp_endpoint", help="export traces to this OTLP/gRPC collector "
+                                     "(default: $OTEL_EXPORTER_OTLP_ENDPOINT, else off)")
+    # None: a private redis-server
+    redis_url: str | None = setting(None, flag="--redis-url", help="use this Redis instead of starting one")
+    dashboard_port: int = setting(8265, flag="--dashboard-port")
     namespace: str = "pdserve"
-    short_prompt_tokens: int = 16
-    lease_s: float = 3.0
-    node_threads: int = 1  # torch threads per node: nodes share this machine's cores
+    short_prompt_tokens: int = like(RouterConfig, "short_prompt_tokens", default=16)
+    lease_s: float = 3.0  # the nodes' registry lease (NodeConfig.lease_s)
+    # Torch threads per node: nodes share this machine's cores.
+    node_threads: int = setting(1, flag="--node-threads", help="torch threads per node (per rank with tensor "
+                                "parallelism)")
     # Pin node i (prefill nodes first, then decode) to core i mod the core count: benchmarks
     # compare layouts on the same cores, one core per node.
     pin_cores: bool = False
     ready_timeout_s: float = 300.0
     # Ctrl-C / SIGTERM: the router finishes its in-flight requests for up to this long (new
     # ones refused), then the nodes and the rest stop.
-    drain_timeout_s: float = 30.0
-    tls: bool = False  # TLS on every gRPC hop and HTTPS, from a throwaway CA
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # keys clients must send; () = none
+    drain_timeout_s: float = drain_timeout(
+        "on Ctrl-C / SIGTERM, seconds to finish in-flight requests (new ones refused) before stopping")
+    # TLS on every gRPC hop and HTTPS, from a throwaway CA.
+    tls: bool = setting(False, flag="--tls", help="TLS on every gRPC hop (mutual between members) and HTTPS, from a "
+                        "throwaway CA")
+    api_keys: tuple[str, ...] = like(RouterConfig, "api_keys", help="clients must send this key (repeatable; default "
+                                     "$PDSERVE_API_KEY, comma-separated)")  # () = none
     # The router's fault handling (router/config.py): times a request whose node failed is placed
     # again, and the step-time factor past which a decode node is left out (0: never).
-    max_migrations: int = 2
-    straggler_factor: float = 3.0
+    max_migrations: int = like(RouterConfig, "max_migrations")
+    straggler_factor: float = like(RouterConfig, "straggler_factor")
     # How the router finds a node that failed quietly (router/liveness.py): a Decode stream's
     # progress deadline (factor x the node's step time within [floor, ceiling] seconds), and
     # the Prefill call's deadline (factor x the predicted time, at least the floor).
-    decode_progress_factor: float = 10.0
-    decode_progress_floor_s: float = 3.0
-    decode_progress_ceiling_s: float = 30.0
-    prefill_deadline_factor: float = 4.0
-    prefill_deadline_floor_s: float = 10.0
+    decode_progress_factor: float = like(RouterConfig, "decode_progress_factor")
+    decode_progress_floor_s: float = like(RouterConfig, "decode_progress_floor_s")
+    decode_progress_ceiling_s: float = like(RouterConfig, "decode_progress_ceiling_s")
+    prefill_deadline_factor: float = like(RouterConfig, "prefill_deadline_factor")
+    prefill_deadline_floor_s: float = like(RouterConfig, "prefill_deadline_floor_s")
     # The nodes' failure handling (node/config.py): failed engine steps in a row before a node
     # turns unhealthy and restarts, failed lives in a row before it stays down.
-    max_step_failures: int = 3
-    max_start_failures: int = 3
+    max_step_failures: int = like(NodeConfig, "max_step_failures")
+    max_start_failures: int = like(NodeConfig, "max_start_failures")
     # A prefill node fetches a prefix another node holds when that beats computing it
     # (router/config.py prefix_fetch).
-    prefix_fetch: bool = True
+    prefix_fetch: bool = like(RouterConfig, "prefix_fetch", help="never have a prefill node fetch a prefix another "
+                              "node holds; it computes what it lacks")
     # Ranks of each node's engine by role (NodeConfig.tensor_parallel): CPU processes here.
     prefill_tensor_parallel: int = 1
     decode_tensor_parallel: int = 1
@@ -58,22 +78,23 @@ class ClusterConfig:
     # None: engine.scheduler.max_num_batched_tokens, as in the decode role).
     prefill_step_tokens: int | None = None
 
-    # The router's planner (router/planner/config.py): off, advisory (reports only) or active;
-    # its round and cool-down; the pool bounds it keeps (max None: the nodes started).
-    planner: str = "advisory"
-    planner_interval_s: float = 5.0
-    planner_cooldown_s: float = 30.0
-    min_prefill_nodes: int = 0
-    max_prefill_nodes: int | None = None
-    min_decode_nodes: int = 1
-    max_decode_nodes: int | None = None
-    planner_resize: bool = False  # pool sizes follow the planner too (needs both maxima)
-    planner_window_s: float = 60.0  # seconds of finished requests a decision reads
-    planner_burst_window_s: float = 10.0  # the last seconds whose rate counts when they are a burst
-    planner_ttft_slo_factor: float = 5.0  # the SLO it scores layouts against (x unloaded TTFT, TPOT)
-    planner_tpot_slo_factor: float = 2.0
-    planner_slo_band: tuple[float, ...] = (1.0,)  # the SLO scaled by each, scored by the mean (headroom)
-    planner_record: str | None = None  # a file for every round's signals and decision (JSON lines)
+    # The router's planner (router/planner/config.py), under its flags' dests: off, advisory
+    # (reports only) or active; its round and cool-down; the pool bounds it keeps (max None: the
+    # nodes started); ``planner_config`` is the PlannerConfig.
+    planner: str = like(PlannerConfig, "mode")
+    planner_interval_s: float = like(PlannerConfig, "interval_s")
+    planner_cooldown_s: float = like(PlannerConfig, "cooldown_s")
+    min_prefill_nodes: int = like(PlannerConfig, "min_prefill_nodes")
+    max_prefill_nodes: int | None = like(PlannerConfig, "max_prefill_nodes")
+    min_decode_nodes: int = like(PlannerConfig, "min_decode_nodes")
+    max_decode_nodes: int | None = like(PlannerConfig, "max_decode_nodes")
+    planner_resize: bool = like(PlannerConfig, "resize")  # pool sizes follow the planner too (needs both maxima)
+    planner_window_s: float = like(PlannerConfig, "window_s")
+    planner_burst_window_s: float = like(PlannerConfig, "burst_window_s")
+    planner_ttft_slo_factor: float = like(PlannerConfig, "ttft_slo_factor")
+    planner_tpot_slo_factor: float = like(PlannerConfig, "tpot_slo_factor")
+    planner_slo_band: tuple[float, ...] = like(PlannerConfig, "slo_band")
+    planner_record: str | None = like(PlannerConfig, "record")
 
     def __post_init__(self) -> None:
         if self.prefill_nodes < 0 or self.decode_nodes < 1:
@@ -103,22 +124,20 @@ class ClusterConfig:
                              f"{self.max_step_failures} and {self.max_start_failures}")
 
     @property
-    def planner_config(self):
-        from router.planner.config import planner_config
-
+    def planner_config(self) -> PlannerConfig:
         return planner_config(self)
 
 
-def router_config(cfg: ClusterConfig, **fields):
-    """The RouterConfig of a local cluster: what ``cfg`` says, plus ``fields`` only bring-up
-    knows (Redis URL, model directory and length, the members' TLS files)."""
-    from router.config import RouterConfig
+# ClusterConfig fields a RouterConfig has under the same name but that are not the router's:
+# ``planner`` is the planner's mode here (``planner_config`` is the router's PlannerConfig);
+# the cluster's drain is run by the launcher, which passes it to ``RouterServer.drain``.
+NOT_THE_ROUTERS = ("planner", "drain_timeout_s")
 
-    return RouterConfig(
-        host=cfg.host, port=cfg.grpc_port, namespace=cfg.namespace, short_prompt_tokens=cfg.short_prompt_tokens,
-        http_port=cfg.http_port, ready_min_prefill=min(1, cfg.prefill_nodes), otlp_endpoint=cfg.otlp_endpoint,
-        api_keys=cfg.api_keys, max_migrations=cfg.max_migrations, straggler_factor=cfg.straggler_factor,
-        decode_progress_factor=cfg.decode_progress_factor, decode_progress_floor_s=cfg.decode_progress_floor_s,
-        decode_progress_ceiling_s=cfg.decode_progress_ceiling_s, prefill_deadline_factor=cfg.prefill_deadline_factor,
-        prefill_deadline_floor_s=cfg.prefill_deadline_floor_s, prefix_fetch=cfg.prefix_fetch,
-        planner=cfg.planner_config, **fields)
+
+def router_config(cfg: ClusterConfig, **fields):
+    """The RouterConfig of a local cluster: the settings ``cfg`` hands the router (its fields of
+    the same name), plus ``fields`` only bring-up knows (Redis URL, model directory and length,
+    the members' TLS files)."""
+    return RouterConfig(**{**shared_values(cfg, RouterConfig, exclude=NOT_THE_ROUTERS),
+                           "port": cfg.grpc_port, "ready_min_prefill": min(1, cfg.prefill_nodes),
+                           "planner": cfg.planner_config, **fields})

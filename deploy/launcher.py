@@ -40,7 +40,21 @@ from deploy.cluster_config import ClusterConfig, router_config  # noqa: F401 (ro
 from deploy.nodes import NodeTemplate, node_id, server_builder
 from deploy.pool_runners import LocalPools, local_pool_resources, planner_pools
 from deploy.redis_server import RedisServer, free_port
+from engine.config import EngineConfig
 from kv_index.nodes import Role
+from settings.flags import shared_values
+
+# ClusterConfig fields a NodeTemplate has under the same name but that are not the nodes':
+# ``grpc_port`` is the router's port here (each node picks a free one); the engine is the one
+# bring-up resolved.
+NOT_THE_NODES = ("grpc_port", "engine")
+
+
+def node_template(cfg: ClusterConfig, engine: EngineConfig, redis_url: str, tls: Mapping[str, str]) -> NodeTemplate:
+    """The nodes' settings of a local cluster: what ``cfg`` hands the nodes (its fields of the
+    same name), the engine and Redis bring-up resolved, the members' TLS files."""
+    return NodeTemplate(**{**shared_values(cfg, NodeTemplate, exclude=NOT_THE_NODES), "engine": engine,
+                           "redis_url": redis_url, "served_model_name": cfg.engine.model, **tls})
 
 
 def state_file() -> Path:
@@ -115,13 +129,7 @@ class LocalCluster:
         self._start_ray(ray)
 
         # The same node configs `pdserve nodes` spawns on an existing Ray cluster (deploy/nodes.py).
-        template = NodeTemplate(engine=engine_cfg, redis_url=self.redis_url, namespace=cfg.namespace, host=cfg.host,
-                                lease_s=cfg.lease_s, otlp_endpoint=cfg.otlp_endpoint,
-                                served_model_name=cfg.engine.model, drain_timeout_s=cfg.drain_timeout_s,
-                                max_step_failures=cfg.max_step_failures, max_start_failures=cfg.max_start_failures,
-                                prefill_tensor_parallel=cfg.prefill_tensor_parallel,
-                                decode_tensor_parallel=cfg.decode_tensor_parallel,
-                                prefill_step_tokens=cfg.prefill_step_tokens, **self._member_tls())
+        template = node_template(cfg, engine_cfg, self.redis_url, self._member_tls())
         self._forget_node_health()
         cores = sorted(os.sched_getaffinity(0))
         self._spawn_nodes(template, cores)

@@ -46,6 +46,8 @@ from deploy.node_servers import server_builder
 from engine.config import EngineConfig, SpeculativeConfig
 from kv_index.nodes import Role
 from node.config import NodeConfig, pool_resource
+from settings.flags import add_arguments as add_setting_arguments
+from settings.flags import from_args, like, setting, shared_values
 
 log = logging.getLogger(__name__)
 
@@ -62,35 +64,39 @@ def node_index(name: str, role: Role) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class NodeTemplate:
-    """What every node of one cluster shares; ``config`` adds a node's role and index."""
+    """What every node of one cluster shares; ``config`` adds a node's role and index. Its
+    fields are NodeConfig's of the same names (their declarations and `pdserve nodes` flags
+    are NodeConfig's) and go to every node as they are."""
 
     engine: EngineConfig
-    redis_url: str
-    namespace: str = "pdserve"
-    host: str = "127.0.0.1"
-    grpc_port: int = 0
-    metrics_port: int | None = 0
-    kv_data_port: int | None = 0  # decode nodes' raw KV data port (0: a free one, None: gRPC only)
-    kv_streaming: bool = True  # prefill nodes send KV layer by layer while they compute
-    kv_dist: bool = False  # nodes also receive KV over torch.distributed groups (NodeConfig.kv_dist)
+    redis_url: str = setting(repr=False, flag="--redis-url", help="the index (default $PDSERVE_REDIS_URL); its "
+                             "password from $PDSERVE_REDIS_PASSWORD")
+    namespace: str = like(NodeConfig, "namespace")
+    host: str = like(NodeConfig, "host", default="127.0.0.1")
+    grpc_port: int = like(NodeConfig, "grpc_port")
+    metrics_port: int | None = like(NodeConfig, "metrics_port")
+    kv_data_port: int | None = like(NodeConfig, "kv_data_port")  # decode nodes' raw KV data port
+    kv_streaming: bool = like(NodeConfig, "kv_streaming")  # prefill nodes send KV layer by layer while they compute
+    kv_dist: bool = like(NodeConfig, "kv_dist")  # nodes also receive KV over torch.distributed groups
     # Ranks of each node's engine, by role (NodeConfig.tensor_parallel; sizes may differ: KV
     # crosses with all its heads, docs/cluster.md).
     prefill_tensor_parallel: int = 1
     decode_tensor_parallel: int = 1
     prefill_step_tokens: int | None = None  # the prefill role's step budget (NodeConfig.prefill_step_tokens)
-    lease_s: float = 3.0
-    redis_connect_timeout_s: float = 1.0  # NodeConfig's Redis bounds (kv_index/client.py)
-    redis_timeout_s: float = 5.0
-    otlp_endpoint: str | None = None
-    served_model_name: str | None = None  # the router's --model-name (metrics label)
-    drain_timeout_s: float = 30.0  # SIGTERM / stop: how long a node finishes its requests
-    max_step_failures: int = 3  # failed engine steps in a row before a node is unhealthy
-    max_start_failures: int = 3  # failed lives in a row before a node stays down
+    lease_s: float = like(NodeConfig, "lease_s")
+    redis_connect_timeout_s: float = like(NodeConfig, "redis_connect_timeout_s")  # Redis bounds (kv_index/client.py)
+    redis_timeout_s: float = like(NodeConfig, "redis_timeout_s")
+    otlp_endpoint: str | None = like(NodeConfig, "otlp_endpoint")
+    served_model_name: str | None = like(NodeConfig, "served_model_name")  # the router's --model-name (metrics label)
+    # SIGTERM / stop: how long a node finishes its requests
+    drain_timeout_s: float = like(NodeConfig, "drain_timeout_s")
+    max_step_failures: int = like(NodeConfig, "max_step_failures")  # failed engine steps in a row: unhealthy
+    max_start_failures: int = like(NodeConfig, "max_start_failures")  # failed lives in a row: stays down
     # Mutual TLS between members (NodeConfig's fields of the same names).
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    tls_ca_file: str | None = None
-    tls_server_name: str | None = None
+    tls_cert_file: str | None = like(NodeConfig, "tls_cert_file")
+    tls_key_file: str | None = like(NodeConfig, "tls_key_file")
+    tls_ca_file: str | None = like(NodeConfig, "tls_ca_file")
+    tls_server_name: str | None = like(NodeConfig, "tls_server_name")
 
     def config(self, role: Role, index: int, **fields) -> NodeConfig:
         role = Role(role)
@@ -99,20 +105,12 @@ class NodeTemplate:
         if engine.cache.disk_cache_dir:  # a disk KV tier is one node's: its own subdirectory, kept across restarts
             engine = replace(engine, cache=replace(engine.cache, disk_cache_dir=os.path.join(
                 engine.cache.disk_cache_dir, node_id(role, index))))
-        return NodeConfig(node_id=node_id(role, index), role=role, redis_url=self.redis_url, host=self.host,
-                          grpc_port=self.grpc_port, metrics_port=self.metrics_port, namespace=self.namespace,
-                          kv_data_port=self.kv_data_port, kv_streaming=self.kv_streaming, kv_dist=self.kv_dist,
-                          lease_s=self.lease_s, heartbeat_s=min(0.5, self.lease_s / 4), engine=engine,
-                          redis_connect_timeout_s=self.redis_connect_timeout_s, redis_timeout_s=self.redis_timeout_s,
-                          # Both roles: the prefill node samples a structured output's first token under
-                          # its grammar, built from the tokenizer's vocabulary.
-                          load_tokenizer=True, otlp_endpoint=self.otlp_endpoint,
-                          served_model_name=self.served_model_name, tls_cert_file=self.tls_cert_file,
-                          tls_key_file=self.tls_key_file, tls_ca_file=self.tls_ca_file,
-                          tls_server_name=self.tls_server_name, drain_timeout_s=self.drain_timeout_s,
-                          max_step_failures=self.max_step_failures, max_start_failures=self.max_start_failures,
-                          prefill_step_tokens=self.prefill_step_tokens, tensor_parallel=self.prefill_tensor_parallel if role is Role.PREFILL
-                          else self.decode_tensor_parallel, **fields)
+        tensor_parallel = self.prefill_tensor_parallel if role is Role.PREFILL else self.decode_tensor_parallel
+        # Both roles load the tokenizer: the prefill node samples a structured output's first
+        # token under its grammar, built from the tokenizer's vocabulary.
+        return NodeConfig(**{**shared_values(self, NodeConfig), "node_id": node_id(role, index), "role": role,
+                             "heartbeat_s": min(0.5, self.lease_s / 4), "engine": engine, "load_tokenizer": True,
+                             "tensor_parallel": tensor_parallel, **fields})
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,47 +287,16 @@ def _count(text: str) -> int | None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`pdserve nodes` flags beyond the engine's (deploy/cli.py adds those)."""
     p.add_argument("--ray-address", default="auto", help="the Ray cluster's GCS address (HOST:PORT, or auto)")
-    p.add_argument("--redis-url", default=os.environ.get("PDSERVE_REDIS_URL"),
-                   help="the index (default $PDSERVE_REDIS_URL); its password from $PDSERVE_REDIS_PASSWORD")
-    p.add_argument("--namespace", default="pdserve", help="Redis key prefix and Ray namespace of the actors")
     for role in Role:
         p.add_argument(f"--{role.value}-nodes", type=_count, default=None, metavar="N|auto",
                        help=f"{role.value} node actors (default auto: one per {pool_resource(role)} unit)")
         p.add_argument(f"--{role.value}-gpu", action="store_true", help=f"each {role.value} node takes one GPU")
         p.add_argument(f"--{role.value}-accelerator-type", default=None,
                        help=f"Ray accelerator type {role.value} nodes need (e.g. H100)")
-    p.add_argument("--host", default="0.0.0.0", help="the address nodes bind (they register where they run)")
-    p.add_argument("--grpc-port", type=int, default=0, help="each node's gRPC port (0: a free one)")
-    p.add_argument("--metrics-port", type=int, default=0, help="each node's /metrics port (0: a free one, -1: none)")
-    p.add_argument("--kv-data-port", type=int, default=0,
-                   help="each decode node's raw KV data port beside gRPC (0: a free one, -1: none; off with TLS)")
-    p.add_argument("--kv-dist", action="store_true",
-                   help="nodes also receive KV over torch.distributed process groups on their data port "
-                        "(gloo; slower than the raw TCP stream on CPU: docs/cluster.md; off with TLS)")
+    # The nodes' own settings (NodeConfig's declarations, by way of NodeTemplate).
+    add_setting_arguments(p, NodeTemplate, defaults={"redis_url": os.environ.get("PDSERVE_REDIS_URL"),
+                                                     "host": "0.0.0.0"})
     add_per_role_arguments(p)
-    p.add_argument("--no-kv-streaming", dest="kv_streaming", action="store_false",
-                   help="prefill nodes push a request's KV once its prefill finished instead of layer by layer "
-                        "while it computes")
-    p.add_argument("--lease-s", type=float, default=3.0)
-    p.add_argument("--redis-connect-timeout", type=float, default=1.0, dest="redis_connect_timeout_s",
-                   help="seconds a node waits to open a Redis connection")
-    p.add_argument("--redis-timeout", type=float, default=5.0, dest="redis_timeout_s",
-                   help="seconds a node's index thread waits for a Redis reply (heartbeats, block events); "
-                        "it must cover a full resync of the node's blocks")
-    p.add_argument("--otlp-endpoint", default=None)
-    p.add_argument("--served-model-name", default=None,
-                   help="the model's name as the router serves it (the metrics' model_name; default: --model)")
-    p.add_argument("--tls-cert-file", default=None, help="each node's certificate (PEM; mutual TLS between members)")
-    p.add_argument("--tls-key-file", default=None, help="its private key (PEM)")
-    p.add_argument("--tls-ca-file", default=None, help="the CA that signs every cluster member (PEM)")
-    p.add_argument("--tls-server-name", default=None,
-                   help="verify peers' certificates against this name instead of their address")
-    p.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
-                   help="seconds a node stopped (SIGTERM, scale-down) finishes its requests before it exits")
-    p.add_argument("--max-step-failures", type=int, default=3,
-                   help="engine steps failing in a row before a node turns unhealthy and restarts (0: never)")
-    p.add_argument("--max-start-failures", type=int, default=3,
-                   help="failed starts in a row (with a growing wait between them) before a node stays down")
     p.add_argument("--interval-s", type=float, default=10.0, help="seconds between two passes")
     from deploy.pool_runners import add_pool_arguments
 
@@ -347,16 +314,9 @@ def template_from_args(a: argparse.Namespace, engine: EngineConfig, env: Mapping
         tp = tensor_parallel_sizes(a)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    return NodeTemplate(engine=engine, redis_url=resolve_redis_url(a.redis_url, env), namespace=a.namespace,
-                        host=a.host, grpc_port=a.grpc_port, metrics_port=None if a.metrics_port < 0 else a.metrics_port,
-                        kv_data_port=None if a.kv_data_port < 0 else a.kv_data_port, kv_streaming=a.kv_streaming,
-                        kv_dist=a.kv_dist, lease_s=a.lease_s, redis_connect_timeout_s=a.redis_connect_timeout_s,
-                        redis_timeout_s=a.redis_timeout_s, otlp_endpoint=a.otlp_endpoint, served_model_name=a.served_model_name,
-                        tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file, tls_ca_file=a.tls_ca_file,
-                        tls_server_name=a.tls_server_name, drain_timeout_s=a.drain_timeout_s,
-                        max_step_failures=a.max_step_failures, max_start_failures=a.max_start_failures,
-                        prefill_tensor_parallel=tp[0], decode_tensor_parallel=tp[1],
-                        prefill_step_tokens=a.prefill_step_tokens)
+    return from_args(NodeTemplate, a, engine=engine, redis_url=resolve_redis_url(a.redis_url, env),
+                     prefill_tensor_parallel=tp[0], decode_tensor_parallel=tp[1],
+                     prefill_step_tokens=a.prefill_step_tokens)
 
 
 def add_per_role_arguments(p: argparse.ArgumentParser) -> None:

@@ -32,7 +32,7 @@ from kv_index.redis_url import resolve_redis_url
 from protos.conventions import grpc_options, keepalive_server_options, retry_after_metadata
 from protos.pdserve.v1 import serving_pb2 as pb
 from protos.pdserve.v1 import serving_pb2_grpc as pb_grpc
-from router.config import RouterConfig, add_deadline_arguments
+from router.config import RouterConfig
 from router.cost_model import CostBook
 from router.index_guard import GuardedLookup, LookupBreaker
 from router.node_view import NodeRefresher
@@ -43,6 +43,7 @@ from router.planner.loop import router_planner
 from router.tokenizer import PromptTokenizer
 from security import tls as tls_
 from security.api_keys import ApiKeyInterceptor, ApiKeys, keys_from
+from settings.flags import add_arguments, from_args
 from telemetry import tracing
 from telemetry.metrics import RouterMetrics
 from tool_calling.requests import CallCollector, parses_calls
@@ -241,100 +242,26 @@ def serve(config: RouterConfig) -> RouterServer:
     return RouterServer(config).start()
 
 
-def add_security_arguments(p: argparse.ArgumentParser) -> None:
-    """The TLS and API-key flags: each sets the RouterConfig field of the same name."""
-    p.add_argument("--tls-cert-file", help="serve gRPC and HTTPS with this certificate (PEM); also shown to nodes")
-    p.add_argument("--tls-key-file", help="the certificate's private key (PEM)")
-    p.add_argument("--tls-ca-file", help="the CA that signs the cluster's members (nodes' certificates)")
-    p.add_argument("--tls-server-name", help="verify node certificates against this name, not the address")
-    p.add_argument("--tls-client-auth", action="store_true",
-                   help="clients must present a certificate signed by --tls-ca-file")
-    p.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
-                   help="a key clients must send (repeatable); default $PDSERVE_API_KEY (comma-separated), "
-                        "which keeps it out of process listings")
-
-
-def security_fields(args: argparse.Namespace, env) -> dict:
-    return dict(tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file, tls_ca_file=args.tls_ca_file,
-                tls_server_name=args.tls_server_name, tls_client_auth=args.tls_client_auth,
-                api_keys=keys_from(args.api_keys, env))
-
-
 def build_parser() -> argparse.ArgumentParser:
-    """``python -m frontend.server``'s flags (the Helm chart's router args are checked against it)."""
+    """``python -m frontend.server``'s flags: one per RouterConfig field that declares one, and
+    the planner's (the Helm chart's router args are checked against it)."""
     p = argparse.ArgumentParser(description="pdserve router (gRPC)")
-    p.add_argument("--redis-url", required=True, help="its password, if any, from $PDSERVE_REDIS_PASSWORD")
-    p.add_argument("--tokenizer-dir", required=True)
-    p.add_argument("--model-name", required=True)
-    p.add_argument("--max-model-len", type=int, required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--http-port", type=int, default=8000,
-                   help="OpenAI-compatible HTTP API, /metrics, /health, /ready (-1: none)")
-    p.add_argument("--ready-min-prefill", type=int, default=1,
-                   help="live prefill nodes GET /ready needs (0: a decode-only cluster)")
-    p.add_argument("--namespace", default="pdserve")
-    p.add_argument("--max-prompt-tokens", type=int)
-    p.add_argument("--max-tokens-limit", type=int)
-    p.add_argument("--short-prompt-tokens", type=int, default=64)
-    p.add_argument("--max-inflight", type=int, default=256)
-    p.add_argument("--max-body-bytes", type=int, default=None,
-                   help="HTTP bodies over this are 413 (default: what --max-model-len tokens can use)")
-    p.add_argument("--max-buffered-bytes", type=int, default=128 << 20,
-                   help="HTTP body bytes held at once across requests; past it 429 + Retry-After")
-    p.add_argument("--http-header-timeout", type=float, default=20.0, dest="http_header_timeout_s",
-                   help="seconds a connection may take to send a request's headers (else 408, closed)")
-    p.add_argument("--http-body-timeout", type=float, default=30.0, dest="http_body_timeout_s",
-                   help="seconds a request may take to send its body after its headers (else 408)")
-    p.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
-                   help="on SIGTERM, seconds to finish in-flight requests (new ones are refused) before exiting")
-    p.add_argument("--node-refresh-s", type=float, default=0.5)
-    p.add_argument("--redis-connect-timeout", type=float, default=1.0, dest="redis_connect_timeout_s",
-                   help="seconds to open a Redis connection")
-    p.add_argument("--redis-timeout", type=float, default=2.0, dest="redis_timeout_s",
-                   help="seconds to wait for a Redis reply off the request path (node registry, step reports)")
-    p.add_argument("--index-lookup-timeout", type=float, default=0.5, dest="index_lookup_timeout_s",
-                   help="most seconds a request waits for its prefix lookup in Redis; after a failure lookups "
-                        "are skipped (placement by load) until Redis answers again")
-    p.add_argument("--policy", choices=["ttft", "prefix_load"], default="ttft")
-    p.add_argument("--no-prefix-fetch", dest="prefix_fetch", action="store_false",
-                   help="never have a prefill node fetch a prefix another node holds (policy ttft); it computes "
-                        "what it lacks")
-    p.add_argument("--default-slo-class", default="relaxed")
-    p.add_argument("--max-migrations", type=int, default=2,
-                   help="times a request whose node failed is placed again (0: the stream ends with the error)")
-    add_deadline_arguments(p)
+    add_arguments(p, RouterConfig)
     add_planner_arguments(p)
-    p.add_argument("--straggler-factor", type=float, default=3.0,
-                   help="leave out a decode node whose step time is this many times the fastest one's or its "
-                   "own recent best (0: never)")
-    p.add_argument("--otlp-endpoint", help="OTLP/gRPC collector for traces, e.g. http://127.0.0.1:4317 "
-                   "(default: $OTEL_EXPORTER_OTLP_ENDPOINT if set, else no tracing)")
-    add_security_arguments(p)
     return p
+
+
+def config_from_args(args: argparse.Namespace, env) -> RouterConfig:
+    """The RouterConfig of parsed ``build_parser`` flags; the Redis password and the API keys
+    may come from ``env``."""
+    return from_args(RouterConfig, args, redis_url=resolve_redis_url(args.redis_url, env),
+                     api_keys=keys_from(args.api_keys, env), planner=planner_config(args))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = serve(RouterConfig(
-        redis_url=resolve_redis_url(args.redis_url, os.environ), tokenizer_dir=args.tokenizer_dir, model_name=args.model_name,
-        max_model_len=args.max_model_len, host=args.host, port=args.port, namespace=args.namespace,
-        http_port=None if args.http_port < 0 else args.http_port, ready_min_prefill=args.ready_min_prefill,
-        max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
-        short_prompt_tokens=args.short_prompt_tokens, max_inflight=args.max_inflight,
-        max_body_bytes=args.max_body_bytes, max_buffered_bytes=args.max_buffered_bytes,
-        http_header_timeout_s=args.http_header_timeout_s, http_body_timeout_s=args.http_body_timeout_s,
-        drain_timeout_s=args.drain_timeout_s,
-        node_refresh_s=args.node_refresh_s, redis_connect_timeout_s=args.redis_connect_timeout_s,
-        redis_timeout_s=args.redis_timeout_s, index_lookup_timeout_s=args.index_lookup_timeout_s,
-        policy=args.policy, default_slo_class=args.default_slo_class, prefix_fetch=args.prefix_fetch,
-        max_migrations=args.max_migrations, straggler_factor=args.straggler_factor,
-        decode_progress_factor=args.decode_progress_factor, decode_progress_floor_s=args.decode_progress_floor_s,
-        decode_progress_ceiling_s=args.decode_progress_ceiling_s,
-        prefill_deadline_factor=args.prefill_deadline_factor, prefill_deadline_floor_s=args.prefill_deadline_floor_s,
-        otlp_endpoint=args.otlp_endpoint, planner=planner_config(args), **security_fields(args, os.environ),
-    ))
+    server = serve(config_from_args(args, os.environ))
     print(f"router listening on grpc={server.address} http={server.http_address}", flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: threading.Thread(target=server.drain).start())

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from kv_index.nodes import Role
 from security.tls import TlsFiles, tls_files
+from settings.flags import negative_is_none, setting
+from settings.shared import drain_timeout
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,8 +20,10 @@ class NodeConfig:
     node_id: str
     role: Role
     redis_url: str = field(repr=False)  # may hold the Redis password: never in a repr
-    host: str = "127.0.0.1"  # the address the node binds; "0.0.0.0" / "::" = every interface
-    grpc_port: int = 0  # 0 = pick a free port (the bound port is what the node registers)
+    # the address the node binds; "0.0.0.0" / "::" = every interface
+    host: str = setting("127.0.0.1", flag="--host", help="the address nodes bind (they register where they run)")
+    # 0 = pick a free port (the bound port is what the node registers)
+    grpc_port: int = setting(0, flag="--grpc-port", help="each node's gRPC port (0: a free one)")
     # The host other processes reach this node at: registered in the index with the bound ports.
     # None = ``host``; a node bound to every interface must be given one (a node actor fills it
     # in from its pod's or Ray node's address: node/actor.py).
@@ -27,17 +31,21 @@ class NodeConfig:
     # The gRPC port registered instead of the bound one, for a node reached through a forwarder
     # (a NAT, or the loopback proxy of `pdserve chaos --scenario partition`); None = the bound port.
     advertise_grpc_port: int | None = None
-    namespace: str = "pdserve"  # Redis key prefix; clusters sharing one Redis use different ones
+    # Redis key prefix; clusters sharing one Redis use different ones
+    namespace: str = setting("pdserve", flag="--namespace", help="Redis key prefix and Ray namespace of the actors")
     # The node's registry entry expires lease_s after its last heartbeat: a dead node stops
     # receiving work within lease_s. heartbeat_s must be well below it.
-    lease_s: float = 3.0
+    lease_s: float = setting(3.0, flag="--lease-s")
     heartbeat_s: float = 0.5
     # Redis clients (kv_index/client.py): seconds to connect and to wait for each reply. Only the
     # node's publisher thread waits on them, never the engine or a gRPC call; the reply bound
     # must cover the node's full resync of its block snapshot (one script call: 100k blocks
     # took 1.4-2.2 s on a loaded 2-core machine).
-    redis_connect_timeout_s: float = 1.0
-    redis_timeout_s: float = 5.0
+    redis_connect_timeout_s: float = setting(1.0, flag="--redis-connect-timeout", help="seconds a node waits to open "
+                                             "a Redis connection")
+    redis_timeout_s: float = setting(5.0, flag="--redis-timeout", help="seconds a node's index thread waits for a "
+                                     "Redis reply (heartbeats, block events); it must cover a full resync of the "
+                                     "node's blocks")
     # Decode role: seconds a KV reservation waits for its PushBlocks, and again after each
     # completed push for the Decode call, before its blocks are released.
     reservation_lease_s: float = 10.0
@@ -58,48 +66,59 @@ class NodeConfig:
     max_concurrent_rpcs: int | None = None
     # SIGTERM / stop: seconds a draining node waits for its in-flight requests before it stops
     # (it takes no new ones, reports NOT_SERVING and is skipped by routers meanwhile).
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = drain_timeout(
+        "seconds a node stopped (SIGTERM, scale-down) finishes its requests before it exits")
     # Engine steps that fail in a row before the node is unhealthy: it reports NOT_SERVING,
     # leaves the index, stops its engine and (as a Ray actor) exits to be restarted (0: never).
     # Each failed step fails only its own requests, which the router moves to another node.
-    max_step_failures: int = 3
+    max_step_failures: int = setting(3, flag="--max-step-failures", help="engine steps failing in a row before a node "
+                                     "turns unhealthy, leaves the index and restarts (0: never)")
     # Failed lives in a row (a start that raised or died, or unhealthy before one good step)
     # after which the node actor is not restarted and stays down, its reason recorded for
     # `pdserve status`; each retry waits longer (node/health.py, StartPolicy).
-    max_start_failures: int = 3
+    max_start_failures: int = setting(3, flag="--max-start-failures", help="failed starts in a row (with a growing "
+                                      "wait between them) before a node stays down")
     # Prometheus /metrics of this node on host:metrics_port (0 = a free port, registered in the
     # index as the node's metrics address; None = no metrics endpoint).
-    metrics_port: int | None = 0
+    metrics_port: int | None = setting(0, flag="--metrics-port", to_field=negative_is_none,
+                                   help="each node's /metrics port (0: a free one, -1: none)")
     # OTLP/gRPC collector for traces (e.g. "http://otel-collector:4317"); None = the standard
     # OTEL_EXPORTER_OTLP_ENDPOINT variable if set, else tracing off.
-    otlp_endpoint: str | None = None
+    otlp_endpoint: str | None = setting(None, flag="--otlp-endpoint")
     # The model's name as clients and the router know it (the metrics' model_name label, so node
     # and router series join); None = engine.model, which may be a local path.
-    served_model_name: str | None = None
+    served_model_name: str | None = setting(None, flag="--served-model-name", help="the model's name as the router "
+                                            "serves it (the metrics' model_name; default: --model)")
     # Decode role: port of the raw TCP KV data stream beside gRPC (kv_transfer/tcp_transport.py),
     # advertised as tcp://host:port (0 = a free port, None = gRPC only). Plaintext: a node with
     # TLS configured does not open it, so its KV moves over the TLS-protected gRPC port.
-    kv_data_port: int | None = 0
+    kv_data_port: int | None = setting(0, flag="--kv-data-port", to_field=negative_is_none, help="each decode node's "
+                                       "raw KV data port beside gRPC (0: a free one, -1: none; off with TLS)")
     # Also move KV over torch.distributed process groups (gloo), one per kept data connection
     # (kv_transfer/dist_transport.py): the node advertises dist://host:port before tcp:// and
     # sends over dist to receivers that advertise it. Off by default: on CPU it is slower than
     # the raw TCP stream (docs/cluster.md). Needs the data port; never with TLS (plaintext).
-    kv_dist: bool = False
+    kv_dist: bool = setting(False, flag="--kv-dist", help="nodes also receive KV over torch.distributed process "
+                            "groups on their data port (gloo; slower than the raw TCP stream on CPU: docs/cluster.md; "
+                            "off with TLS)")
     # Prefill role: send each layer of each finished prefill chunk while the later ones compute
     # (layer-wise streaming, prefill_node/kv_streamer.py); False = push all the KV once the
     # prefill finished.
-    kv_streaming: bool = True
+    kv_streaming: bool = setting(True, flag="--no-kv-streaming", help="prefill nodes push a request's KV once its "
+                                 "prefill finished instead of layer by layer while it computes")
     # CPU cores this node's process may run on (os.sched_setaffinity), None = any. Benchmarks
     # pin each node to its own core so that layouts compare on the same cores.
     cpu_affinity: tuple[int, ...] | None = None
     # Mutual TLS between cluster members (docs/security.md): this node's certificate and key,
     # and the CA that signs every member; its gRPC port then admits only callers holding such
     # a certificate, and it dials peers with its own. All None: plaintext.
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    tls_ca_file: str | None = None
+    tls_cert_file: str | None = setting(None, flag="--tls-cert-file", help="each node's certificate (PEM; mutual TLS "
+                                        "between members)")
+    tls_key_file: str | None = setting(None, flag="--tls-key-file", help="its private key (PEM)")
+    tls_ca_file: str | None = setting(None, flag="--tls-ca-file", help="the CA that signs every cluster member (PEM)")
     # The name peers' certificates are verified against instead of the address dialled.
-    tls_server_name: str | None = None
+    tls_server_name: str | None = setting(None, flag="--tls-server-name", help="verify peers' certificates against "
+                                          "this name instead of their address")
     # Ranks (CPU processes on a gloo group) this node's engine runs on, each with 1/N of the
     # attention and KV heads and of the MLP (engine/parallel/, docs/engine.md). It must divide
     # the model's heads (checked when the engine starts, the reason recorded by the node actor).

@@ -1,49 +1,62 @@
-"""Router configuration: one frozen dataclass; each flag of ``python -m frontend.server`` sets
-the field of the same name (the rest keep their defaults)."""
+"""Router configuration: one frozen dataclass whose fields declare the flags of
+``python -m frontend.server`` (settings/flags.py: each flag sets its field; fields without one
+keep their defaults)."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
 from protos.conventions import MAX_MESSAGE_BYTES
 from router.admission import SLO_CLASSES
 from router.liveness import check_deadlines
 from router.planner.config import PlannerConfig
 from security.tls import TlsFiles, tls_files
+from settings.flags import add_arguments, negative_is_none, setting
+from settings.shared import drain_timeout
+
+POLICIES = ("ttft", "prefix_load")
 
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    redis_url: str = field(repr=False)  # may hold the Redis password: never in a repr
-    model_name: str
-    tokenizer_dir: str  # local HF tokenizer dir: tokenizer.json + tokenizer_config.json
-    max_model_len: int  # prompt + output tokens of one request
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0 = pick a free port (RouterServer.address tells which)
+    # may hold the Redis password: never in a repr
+    redis_url: str = setting(repr=False, flag="--redis-url", help="its password, if any, from $PDSERVE_REDIS_PASSWORD")
+    model_name: str = setting(flag="--model-name")
+    # local HF tokenizer dir: tokenizer.json + tokenizer_config.json
+    tokenizer_dir: str = setting(flag="--tokenizer-dir")
+    max_model_len: int = setting(flag="--max-model-len")  # prompt + output tokens of one request
+    host: str = setting("127.0.0.1", flag="--host")
+    port: int = setting(50051, flag="--port")  # 0 = pick a free port (RouterServer.address tells which)
     # OpenAI-compatible HTTP API, /metrics, /health and /ready on host:http_port (0 = a free
     # port, RouterServer.http_address tells which; None = no HTTP server).
-    http_port: int | None = 8000
+    http_port: int | None = setting(8000, flag="--http-port", to_field=negative_is_none,
+                                     help="OpenAI-compatible HTTP API, /metrics, /health, /ready (-1: none)")
     # GET /ready needs at least this many live prefill nodes (and one decode node); 0 for a
     # cluster that prefills on its decode nodes only.
-    ready_min_prefill: int = 1
+    ready_min_prefill: int = setting(1, flag="--ready-min-prefill", help="live prefill nodes GET /ready needs (0: a "
+                                     "decode-only cluster)")
     # OTLP/gRPC collector for traces; None = OTEL_EXPORTER_OTLP_ENDPOINT if set, else off.
-    otlp_endpoint: str | None = None
-    namespace: str = "pdserve"
-    max_prompt_tokens: int | None = None  # None = max_model_len - 1
-    max_tokens_limit: int | None = None  # None = no limit beyond max_model_len
+    otlp_endpoint: str | None = setting(None, flag="--otlp-endpoint", help="OTLP/gRPC collector for traces, e.g. "
+                                        "http://127.0.0.1:4317 (default: $OTEL_EXPORTER_OTLP_ENDPOINT if set, else no "
+                                        "tracing)")
+    namespace: str = setting("pdserve", flag="--namespace")
+    max_prompt_tokens: int | None = setting(None, flag="--max-prompt-tokens")  # None = max_model_len - 1
+    max_tokens_limit: int | None = setting(None, flag="--max-tokens-limit")  # None = no limit beyond max_model_len
     # Requests with n above this are not disaggregated: the decode node prefills them itself
     # (the prefill -> decode hand-off carries the KV of one sample).
     max_n: int = 1
     # Prompts shorter than this prefill on the decode node: a transfer would cost more than
     # recomputing them.
-    short_prompt_tokens: int = 64
-    node_refresh_s: float = 0.5
+    short_prompt_tokens: int = setting(64, flag="--short-prompt-tokens", help="prompts shorter than this prefill on "
+                                       "the decode node")
+    node_refresh_s: float = setting(0.5, flag="--node-refresh-s")
     prune_every_s: float = 10.0
     # Admission bound: requests beyond it get RESOURCE_EXHAUSTED with a retry hint.
-    max_inflight: int = 256
+    max_inflight: int = setting(256, flag="--max-inflight")
     # SIGTERM: seconds the router keeps serving its in-flight requests (new ones get
     # UNAVAILABLE, health says NOT_SERVING) before it stops.
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = drain_timeout(
+        "on SIGTERM, seconds to finish in-flight requests (new ones are refused) before exiting")
     retry_after_ms: int = 200
     # Per-hop deadlines (seconds) for the node RPCs. prefill_timeout_s is the Prefill call's
     # ceiling: its deadline is prefill_deadline_factor x the placement's predicted queue +
@@ -52,8 +65,10 @@ class RouterConfig:
     reserve_timeout_s: float = 5.0
     prefill_timeout_s: float = 120.0
     control_timeout_s: float = 5.0
-    prefill_deadline_factor: float = 4.0
-    prefill_deadline_floor_s: float = 10.0
+    prefill_deadline_factor: float = setting(4.0, flag="--prefill-deadline-factor", help="a Prefill call's deadline "
+                                             "is this many times its predicted queue + prefill + transfer")
+    prefill_deadline_floor_s: float = setting(10.0, flag="--prefill-deadline-floor", help="seconds: the shortest "
+                                              "Prefill deadline (past it the decode node recomputes the prompt)")
     # A Decode stream has no deadline of its own (it lasts as long as the client's deadline
     # allows) but a progress deadline: no token and no heartbeat for decode_progress_factor x
     # the node's step time, clamped to [floor, ceiling] seconds (the ceiling while the node's
@@ -61,21 +76,29 @@ class RouterConfig:
     # (router/liveness.py). The floor bounds the detection of a frozen node (about 3 s on the
     # builtin model) and must exceed the longest single engine step (a chunk of a prompt
     # prefilled on the decode node) on a loaded host.
-    decode_progress_factor: float = 10.0
-    decode_progress_floor_s: float = 3.0
-    decode_progress_ceiling_s: float = 30.0
+    decode_progress_factor: float = setting(10.0, flag="--decode-progress-factor", help="a Decode stream with no "
+                                            "token and no heartbeat for this many times its node's step time (clamped "
+                                            "to the floor and ceiling) moves to another node")
+    decode_progress_floor_s: float = setting(3.0, flag="--decode-progress-floor", help="seconds: the shortest "
+                                             "progress deadline (bounds the detection of a frozen decode node)")
+    decode_progress_ceiling_s: float = setting(30.0, flag="--decode-progress-ceiling", help="seconds: the longest "
+                                               "progress deadline (also while a node's step time is unknown)")
     max_message_bytes: int = MAX_MESSAGE_BYTES
     # The HTTP front's bounds (frontend/http_front.py). An HTTP body over max_body_bytes is 413;
     # None = what max_model_len tokens of the tokenizer's longest token can use, plus JSON
     # (frontend/http_budget.py body_limit_bytes; 1.2 MiB for SmolLM2's 8192 tokens).
-    max_body_bytes: int | None = None
+    max_body_bytes: int | None = setting(None, flag="--max-body-bytes", help="HTTP bodies over this are 413 (default: "
+                                         "what --max-model-len tokens can use)")
     # Body bytes held at once across HTTP requests (each until its response ends); a body
     # that would pass it is refused 429 + Retry-After before it is read.
-    max_buffered_bytes: int = 128 << 20
+    max_buffered_bytes: int = setting(128 << 20, flag="--max-buffered-bytes",
+                                     help="HTTP body bytes held at once across requests; past it 429 + Retry-After")
     # A connection's request headers must be complete within this (slowloris), its body
     # within http_body_timeout_s of them; else 408.
-    http_header_timeout_s: float = 20.0
-    http_body_timeout_s: float = 30.0
+    http_header_timeout_s: float = setting(20.0, flag="--http-header-timeout", help="seconds a connection may take to "
+                                           "send a request's headers (else 408, closed)")
+    http_body_timeout_s: float = setting(30.0, flag="--http-body-timeout", help="seconds a request may take to send "
+                                         "its body after its headers (else 408)")
     # Token ids accepted in token prompts and stop_token_ids; None = the tokenizer's vocab.
     vocab_size: int | None = None
     # EOS ids that end a request on its first token; None = from the tokenizer dir
@@ -86,11 +109,11 @@ class RouterConfig:
     load_alpha: float = 0.5
     # "ttft": TtftPolicy (predicted time to first token, SLO admission); "prefix_load": the
     # first policy (cached tokens - alpha * queued tokens, no admission).
-    policy: str = "ttft"
+    policy: str = setting("ttft", flag="--policy", choices=POLICIES)
     # SLO class of requests that name none (GenerateRequest.slo_class UNSPECIFIED), a key of
     # router.admission.SLO_CLASSES. "relaxed" so slow hardware (CPU nodes) is not rejected by
     # budgets meant for accelerators; deployments on GPUs set "standard".
-    default_slo_class: str = "relaxed"
+    default_slo_class: str = setting("relaxed", flag="--default-slo-class")
     # TtftPolicy: weight of a request's remaining compute (at the cluster's typical node speed)
     # on top of its predicted TTFT. 2.0 was chosen for pdserve with prefix fetch on the tuning
     # split of the trace replay (docs/benchmarks.md, router section): the live router runs the
@@ -99,18 +122,21 @@ class RouterConfig:
     # TtftPolicy: a prefill node may fetch the leading blocks another node (prefill or decode,
     # any tier) holds instead of computing them, when the cost model says the fetch is faster
     # (docs/cluster.md, "Prefix fetch"). A failed fetch is computed; False: never fetch.
-    prefix_fetch: bool = True
+    prefix_fetch: bool = setting(True, flag="--no-prefix-fetch", help="never have a prefill node fetch a prefix "
+                                 "another node holds (policy ttft); it computes what it lacks")
     # KV bytes per prompt token (transfer-time prior until transfers are measured); 0 = CostBook's default.
     kv_bytes_per_token: int = 0
     # Migration (router/migration.py): a request whose node fails is placed again at most this
     # many times (0 = never: the stream ends with the node's error, as before); the failed
     # node is left out of placement for exclude_failed_node_s; a migration waits up to
     # migration_wait_s for a live node (Ray restarting the only decode node, say).
-    max_migrations: int = 2
+    max_migrations: int = setting(2, flag="--max-migrations", help="times a request whose node failed is placed again "
+                                  "(0: the stream ends with the error)")
     # Placement leaves out a decode node whose step time exceeds this many times the fastest
     # decode node's, or its own best recent one at a comparable batch (router/placement.py
     # without_stragglers); 0 = never.
-    straggler_factor: float = 3.0
+    straggler_factor: float = setting(3.0, flag="--straggler-factor", help="leave out a decode node whose step time "
+                                      "is this many times the fastest one's or its own recent best (0: never)")
     exclude_failed_node_s: float = 10.0
     migration_wait_s: float = 30.0
     # While Redis is unreadable, keep placing on the nodes last read (by load, without the
@@ -123,25 +149,35 @@ class RouterConfig:
     registry_settle_s: float = 5.0
     # Redis clients (kv_index/client.py): seconds to connect, and to wait for each reply on
     # the background thread (registry, step reports, pruning). See docs/cluster.md.
-    redis_connect_timeout_s: float = 1.0
-    redis_timeout_s: float = 2.0
+    redis_connect_timeout_s: float = setting(1.0, flag="--redis-connect-timeout", help="seconds to open a Redis "
+                                             "connection")
+    redis_timeout_s: float = setting(2.0, flag="--redis-timeout", help="seconds to wait for a Redis reply off the "
+                                     "request path (node registry, step reports)")
     # The prefix lookup on the request path: the most a request waits for it, connect and
     # reply alike. After one failure lookups are skipped until Redis answers a probe
     # (router/index_guard.py), so a hung Redis costs at most this to the requests in flight.
-    index_lookup_timeout_s: float = 0.5
+    index_lookup_timeout_s: float = setting(0.5, flag="--index-lookup-timeout", help="most seconds a request waits "
+                                            "for its prefix lookup in Redis; after a failure lookups are skipped "
+                                            "(placement by load) until Redis answers again")
     # TLS (docs/security.md). cert/key: what the client-facing gRPC and HTTP ports serve, and
     # what the router presents to nodes (mutual TLS); ca: the CA that signs the cluster's
     # members, trusted for nodes' certificates. All None: plaintext.
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    tls_ca_file: str | None = None
+    tls_cert_file: str | None = setting(None, flag="--tls-cert-file", help="serve gRPC and HTTPS with this "
+                                        "certificate (PEM); also shown to nodes")
+    tls_key_file: str | None = setting(None, flag="--tls-key-file", help="the certificate's private key (PEM)")
+    tls_ca_file: str | None = setting(None, flag="--tls-ca-file", help="the CA that signs the cluster's members "
+                                      "(nodes' certificates)")
     # The name node certificates are verified against instead of the address dialled.
-    tls_server_name: str | None = None
+    tls_server_name: str | None = setting(None, flag="--tls-server-name", help="verify node certificates against this "
+                                          "name, not the address")
     # Clients must present a certificate signed by tls_ca_file (gRPC and HTTPS).
-    tls_client_auth: bool = False
+    tls_client_auth: bool = setting(False, flag="--tls-client-auth", help="clients must present a certificate signed "
+                                    "by --tls-ca-file")
     # Keys accepted on every client route (gRPC metadata or HTTP ``Authorization: Bearer``);
     # empty = no key needed. Kept out of repr, so a logged config shows no secret.
-    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    api_keys: tuple[str, ...] = setting((), repr=False, flag="--api-key", flag_default=None, action="append", type=None,
+                                        metavar="KEY", help="a key clients must send (repeatable); default "
+                                        "$PDSERVE_API_KEY (comma-separated), which keeps it out of process listings")
     # The planner (router/planner/): roles, the short-prompt threshold and pool sizes from the
     # measured load; one router leads (a lease in Redis), the others follow its plan.
     planner: PlannerConfig = PlannerConfig()
@@ -156,7 +192,7 @@ class RouterConfig:
             )
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
-        if self.policy not in ("ttft", "prefix_load"):
+        if self.policy not in POLICIES:
             raise ValueError(f"policy must be 'ttft' or 'prefix_load', got {self.policy!r}")
         if self.default_slo_class not in SLO_CLASSES:
             raise ValueError(f"default_slo_class must be one of {sorted(SLO_CLASSES)}, got {self.default_slo_class!r}")
@@ -207,22 +243,12 @@ class RouterConfig:
         return self.max_prompt_tokens if self.max_prompt_tokens is not None else self.max_model_len - 1
 
 
+# How the router gives up on a quiet node (router/liveness.py): flags of `pdserve up` too.
+DEADLINE_FIELDS = ("decode_progress_factor", "decode_progress_floor_s", "decode_progress_ceiling_s",
+                   "prefill_deadline_factor", "prefill_deadline_floor_s")
+SECURITY_FIELDS = ("tls_cert_file", "tls_key_file", "tls_ca_file", "tls_server_name", "tls_client_auth", "api_keys")
+
+
 def add_deadline_arguments(p: argparse.ArgumentParser) -> None:
-    """How the router gives up on a quiet node (router/liveness.py): the flags of
-    ``python -m frontend.server`` and ``pdserve up``, each setting the RouterConfig field of
-    its dest, with that field's default."""
-    default = {f.name: f.default for f in fields(RouterConfig)}
-    p.add_argument("--decode-progress-factor", type=float, default=default["decode_progress_factor"],
-                   help="a Decode stream with no token and no heartbeat for this many times its node's step time "
-                   "(clamped to the floor and ceiling) moves to another node")
-    p.add_argument("--decode-progress-floor", type=float, default=default["decode_progress_floor_s"],
-                   dest="decode_progress_floor_s",
-                   help="seconds: the shortest progress deadline (bounds the detection of a frozen decode node)")
-    p.add_argument("--decode-progress-ceiling", type=float, default=default["decode_progress_ceiling_s"],
-                   dest="decode_progress_ceiling_s",
-                   help="seconds: the longest progress deadline (also while a node's step time is unknown)")
-    p.add_argument("--prefill-deadline-factor", type=float, default=default["prefill_deadline_factor"],
-                   help="a Prefill call's deadline is this many times its predicted queue + prefill + transfer")
-    p.add_argument("--prefill-deadline-floor", type=float, default=default["prefill_deadline_floor_s"],
-                   dest="prefill_deadline_floor_s",
-                   help="seconds: the shortest Prefill deadline (past it the decode node recomputes the prompt)")
+    """The flags of ``DEADLINE_FIELDS`` (``python -m frontend.server`` and ``pdserve up``)."""
+    add_arguments(p, RouterConfig, DEADLINE_FIELDS)

@@ -35,7 +35,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 MAP = REPO / "docs" / "map.md"
 PACKAGES = ("tokens", "engine", "kv_index", "kv_transfer", "node", "prefill_node", "decode_node", "router",
-            "tool_calling", "frontend", "pdserve", "deploy", "bench", "chaos", "protos", "telemetry", "security")
+            "tool_calling", "frontend", "pdserve", "deploy", "bench", "chaos", "protos", "telemetry", "security",
+            "settings")
 
 
 def _module_name(path: Path) -> str:

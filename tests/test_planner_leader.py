@@ -21,7 +21,7 @@ from router.planner.config import PlannerConfig, add_planner_arguments, planner_
 from router.planner.loop import PlannerLoop
 from tests.test_planner import signals
 
-FAST = dict(interval_s=0.1, lease_s=0.3, confirm_rounds=1, cooldown_s=0.0)
+FAST = dict(interval_s=0.1, leader_lease_s=0.3, confirm_rounds=1, cooldown_s=0.0)
 
 
 class Policy:
@@ -64,7 +64,7 @@ def test_one_leads_the_other_follows_and_takes_over_when_the_lease_lapses(redis_
     assert a.round() is not None and plans.leader().holder == "router-a"
     assert not plans.release("router-b") and plans.leader().holder == "router-a"
     # a stops renewing (a router that hangs or dies): b takes over once the lease lapses.
-    time.sleep(cfg.lease_s + 0.1)
+    time.sleep(cfg.leader_lease_s + 0.1)
     assert b.round() is not None and b.leading
     assert plans.leader().holder == "router-b" and plans.read()["leader"] == "router-b"
     assert a.round() is None and not a.leading
@@ -116,7 +116,7 @@ def test_a_hung_redis_makes_the_planner_stand_still_then_another_takes_over():
             assert a.round() is None  # the lease call timed out: this round does nothing
             assert b.round() is None
             assert time.monotonic() - t0 < 3.0  # bounded by the clients' reply timeouts
-            time.sleep(cfg.lease_s)  # the lease runs out meanwhile (Redis expires it on waking)
+            time.sleep(cfg.leader_lease_s)  # the lease runs out meanwhile (Redis expires it on waking)
         # Redis wakes and runs the commands queued meanwhile (a timed-out lease call may still
         # take the lapsed lease: kv_index/client.py). Whoever holds it, one planner leads.
         plans = PlanStore(client_b, ns)
@@ -125,7 +125,7 @@ def test_a_hung_redis_makes_the_planner_stand_still_then_another_takes_over():
         assert plans.leader().holder == ("router-a" if a.leading else "router-b")
         # The leader then stops (hung router, dead process): the other takes over.
         other = b if a.leading else a
-        time.sleep(cfg.lease_s + 0.1)
+        time.sleep(cfg.leader_lease_s + 0.1)
         assert other.round() is not None and other.leading
         assert plans.leader().holder == other.holder
 
@@ -219,19 +219,16 @@ def test_a_live_router_plans_from_what_it_serves(redis_url, tok_dir, tiny_model)
     import urllib.request
 
     import pdserve
-    from frontend.server import serve
-    from router.config import RouterConfig
-    from tests.clusters import start_node
+    from tests.clusters import start_node, start_router
     from tests.helpers import engine_config, prompt, wait_for
 
     ns = f"plan-{uuid.uuid4().hex[:6]}"
     eng = engine_config(tiny_model, num_blocks=128)
     nodes = [start_node(role, f"{role}-0", eng, redis_url=redis_url, namespace=ns, lease_s=1.5, heartbeat_s=0.2)
              for role in ("prefill", "decode")]
-    cfg = PlannerConfig(interval_s=0.2, lease_s=1.0, min_requests=3, confirm_rounds=1)
-    router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0, namespace=ns,
-                                max_model_len=256, http_port=0, node_refresh_s=0.1, short_prompt_tokens=32,
-                                vocab_size=512, planner=cfg))
+    cfg = PlannerConfig(interval_s=0.2, leader_lease_s=1.0, min_requests=3, confirm_rounds=1)
+    router = start_router(redis_url, tok_dir, namespace=ns, max_model_len=256, http_port=0, short_prompt_tokens=32,
+                          vocab_size=512, planner=cfg)
     try:
         plans = PlanStore(redis_client(redis_url), ns)
         with pdserve.Client(router.address, timeout=60) as c:

@@ -48,6 +48,7 @@ COPY pdserve pdserve
 COPY protos protos
 COPY telemetry telemetry
 COPY security security
+COPY settings settings
 COPY deploy deploy
 COPY bench bench
 COPY chaos chaos

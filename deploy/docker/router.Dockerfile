@@ -28,6 +28,7 @@ COPY kv_index kv_index
 COPY protos protos
 COPY telemetry telemetry
 COPY security security
+COPY settings settings
 COPY router router
 COPY tool_calling tool_calling
 COPY frontend frontend

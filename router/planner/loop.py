@@ -102,7 +102,7 @@ class PlannerLoop:
         """Lead (decide, report, act) or follow (apply the plan's threshold); the decision when
         this planner led, None when it followed or Redis failed."""
         try:
-            was, self.leading = self.leading, self.plans.lead(self.holder, self.config.lease_s)
+            was, self.leading = self.leading, self.plans.lead(self.holder, self.config.leader_lease_s)
             if was != self.leading:
                 log.info("planner %s %s", self.holder, "leads" if self.leading else "follows")
             if not self.leading:
