@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random-weight models (engine/models/tiny.py) and a tokenizer directory.
 The embedded cluster and real services are plugins (tests/clusters.py, tests/services.py, loaded
-by the root conftest); plain helpers are in tests/helpers.py.
+by the root conftest); plain helpers are in tests/helpers.py; the node-failure tests' harness in
+tests/migration_harness.py, a hand-driven prefill + decode node pair in tests/node_pair.py.
 
 The model tests use a smaller tiny model than the benchmarks (``TEST_MODEL``): a 96-token
 vocabulary keeps the reference comparisons fast, and a 0.1 init keeps activations far from zero.

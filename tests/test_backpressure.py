@@ -16,7 +16,7 @@ import pytest
 from engine.config import EngineConfig, SchedulerConfig
 from protos.convert import sampling_to_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc, serving_pb2
-from tests.clusters import start_node
+from tests.clusters import start_node, start_router
 from tests.helpers import engine_config, prompt, wait_for
 from tokens.sampling_params import SamplingParams
 
@@ -94,15 +94,12 @@ def test_a_full_waiting_queue_refuses_new_requests(redis_url, tiny_model):
 
 def test_overloaded_node_is_http_429_with_a_retry_hint_through_the_router(redis_url, tiny_model):
     from engine.models.builtin import resolve_builtin
-    from frontend.server import serve
-    from router.config import RouterConfig
 
     ns = f"bp-{uuid.uuid4().hex[:6]}"
     node = start_node("decode", "decode-0", engine(tiny_model), redis_url=redis_url, namespace=ns,
                       grpc_workers=4, max_streams=1, lease_s=1.5, heartbeat_s=0.2)
-    router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=str(resolve_builtin("smollm2-135m")),
-                                port=0, http_port=0, namespace=ns, node_refresh_s=0.1, max_model_len=1024,
-                                short_prompt_tokens=1024, vocab_size=512, max_migrations=0))
+    router = start_router(redis_url, resolve_builtin("smollm2-135m"), namespace=ns, http_port=0, max_model_len=1024,
+                          short_prompt_tokens=1024, vocab_size=512, max_migrations=0)
     try:
         assert wait_for(lambda: router.orchestrator.refresher.view.has_decode)
         with grpc.insecure_channel(node.address) as ch:

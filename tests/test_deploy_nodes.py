@@ -19,6 +19,7 @@ from kv_index.nodes import Role
 from kv_index.reader import IndexReader
 from kv_index.redis_url import PASSWORD_ENV, resolve_redis_url, with_password
 from node.config import NodeConfig, host_port, is_wildcard_host, ray_actor_options
+from tests.clusters import ray_pools
 from tests.helpers import engine_config, wait_for
 
 
@@ -235,11 +236,8 @@ def test_cli_has_the_cluster_subcommands(capsys):
 @pytest.fixture(scope="module")
 def pool_ray():
     """A local Ray with room for two prefill nodes and one decode node."""
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, resources={"prefill_pool": 2, "decode_pool": 1}, include_dashboard=False,
-             namespace=f"nodes-{uuid.uuid4().hex[:6]}", log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    pytest.importorskip("ray")
+    yield from ray_pools(2, 1, prefix="nodes")
 
 
 def test_supervisor_keeps_the_pools_filled(tiny_dir, redis_url, pool_ray, tmp_path):

@@ -9,35 +9,20 @@ process can set) so that the kill lands mid-stream on every run, not by luck.
 """
 from __future__ import annotations
 
-import threading
-import time
-import uuid
-
 import pytest
 
 import pdserve
-from frontend.server import serve
-from router.config import RouterConfig
-from tests.clusters import start_node
-from tests.helpers import engine_config, prompt, wait_for
+from tests import migration_harness
+from tests.helpers import prompt
+from tests.migration_harness import DEADLINE_S, three_node_cluster
 
 MAX_TOKENS = 32
-DEADLINE_S = 60.0
+REQUESTS = migration_harness.requests(presence_penalty=0.5)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from tokens.sampling_params import SamplingParams
-
-    engine = LLMEngine(EngineConfig(model=tiny_model, device="cpu", num_threads=1), load_tokenizer=False)
-
-    def run(ids, **sampling):
-        out = engine.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **sampling))
-        return list(out[0].outputs[0].token_ids)
-
-    return run
+    return migration_harness.reference_run(tiny_model, MAX_TOKENS)
 
 
 @pytest.fixture
@@ -47,65 +32,11 @@ def cluster(redis_url, tok_dir, tiny_model):
 
 
 def make_cluster(redis_url, tok_dir, model):
-    ns = f"fault-{uuid.uuid4().hex[:6]}"
-    eng = engine_config(model, num_blocks=256)
-    nodes = {nid: start_node(role, nid, eng, redis_url=redis_url, namespace=ns, lease_s=1.5, heartbeat_s=0.2,
-                             grpc_workers=8)
-             for nid, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode"))}
-    router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0, namespace=ns,
-                                max_model_len=512, http_port=None, node_refresh_s=0.1, short_prompt_tokens=32,
-                                vocab_size=512))
-    with pdserve.Client(router.address) as c:
-        wait_for(c.health, timeout=20, every=0.1)
-    yield router, nodes
-    router.stop()
-    for s in nodes.values():
-        if s.aengine is not None and s.aengine.alive:
-            s.stop(grace_s=0)
+    return three_node_cluster(redis_url, tok_dir, model, prefix="fault")
 
 
-# Two prompts take the disaggregated path (>= 32 tokens), two prefill on the decode node; one
-# of each samples with a seed.
-REQUESTS = [
-    (prompt(1, 80), {"temperature": 0.0}),
-    (prompt(2, 20), {"temperature": 0.0}),
-    (prompt(3, 64), {"temperature": 0.9, "top_p": 0.9, "seed": 11, "presence_penalty": 0.5}),
-    (prompt(4, 24), {"temperature": 0.8, "seed": 5}),
-]
-
-
-class Streams:
-    """The requests as concurrent client streams (one thread each), token ids as they arrive."""
-
-    def __init__(self, address: str) -> None:
-        self.tokens = [[] for _ in REQUESTS]
-        self.finish: list[str | None] = [None] * len(REQUESTS)
-        self.errors: list[BaseException] = []
-        self._client = pdserve.Client(address, timeout=DEADLINE_S, retries=0)
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(len(REQUESTS))]
-        for t in self._threads:
-            t.start()
-
-    def _run(self, i: int) -> None:
-        ids, sampling = REQUESTS[i]
-        try:
-            with self._client.generate(token_ids=ids, max_tokens=MAX_TOKENS, ignore_eos=True, **sampling) as stream:
-                for chunk in stream:
-                    self.tokens[i].extend(chunk.token_ids)
-                self.finish[i] = stream.completion.finish_reason
-        except BaseException as e:  # reported by the test
-            self.errors.append(e)
-
-    def wait_until(self, cond, what: str) -> None:
-        deadline = time.monotonic() + DEADLINE_S
-        while not cond():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}; tokens so far {self.tokens}"
-            time.sleep(0.01)
-
-    def join(self) -> None:
-        for t in self._threads:
-            t.join(DEADLINE_S)
-        self._client.close()
+class Streams(migration_harness.Streams):
+    requests, max_tokens = REQUESTS, MAX_TOKENS
 
 
 def crash(server) -> None:
@@ -119,10 +50,7 @@ def migrations(router, reason: str) -> float:
 
 
 def assert_exact(streams: Streams, reference) -> None:
-    assert not streams.errors, streams.errors
-    for (ids, sampling), got, finish in zip(REQUESTS, streams.tokens, streams.finish):
-        assert got == reference(ids, **sampling)  # no token lost, none twice, same sampling draws
-        assert finish == "length"
+    streams.assert_exact(reference, finish="length")
 
 
 def test_kill_decode_mid_stream_migrates_with_identical_output(cluster, reference):

@@ -25,10 +25,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import pdserve
-from frontend.server import serve
 from protos.pdserve.v1 import serving_pb2 as pb
-from router.config import RouterConfig
-from tests.clusters import start_node
+from tests.clusters import start_node, start_router
 from tests.helpers import engine_config, wait_for
 
 MAX_LEN = 256
@@ -55,8 +53,7 @@ def cluster(redis_url, tok_dir, tmp_path_factory):
     eng = engine_config(model, num_blocks=256)
     nodes = [start_node(role, f"fz-{role}", eng, redis_url=redis_url, namespace=ns, lease_s=1.5, heartbeat_s=0.2,
                         grpc_workers=8) for role in ("decode", "prefill")]
-    router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0, http_port=0,
-                                namespace=ns, node_refresh_s=0.1, max_model_len=MAX_LEN, short_prompt_tokens=32))
+    router = start_router(redis_url, tok_dir, namespace=ns, http_port=0, max_model_len=MAX_LEN, short_prompt_tokens=32)
     with pdserve.Client(router.address) as c:
         wait_for(c.health, timeout=30, every=0.1)
     yield router

@@ -11,7 +11,6 @@ Decode stream. The frozen process (SIGSTOP) is tests/test_freeze.py, on Ray acto
 """
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 
@@ -19,102 +18,31 @@ import grpc
 import pytest
 
 import pdserve
-from frontend.server import serve
-from router.config import RouterConfig
-from tests.clusters import start_node
-from tests.helpers import engine_config, prompt, wait_for
+from tests import migration_harness
+from tests.helpers import prompt, wait_for
+from tests.migration_harness import DEADLINE_S, three_node_cluster
 
 MAX_TOKENS = 24
-DEADLINE_S = 60.0
 # Tiny-model steps take milliseconds: a short progress deadline keeps the tests short.
 FLOOR_S = 1.0
-REQUESTS = [
-    (prompt(1, 80), {"temperature": 0.0}),  # disaggregated (>= 32 tokens)
-    (prompt(2, 20), {"temperature": 0.0}),  # prefilled on the decode node
-    (prompt(3, 64), {"temperature": 0.9, "top_p": 0.9, "seed": 11}),
-    (prompt(4, 24), {"temperature": 0.8, "seed": 5}),
-]
+REQUESTS = migration_harness.requests()  # 0: disaggregated (>= 32 tokens), 1: prefilled on the decode node
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from tokens.sampling_params import SamplingParams
-
-    engine = LLMEngine(EngineConfig(model=tiny_model, device="cpu", num_threads=1), load_tokenizer=False)
-    memo: dict = {}
-
-    def run(i: int) -> list[int]:
-        if i not in memo:
-            ids, sampling = REQUESTS[i]
-            out = engine.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **sampling))
-            memo[i] = list(out[0].outputs[0].token_ids)
-        return memo[i]
-
-    return run
+    return migration_harness.reference_run(tiny_model, MAX_TOKENS)
 
 
 @pytest.fixture
 def cluster(redis_url, tok_dir, tiny_model):
     """prefill-0, decode-0, decode-1 and a router with a 1 s progress floor; per test."""
-    ns = f"gray-{uuid.uuid4().hex[:6]}"
-    eng = engine_config(tiny_model, num_blocks=256)
-    nodes = {nid: start_node(role, nid, eng, redis_url=redis_url, namespace=ns, lease_s=1.5, heartbeat_s=0.2,
-                             grpc_workers=8)
-             for nid, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode"))}
-    router = serve(RouterConfig(
-        redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0, namespace=ns, max_model_len=512,
-        http_port=None, node_refresh_s=0.1, short_prompt_tokens=32, vocab_size=512,
-        decode_progress_floor_s=FLOOR_S, decode_progress_ceiling_s=2 * FLOOR_S,
-        prefill_deadline_factor=2.0, prefill_deadline_floor_s=FLOOR_S))
-    with pdserve.Client(router.address) as c:
-        wait_for(c.health, timeout=20, every=0.1)
-    yield router, nodes
-    for s in nodes.values():
-        if s.aengine is not None:
-            s.aengine.step_delay_s = 0.0
-    router.stop()
-    for s in nodes.values():
-        if s.aengine is not None and s.aengine.alive:
-            s.stop(grace_s=0)
+    yield from three_node_cluster(redis_url, tok_dir, tiny_model, prefix="gray", decode_progress_floor_s=FLOOR_S,
+                                  decode_progress_ceiling_s=2 * FLOOR_S, prefill_deadline_factor=2.0,
+                                  prefill_deadline_floor_s=FLOOR_S)
 
 
-class Streams:
-    """The requests as concurrent client streams (one thread each), token ids as they arrive."""
-
-    def __init__(self, address: str, which: range = range(len(REQUESTS))) -> None:
-        self.which = list(which)
-        self.tokens: dict[int, list[int]] = {i: [] for i in self.which}
-        self.errors: list[BaseException] = []
-        self._client = pdserve.Client(address, timeout=DEADLINE_S, retries=0)
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in self.which]
-        for t in self._threads:
-            t.start()
-
-    def _run(self, i: int) -> None:
-        ids, sampling = REQUESTS[i]
-        try:
-            with self._client.generate(token_ids=ids, max_tokens=MAX_TOKENS, ignore_eos=True, **sampling) as stream:
-                for chunk in stream:
-                    self.tokens[i].extend(chunk.token_ids)
-        except BaseException as e:  # reported by the test
-            self.errors.append(e)
-
-    def wait_tokens(self, n: int) -> None:
-        assert wait_for(lambda: all(len(t) >= n for t in self.tokens.values()), timeout=DEADLINE_S), self.tokens
-
-    def join(self) -> float:
-        t0 = time.monotonic()
-        for t in self._threads:
-            t.join(DEADLINE_S)
-        self._client.close()
-        return time.monotonic() - t0
-
-    def assert_exact(self, reference) -> None:
-        assert not self.errors, self.errors
-        for i in self.which:
-            assert self.tokens[i] == reference(i), i  # no token lost, none twice, same sampling draws
+class Streams(migration_harness.Streams):
+    requests, max_tokens = REQUESTS, MAX_TOKENS
 
 
 def failures(router, reason: str) -> float:

@@ -720,9 +720,9 @@ def test_client_certificates_for_the_router(redis_server, tmp_path):
     import uuid
 
     from engine.models.builtin import resolve_builtin
-    from frontend.server import build_parser, serve
-    from router.config import RouterConfig
+    from frontend.server import build_parser
     from security.ca import ThrowawayCA, private_dir
+    from tests.clusters import start_router
 
     docs = render({"tls": {"enabled": True, "secretName": "pd-tls", "clientAuth": True}})
     (c,) = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"]
@@ -742,10 +742,9 @@ def test_client_certificates_for_the_router(redis_server, tmp_path):
         mounted.mkdir()
         for src, key in ((member.ca_file, "ca.crt"), (member.cert_file, "tls.crt"), (member.key_file, "tls.key")):
             shutil.copy(src, mounted / key)
-        router = serve(RouterConfig(redis_url=redis_server.url, model_name="m", max_model_len=64, port=0, http_port=0,
-                                    tokenizer_dir=str(resolve_builtin("smollm2-135m")), namespace="ca-" + uuid.uuid4().hex,
-                                    tls_cert_file=member.cert_file, tls_key_file=member.key_file,
-                                    tls_ca_file=member.ca_file, tls_client_auth=True))
+        router = start_router(redis_server.url, resolve_builtin("smollm2-135m"), namespace="ca-" + uuid.uuid4().hex,
+                              max_model_len=64, http_port=0, tls_cert_file=member.cert_file,
+                              tls_key_file=member.key_file, tls_ca_file=member.ca_file, tls_client_auth=True)
         try:
             def probe(cmd: list[str], cert_dir: Path) -> int:
                 url = cmd[4].replace("127.0.0.1:8000", router.http_address)

@@ -19,10 +19,8 @@ import pytest
 
 from frontend.http_errors import ErrorResponse
 from frontend.http_routes import _first_response, _interleaved
-from frontend.server import serve
 from protos.pdserve.v1 import serving_pb2 as pb
-from router.config import RouterConfig
-from tests.clusters import start_node
+from tests.clusters import start_node, start_router
 from tests.helpers import engine_config, wait_for
 
 TIMEOUT_S = 60.0
@@ -45,10 +43,8 @@ class Cluster:
         self.redis_url, self.model = redis_url, model
         self.ns = f"hsf-{uuid.uuid4().hex[:6]}"
         self.nodes: dict = {}
-        self.router = serve(RouterConfig(
-            redis_url=redis_url, model_name="m", tokenizer_dir=str(model), port=0, http_port=0, namespace=self.ns,
-            max_model_len=1024, node_refresh_s=0.1, short_prompt_tokens=100_000, max_migrations=0,
-            ready_min_prefill=0))
+        self.router = start_router(redis_url, model, namespace=self.ns, http_port=0, max_model_len=1024,
+                                   short_prompt_tokens=100_000, max_migrations=0, ready_min_prefill=0)
         self.host, port = self.router.http_address.rsplit(":", 1)
         self.port = int(port)
 

@@ -12,9 +12,7 @@ import uuid
 import pytest
 
 import pdserve
-from frontend.server import serve
-from router.config import RouterConfig
-from tests.clusters import start_node
+from tests.clusters import start_node, start_router
 from tests.helpers import engine_config, prompt, wait_for
 
 BLOCKS = 256
@@ -27,9 +25,8 @@ def cluster(redis_url, tok_dir, tiny_model):
     nodes = {role: start_node(role, f"{role}-0", eng, redis_url=redis_url, namespace=ns, lease_s=1.5,
                               heartbeat_s=0.2, grpc_workers=16, reservation_lease_s=2.0)
              for role in ("prefill", "decode")}
-    router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0, http_port=0,
-                                namespace=ns, node_refresh_s=0.1, max_model_len=1024, short_prompt_tokens=32,
-                                vocab_size=512))
+    router = start_router(redis_url, tok_dir, namespace=ns, http_port=0, max_model_len=1024, short_prompt_tokens=32,
+                          vocab_size=512)
     assert wait_for(lambda: len(router.orchestrator.refresher.view.nodes) == 2)
     yield {"router": router, "nodes": nodes}
     router.stop()
@@ -209,9 +206,7 @@ def test_drain_finishes_in_flight_requests_then_leaves(redis_url, tok_dir, tiny_
     eng = engine_config(tiny_model)
     nodes = {role: start_node(role, f"{role}-0", eng, redis_url=redis_url, namespace=ns, lease_s=1.5,
                               heartbeat_s=0.2, grpc_workers=8) for role in ("prefill", "decode")}
-    router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0, http_port=None,
-                                namespace=ns, node_refresh_s=0.1, max_model_len=1024, short_prompt_tokens=32,
-                                vocab_size=512))
+    router = start_router(redis_url, tok_dir, namespace=ns, max_model_len=1024, short_prompt_tokens=32, vocab_size=512)
     reader = _reader(redis_url, ns)
     try:
         assert wait_for(lambda: len(router.orchestrator.refresher.view.nodes) == 2)
@@ -282,9 +277,8 @@ def _actor_and_router(prefix: str, redis_url: str, tok_dir: str, tiny_model: str
                      heartbeat_s=0.2, load_tokenizer=False, grpc_workers=8, engine=engine_config(tiny_model))
     actor = spawn_node(cfg, server_builder(Role.DECODE), num_cpus=0)
     pid = ray.get(actor.stats.remote(), timeout=120)["pid"]
-    router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0, http_port=None,
-                                namespace=ns, node_refresh_s=0.1, max_model_len=1024, short_prompt_tokens=1024,
-                                vocab_size=512))
+    router = start_router(redis_url, tok_dir, namespace=ns, max_model_len=1024, short_prompt_tokens=1024,
+                          vocab_size=512)
     return ns, actor, pid, router
 
 
@@ -363,9 +357,7 @@ def test_router_drain_finishes_its_streams_and_refuses_new_ones(cluster, redis_u
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     ns = cluster["nodes"]["decode"].config.namespace
-    router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0, http_port=None,
-                                namespace=ns, node_refresh_s=0.1, max_model_len=1024, short_prompt_tokens=32,
-                                vocab_size=512))
+    router = start_router(redis_url, tok_dir, namespace=ns, max_model_len=1024, short_prompt_tokens=32, vocab_size=512)
     try:
         assert wait_for(lambda: router.orchestrator.refresher.view.has_decode)
         s = StreamInThread(router.address, prompt(12, 100), 900)

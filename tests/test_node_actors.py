@@ -10,10 +10,8 @@ import pytest
 import redis
 
 from engine.engine import LLMEngine
-from kv_index.nodes import Role
 from kv_index.reader import IndexReader
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS
-from node.config import NodeConfig
 from protos.convert import sampling_to_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 from tests.helpers import node_engine_config, wait_for
@@ -42,16 +40,13 @@ def run_request(prefill_addr: str, decode_addr: str, fp: str, rid: str, prompt: 
 
 
 def test_prefill_and_decode_actors_serve_a_request_and_register(tiny_dir, redis_url, local_ray):
-    from deploy.launcher import server_builder
-    from node.actor import spawn_node
+    from tests.clusters import spawn_actor
 
     ns = f"ray-{uuid.uuid4().hex[:6]}"
     common = dict(redis_url=redis_url, namespace=ns, lease_s=1.0, heartbeat_s=0.2, load_tokenizer=False,
                   engine=node_engine_config(tiny_dir))
-    prefill = spawn_node(NodeConfig(node_id="prefill-0", role="prefill", **common), server_builder(Role.PREFILL),
-                         num_cpus=1)
-    decode = spawn_node(NodeConfig(node_id="decode-0", role="decode", **common), server_builder(Role.DECODE),
-                        num_cpus=1)
+    prefill = spawn_actor("prefill", "prefill-0", num_cpus=1, **common)
+    decode = spawn_actor("decode", "decode-0", num_cpus=1, **common)
     assert ray.get([prefill.ready.remote(), decode.ready.remote()], timeout=60) == [True, True]
     p_addr, d_addr = ray.get([prefill.address.remote(), decode.address.remote()], timeout=30)
     assert ray.get_actor("decode-0") is not None  # named: visible on the dashboard

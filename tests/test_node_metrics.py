@@ -4,26 +4,21 @@ scraped over HTTP. Also the per-request recorder and the Ray dashboard figures, 
 from __future__ import annotations
 
 import urllib.request
-import uuid
 from dataclasses import replace
 
 import grpc
 import pytest
-import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import SpeculativeConfig
 from engine.models.tiny import save_tiny_model
 from kv_index.reader import IndexReader
-from kv_transfer.grpc_transport import KV_GRPC_OPTIONS
-from protos.convert import sampling_to_proto
-from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
+from protos.pdserve.v1 import kv_pb2
 from tests.clusters import start_node
 from tests.helpers import node_engine_config, tokens_of
-from tokens.block_hash import hash_prompt_blocks
+from tests.node_pair import NodePair
 from tokens.sampling_params import SamplingParams
 
-BS = 4  # node_engine_config's block size
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # A small vocabulary and a prompt holding every token of it: whatever the model outputs is in
@@ -32,46 +27,21 @@ VOCAB = 64
 PROMPT = list(range(VOCAB))
 
 
-class Pair:
-    """One prefill and one decode node (the decode one speculating with n-gram lookup)."""
+class Pair(NodePair):
+    """One prefill and one decode node (the decode one speculating with n-gram lookup); every
+    request greedy."""
 
     def __init__(self, model, redis_url: str) -> None:
-        self.ns = f"metrics-{uuid.uuid4().hex[:8]}"
         eng = node_engine_config(model, num_blocks=96)
         spec = replace(eng, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False))
-        kw = dict(redis_url=redis_url, namespace=self.ns, lease_s=2.0, heartbeat_s=0.1)
+        super().__init__(eng, spec, redis_url, prefix="metrics", lease_s=2.0)
         self.model = str(model)
-        self.prefill = start_node("prefill", "p0", eng, **kw)
-        self.decode = start_node("decode", "d0", spec, **kw)
-        self.p_channel = grpc.insecure_channel(self.prefill.address, options=KV_GRPC_OPTIONS)
-        self.d_channel = grpc.insecure_channel(self.decode.address, options=KV_GRPC_OPTIONS)
-        self.prefill_stub = kv_pb2_grpc.PrefillNodeStub(self.p_channel)
-        self.kv_stub = kv_pb2_grpc.KVTransferStub(self.d_channel)
-        self.decode_stub = kv_pb2_grpc.DecodeNodeStub(self.d_channel)
-        self.fp = self.decode.engine.fingerprint
-        self.redis = redis.Redis.from_url(redis_url)
-
-    def close(self) -> None:
-        self.p_channel.close()
-        self.d_channel.close()
-        self.prefill.stop()
-        self.decode.stop()
-        self.redis.close()
-
-    def reserve(self, rid, prompt):
-        return self.kv_stub.ReserveBlocks(kv_pb2.ReserveBlocksRequest(
-            request_id=rid, model_fingerprint=self.fp, block_size=BS, num_tokens=len(prompt),
-            block_hashes=hash_prompt_blocks(prompt, BS, self.fp.encode()), prompt_token_ids=prompt), timeout=10)
 
     def prefill_rpc(self, rid, prompt, reservation):
-        return self.prefill_stub.Prefill(kv_pb2.PrefillRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(GREEDY),
-            decode_address=self.decode.address, reservation=reservation), timeout=30)
+        return super().prefill_rpc(rid, prompt, GREEDY, reservation)
 
     def decode_rpc(self, rid, prompt, first=(), cached=0):
-        return list(self.decode_stub.Decode(kv_pb2.DecodeRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(GREEDY),
-            first_token_ids=list(first), cached_prompt_tokens=cached), timeout=30))
+        return super().decode_rpc(rid, prompt, GREEDY, first, cached)
 
     def disaggregated(self, rid, prompt):
         pre = self.prefill_rpc(rid, prompt, self.reserve(rid, prompt))

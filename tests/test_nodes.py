@@ -4,27 +4,23 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 
 import grpc
 import pytest
-import redis
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decode_node.server import DecodeServer
 from engine.engine import LLMEngine
 from kv_index.events import AllBlocksCleared, BlockRemoved, BlockStored, fold_kv_events
-from kv_index.reader import IndexReader
 from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, push_blocks
 from kv_transfer.validate import Reservation
 from node.config import NodeConfig
 from node.reservations import NotReadyError, ReservationTable
 from protos.convert import sampling_to_proto
-from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc, serving_pb2
-from tests.clusters import start_node
+from protos.pdserve.v1 import kv_pb2, serving_pb2
 from tests.helpers import node_engine_config, tokens_of, wait_for
-from tokens.block_hash import hash_prompt_blocks
+from tests.node_pair import NodePair
 from tokens.sampling_params import SamplingParams
 
 BS = 4  # node_engine_config's block size
@@ -35,58 +31,12 @@ def make_engine(path, num_blocks: int = 64) -> LLMEngine:
     return LLMEngine(node_engine_config(path, num_blocks), load_tokenizer=False)
 
 
-class Cluster:
+class Cluster(NodePair):
     """One prefill + one decode server, stubs for both, a Redis reader on a private namespace."""
 
     def __init__(self, path, redis_url: str, prefill_blocks=64, decode_blocks=64, **node_kw) -> None:
-        self.ns = f"test-{uuid.uuid4().hex[:8]}"
-        kw = dict(redis_url=redis_url, namespace=self.ns, lease_s=1.0, heartbeat_s=0.1)
-        kw.update(node_kw)
-        self.prefill = start_node("prefill", "p0", make_engine(path, prefill_blocks), **kw)
-        self.decode = start_node("decode", "d0", make_engine(path, decode_blocks), **kw)
-        self.p_channel = grpc.insecure_channel(self.prefill.address, options=KV_GRPC_OPTIONS)
-        self.d_channel = grpc.insecure_channel(self.decode.address, options=KV_GRPC_OPTIONS)
-        self.prefill_stub = kv_pb2_grpc.PrefillNodeStub(self.p_channel)
-        self.kv_stub = kv_pb2_grpc.KVTransferStub(self.d_channel)
-        self.decode_stub = kv_pb2_grpc.DecodeNodeStub(self.d_channel)
-        self.redis = redis.Redis.from_url(redis_url)
-        self.reader = IndexReader(self.redis, ns=self.ns)
-        self.fp = self.decode.engine.fingerprint
-
-    def close(self) -> None:
-        self.p_channel.close()
-        self.d_channel.close()
-        for node in (self.prefill, self.decode):
-            if node.aengine.alive:
-                node.stop()
-        self.redis.close()
-
-    def hashes(self, prompt):
-        return hash_prompt_blocks(prompt, BS, self.fp.encode())
-
-    def reserve(self, rid, prompt) -> kv_pb2.ReserveBlocksResponse:
-        return self.kv_stub.ReserveBlocks(kv_pb2.ReserveBlocksRequest(
-            request_id=rid, model_fingerprint=self.fp, block_size=BS, num_tokens=len(prompt),
-            block_hashes=self.hashes(prompt), prompt_token_ids=prompt), timeout=10)
-
-    def prefill_rpc(self, rid, prompt, params, reservation) -> kv_pb2.PrefillResponse:
-        return self.prefill_stub.Prefill(kv_pb2.PrefillRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
-            decode_address=self.decode.address, reservation=reservation), timeout=30)
-
-    def decode_rpc(self, rid, prompt, params, first=(), cached=0) -> list[serving_pb2.GenerateResponse]:
-        return list(self.decode_stub.Decode(kv_pb2.DecodeRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
-            first_token_ids=list(first), cached_prompt_tokens=cached), timeout=30))
-
-    def disaggregated(self, rid, prompt, params):
-        res = self.reserve(rid, prompt)
-        pre = self.prefill_rpc(rid, prompt, params, res)
-        msgs = self.decode_rpc(rid, prompt, params, pre.first_token_ids, pre.cached_tokens)
-        return res, pre, msgs
-
-    def free_blocks(self, node) -> int:
-        return node.aengine.run(lambda e: e.kv.num_free_blocks)
+        super().__init__(make_engine(path, prefill_blocks), make_engine(path, decode_blocks), redis_url,
+                         prefix="test", **node_kw)
 
 
 @pytest.fixture()

@@ -32,6 +32,7 @@ from deploy.pool_controller import (
 from kv_index.nodes import NodeInfo, Role
 from kv_index.pool_targets import PoolTargets
 from kv_index.reader import IndexReader
+from tests.clusters import ray_pools
 from tests.helpers import REPO, wait_for
 
 P, D = Role.PREFILL, Role.DECODE
@@ -230,11 +231,8 @@ def model_with_tokenizer(tiny_dir, dest):
 @pytest.fixture(scope="module")
 def scaling_ray():
     """A local Ray (this test process is its driver) with room for two decode nodes."""
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, resources={"prefill_pool": 0, "decode_pool": 2}, include_dashboard=False,
-             namespace=f"scale-{uuid.uuid4().hex[:6]}", log_to_driver=False)
-    yield ray
-    ray.shutdown()  # ends the detached node actors with the cluster
+    pytest.importorskip("ray")
+    yield from ray_pools(0, 2, prefix="scale")  # its shutdown ends the detached node actors with the cluster
 
 
 def stream_decode(address: str, rid: str, max_tokens: int, out: dict, ended: dict) -> None:

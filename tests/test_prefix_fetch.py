@@ -26,7 +26,7 @@ from kv_transfer.validate import Reservation, new_token
 from node.prefix_kv import reserve_prefix
 from protos.convert import sampling_to_proto
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
-from tests.clusters import start_node
+from tests.clusters import start_node, start_router
 from tests.helpers import node_engine_config, prompt, tokens_of, wait_for
 from tokens.block_hash import hash_prompt_blocks
 from tokens.sampling_params import SamplingParams
@@ -296,18 +296,15 @@ def test_the_next_turn_fetches_the_answer_from_the_decode_node(tiny_model, tok_d
     node only the prompt's: the router has the prefill node fetch the rest from the decode node.
     Greedy outputs equal a single engine's, with fetch on and with it off."""
     import pdserve
-    from frontend.server import serve
     from kv_index.client import redis_client
     from kv_index.reader import IndexReader
-    from router.config import RouterConfig
 
     ns = f"turns-{uuid.uuid4().hex[:6]}"
     kw = dict(redis_url=redis_url, namespace=ns, lease_s=1.0, heartbeat_s=0.1)
     prefill = start_node("prefill", "p0", node_engine_config(tiny_model), **kw)
     decode = start_node("decode", "d0", node_engine_config(tiny_model), **kw)
-    routers = {on: serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0,
-                                      namespace=ns, max_model_len=512, http_port=None, node_refresh_s=0.1,
-                                      short_prompt_tokens=16, vocab_size=512, prefix_fetch=on))
+    routers = {on: start_router(redis_url, tok_dir, namespace=ns, max_model_len=512, short_prompt_tokens=16,
+                                vocab_size=512, prefix_fetch=on)
                for on in (True, False)}
     reader = IndexReader(redis_client(redis_url), ns)
     m = prefill.metrics

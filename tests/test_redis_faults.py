@@ -21,15 +21,13 @@ import redis
 
 import pdserve
 from deploy.redis_server import RedisServer
-from frontend.server import serve
 from kv_index.client import RedisTimeouts, redis_client
 from kv_index.events import BlockStored
 from kv_index.nodes import NodeInfo
 from kv_index.publisher import NodePublisher
 from kv_index.reader import IndexReader
 from node.publisher import IndexPublisherThread
-from router.config import RouterConfig
-from tests.clusters import start_node
+from tests.clusters import start_node, start_router
 from tests.helpers import engine_config, prompt, wait_for
 from tokens.block_hash import hash_prompt_blocks
 
@@ -139,9 +137,8 @@ def aof_cluster(tok_dir, tiny_model):
                                         lease_s=60.0, heartbeat_s=30.0, grpc_workers=8)
         nodes["decode-0"] = start_node("decode", "decode-0", eng, redis_url=server.url, namespace=ns,
                                        lease_s=1.5, heartbeat_s=0.2, grpc_workers=8)
-        router = serve(RouterConfig(redis_url=server.url, model_name="m", tokenizer_dir=tok_dir, port=0, http_port=0,
-                                    namespace=ns, max_model_len=512, node_refresh_s=0.1, short_prompt_tokens=32,
-                                    vocab_size=512))
+        router = start_router(server.url, tok_dir, namespace=ns, http_port=0, max_model_len=512, short_prompt_tokens=32,
+                              vocab_size=512)
         assert wait_for(lambda: len(router.orchestrator.refresher.view.nodes) == 2, timeout=BOUND_S)
         yield server, router, nodes, ns
     finally:

@@ -195,12 +195,9 @@ def switch_metrics(metrics_address: str) -> dict[tuple[str, str, str], float]:
 def test_prefill_node_turns_decode_and_back_under_live_streams(tiny_dir, tok_dir, redis_url, local_ray):
     import ray
 
-    from deploy.nodes import server_builder
     from engine.engine import LLMEngine
-    from frontend.server import serve
     from kv_index.reader import IndexReader
-    from node.actor import spawn_node
-    from router.config import RouterConfig
+    from tests.clusters import spawn_actor, start_router
     from tokens.block_hash import hash_prompt_blocks
     from tokens.sampling_params import SamplingParams
 
@@ -219,16 +216,14 @@ def test_prefill_node_turns_decode_and_back_under_live_streams(tiny_dir, tok_dir
     def step_tokens(nid: str) -> int | None:
         return ray.get(actors[nid].stats.remote(), timeout=30).get("step_tokens")
 
-    actors = {nid: spawn_node(NodeConfig(node_id=nid, role=role, **common), server_builder(Role(role)), num_cpus=0)
-              for nid, role in (("prefill-0", "prefill"), ("decode-0", "decode"))}
+    actors = {nid: spawn_actor(role, nid, **common) for nid, role in (("prefill-0", "prefill"), ("decode-0", "decode"))}
     r = redis.Redis.from_url(redis_url)
     reader, roles = IndexReader(r, ns=ns), RoleStore(r, ns)
     router = None
     try:
         assert ray.get([a.ready.remote() for a in actors.values()], timeout=60) == [True, True]
-        router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0,
-                                    namespace=ns, max_model_len=512, http_port=None, node_refresh_s=0.1,
-                                    short_prompt_tokens=32, vocab_size=512))
+        router = start_router(redis_url, tok_dir, namespace=ns, max_model_len=512, short_prompt_tokens=32,
+                              vocab_size=512)
         load = Load(router.address)
         assert wait_for(lambda: load.done >= THREADS, DEADLINE_S), load.errors
         # What prefill-0 cached by now stays listed through both switches (same engine, same pool).
@@ -315,7 +310,7 @@ def stop_cluster(router, actors: dict, r) -> None:
 
 # ---------------------------------------------------------------- a new role that cannot start
 class DecodeOnTakenPort:
-    """The node actor's server factory (deploy/nodes.py build_any_role), except that its decode
+    """The node actor's server factory (deploy/node_servers.py build_any_role), except that its decode
     role is deployed with a KV data port another process holds: that role's server fails to
     bind it (EADDRINUSE) when the node switches to it. The prefill role keeps a free port.
     Both roles share every configured port, so only a role-specific setting like this one
@@ -329,7 +324,7 @@ class DecodeOnTakenPort:
     def __call__(self, config: NodeConfig, engine=None):
         from dataclasses import replace
 
-        from deploy.nodes import build_any_role
+        from deploy.node_servers import build_any_role
 
         if config.role is Role.DECODE:
             config = replace(config, kv_data_port=self.port)
@@ -358,12 +353,9 @@ def test_a_new_role_that_cannot_start_gives_the_node_its_old_role_back_on_the_sa
     from ray import cloudpickle
 
     import pdserve
-    from deploy.nodes import server_builder
     from engine.engine import LLMEngine
-    from frontend.server import serve
     from kv_index.reader import IndexReader
-    from node.actor import spawn_node
-    from router.config import RouterConfig
+    from tests.clusters import spawn_actor, start_router
     from tokens.block_hash import hash_prompt_blocks
     from tokens.sampling_params import SamplingParams
 
@@ -378,19 +370,17 @@ def test_a_new_role_that_cannot_start_gives_the_node_its_old_role_back_on_the_sa
     # explains; its index counters are in the failure message below if it happens again.
     common = dict(redis_url=redis_url, namespace=ns, lease_s=3.0, heartbeat_s=0.1, load_tokenizer=False,
                   engine=eng, grpc_workers=8, drain_timeout_s=10.0)
-    actors = {"prefill-0": spawn_node(NodeConfig(node_id="prefill-0", role="prefill", **common),
-                                      DecodeOnTakenPort(held.getsockname()[1]), num_cpus=0),
-              "decode-0": spawn_node(NodeConfig(node_id="decode-0", role="decode", **common),
-                                     server_builder(Role.DECODE), num_cpus=0)}
+    actors = {"prefill-0": spawn_actor("prefill", "prefill-0", build=DecodeOnTakenPort(held.getsockname()[1]),
+                                       **common),
+              "decode-0": spawn_actor("decode", "decode-0", **common)}
     p0 = actors["prefill-0"]
     r = redis.Redis.from_url(redis_url)
     reader = IndexReader(r, ns=ns)
     router = client = None
     try:
         assert ray.get([a.ready.remote() for a in actors.values()], timeout=60) == [True, True]
-        router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0,
-                                    namespace=ns, max_model_len=512, http_port=None, node_refresh_s=0.1,
-                                    short_prompt_tokens=32, vocab_size=512))
+        router = start_router(redis_url, tok_dir, namespace=ns, max_model_len=512, short_prompt_tokens=32,
+                              vocab_size=512)
         client = pdserve.Client(router.address, timeout=DEADLINE_S, retries=0)
 
         def routed_to(address: str) -> bool:

@@ -12,25 +12,17 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import pdserve
-from frontend.server import serve
-from router.config import RouterConfig
-from tests.clusters import start_node
+from tests.clusters import start_node, start_router
 from tests.helpers import engine_config, prompt, wait_for
 
 MAX_LEN = 512
 
 
-def router_config(redis_url, tok_dir, ns, **kw):
-    kw.setdefault("max_model_len", MAX_LEN)
-    kw.setdefault("http_port", 0)
-    return RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0, namespace=ns,
-                        node_refresh_s=0.1, **kw)
-
-
 @pytest.fixture(scope="module")
 def bare_router(redis_url, tok_dir):
     """A router whose namespace has no nodes."""
-    server = serve(router_config(redis_url, tok_dir, f"bare-{uuid.uuid4().hex[:6]}", max_tokens_limit=100))
+    server = start_router(redis_url, tok_dir, namespace=f"bare-{uuid.uuid4().hex[:6]}", max_model_len=MAX_LEN,
+                          http_port=0, max_tokens_limit=100)
     yield server
     server.stop()
 
@@ -117,7 +109,8 @@ def cluster(redis_url, tok_dir, tiny_model):
                           grpc_workers=8)
 
     nodes = {"dec": node("dec", "decode"), "pre-a": node("pre-a", "prefill"), "pre-b": node("pre-b", "prefill")}
-    router = serve(router_config(redis_url, tok_dir, ns, short_prompt_tokens=32, vocab_size=512))
+    router = start_router(redis_url, tok_dir, namespace=ns, max_model_len=MAX_LEN, http_port=0, short_prompt_tokens=32,
+                          vocab_size=512)
     with pdserve.Client(router.address) as c:
         wait_for(c.health, timeout=10, every=0.1)
     yield {"router": router, "nodes": nodes, "model": tiny_model, "ns": ns, "redis_url": redis_url}
@@ -230,7 +223,7 @@ def test_overload_is_resource_exhausted_with_retry_hint(redis_url, tok_dir):
         silent.listen(8)  # connects complete in the kernel; nothing ever speaks HTTP/2
         info = NodeInfo("stuck", "decode", f"127.0.0.1:{silent.getsockname()[1]}", "fp", 16, 64)
         NodePublisher(redis.Redis.from_url(redis_url), info, ns, lease_s=30).register()
-        router = serve(router_config(redis_url, tok_dir, ns, max_inflight=1))
+        router = start_router(redis_url, tok_dir, namespace=ns, max_model_len=MAX_LEN, http_port=0, max_inflight=1)
         try:
             with pdserve.Client(router.address, retries=0) as c:
                 holder = threading.Thread(target=lambda: pytest.raises(pdserve.PdServeError, c.complete,

@@ -16,7 +16,7 @@ import pytest
 import pdserve
 from protos.pdserve.v1 import serving_pb2 as pb
 from protos.pdserve.v1 import serving_pb2_grpc as pb_grpc
-from tests.clusters import start_node
+from tests.clusters import start_node, start_router
 from tests.helpers import prompt, wait_for
 from tests.test_backpressure import engine
 
@@ -24,15 +24,11 @@ from tests.test_backpressure import engine
 @pytest.fixture(scope="module")
 def full_router(redis_url, tiny_model, tok_dir):
     """(router, holder): the router's one admission slot taken by a running stream."""
-    from frontend.server import serve
-    from router.config import RouterConfig
-
     ns = f"ovl-{uuid.uuid4().hex[:6]}"
     node = start_node("decode", "decode-0", engine(tiny_model), redis_url=redis_url, namespace=ns, grpc_workers=8)
     node.aengine.step_delay_s = 0.2  # fault hook of `pdserve chaos` slow-node: the holder outlives the test
-    router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0, http_port=None,
-                                namespace=ns, node_refresh_s=0.1, max_model_len=1024, short_prompt_tokens=1024,
-                                vocab_size=512, max_migrations=0, max_inflight=1))
+    router = start_router(redis_url, tok_dir, namespace=ns, max_model_len=1024, short_prompt_tokens=1024,
+                          vocab_size=512, max_migrations=0, max_inflight=1)
     channel = grpc.insecure_channel(router.address)
     try:
         assert wait_for(lambda: router.orchestrator.refresher.view.has_decode)

@@ -17,14 +17,13 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import pdserve
-from frontend.server import serve
 from kv_index.redis_url import redact
 from node.config import NodeConfig
 from router.config import RouterConfig
 from security import tls as tls_
 from security.api_keys import ApiKeys, bearer_token, keys_from
 from security.ca import ThrowawayCA, private_dir
-from tests.clusters import start_node
+from tests.clusters import start_node, start_router
 from tests.helpers import engine_config, wait_for
 
 API_KEY = "sk-right-" + uuid.uuid4().hex
@@ -132,10 +131,8 @@ def secure(redis_server, certs, tiny_model, tok_dir):
     member = dict(tls_cert_file=m.cert_file, tls_key_file=m.key_file, tls_ca_file=m.ca_file)
     nodes = {role: start_node(role, f"{role}-0", eng, redis_url=redis_server.url, namespace=ns, lease_s=1.5,
                               heartbeat_s=0.2, grpc_workers=4, **member) for role in ("prefill", "decode")}
-    router = serve(RouterConfig(redis_url=redis_server.url, model_name="m",
-                                tokenizer_dir=tok_dir, max_model_len=256, port=0,
-                                http_port=0, namespace=ns, node_refresh_s=0.1, short_prompt_tokens=32,
-                                vocab_size=512, api_keys=(API_KEY,), **member))
+    router = start_router(redis_server.url, tok_dir, namespace=ns, max_model_len=256, http_port=0,
+                          short_prompt_tokens=32, vocab_size=512, api_keys=(API_KEY,), **member)
     try:
         with client(router, api_key="") as c:  # health needs no key
             assert wait_for(c.health, timeout=20, every=0.1), "the router never saw its nodes"
@@ -197,10 +194,9 @@ def test_client_certificates_when_the_router_asks_for_them(redis_server, certs):
     from engine.models.builtin import resolve_builtin
 
     m = certs["member"]
-    router = serve(RouterConfig(redis_url=redis_server.url, model_name="m", max_model_len=64, port=0, http_port=0,
-                                tokenizer_dir=str(resolve_builtin("smollm2-135m")), namespace="ca-" + uuid.uuid4().hex,
-                                tls_cert_file=m.cert_file, tls_key_file=m.key_file, tls_ca_file=m.ca_file,
-                                tls_client_auth=True))
+    router = start_router(redis_server.url, resolve_builtin("smollm2-135m"), namespace="ca-" + uuid.uuid4().hex,
+                          max_model_len=64, http_port=0, tls_cert_file=m.cert_file, tls_key_file=m.key_file,
+                          tls_ca_file=m.ca_file, tls_client_auth=True)
     try:
         with client(router, api_key="", certificate_chain=m.cert_file, private_key=m.key_file) as c:
             assert c.models() == [pdserve.ModelInfo("m", 64)]

@@ -25,9 +25,7 @@ import pytest
 
 import pdserve
 from engine.config import SpeculativeConfig
-from frontend.server import serve
-from router.config import RouterConfig
-from tests.clusters import start_node
+from tests.clusters import start_node, start_router
 from tests.helpers import engine_config, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -58,10 +56,9 @@ class Cluster:
                                       else engine, redis_url=redis_url, namespace=self.ns, lease_s=1.5,
                                       heartbeat_s=0.2, grpc_workers=8, load_tokenizer=True)
                       for nid, role in roles}
-        self.router = serve(RouterConfig(
-            redis_url=redis_url, model_name="m", tokenizer_dir=str(model), port=0, http_port=0, namespace=self.ns,
-            max_model_len=2048, node_refresh_s=0.1, short_prompt_tokens=16 if speculate else 100_000,
-            ready_min_prefill=1 if speculate else 0))
+        self.router = start_router(redis_url, model, namespace=self.ns, http_port=0, max_model_len=2048,
+                                   short_prompt_tokens=16 if speculate else 100_000,
+                                   ready_min_prefill=1 if speculate else 0)
         self.http = openai.OpenAI(base_url=f"http://{self.router.http_address}/v1", api_key="unused",
                                   max_retries=0, timeout=TIMEOUT_S)
         with pdserve.Client(self.router.address) as c:

@@ -36,14 +36,10 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tp_ray():
-    from kv_index.nodes import Role
-    from node.config import pool_resource
+    from tests.clusters import ray_pools
 
     # CPUs: the TP 2 prefill node and the TP 2 decode node ask for one per rank.
-    ray.init(num_cpus=4, resources={pool_resource(Role.PREFILL): 1, pool_resource(Role.DECODE): 3},
-             include_dashboard=False, namespace=f"tp-{uuid.uuid4().hex[:6]}", log_to_driver=False)
-    yield
-    ray.shutdown()
+    yield from ray_pools(1, 3, num_cpus=4, prefix="tp")
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +57,9 @@ def reference(tiny_dir):
 
 
 def _spawn(node_id: str, role: str, tp: int, common: dict, **fields):
-    from deploy.launcher import server_builder
-    from kv_index.nodes import Role
-    from node.actor import spawn_node
-    from node.config import NodeConfig
+    from tests.clusters import spawn_actor
 
-    cfg = NodeConfig(node_id=node_id, role=role, tensor_parallel=tp, **common, **fields)
-    return spawn_node(cfg, server_builder(Role(role)), num_cpus=0)
+    return spawn_actor(role, node_id, tensor_parallel=tp, **common, **fields)
 
 
 def _scrape(metrics_address: str, name: str) -> float:
@@ -107,17 +99,14 @@ def _generate(client, ids, tokens: list | None = None) -> list[int]:
 
 def test_tp_nodes_exchange_kv_and_a_dead_rank_fails_the_node_and_its_stream_migrates(
         tp_ray, tiny_dir, tok_dir, redis_url, reference):
-    from frontend.server import serve
-    from router.config import RouterConfig
+    from tests.clusters import start_router
 
     ns = f"tp-{uuid.uuid4().hex[:6]}"
     common = dict(redis_url=redis_url, namespace=ns, lease_s=1.5, heartbeat_s=0.2, load_tokenizer=False,
                   engine=node_engine_config(tiny_dir, num_blocks=128), max_step_failures=1, max_start_failures=1)
     actors = {"prefill-0": _spawn("prefill-0", "prefill", 2, common, kv_dist=True),
               "decode-0": _spawn("decode-0", "decode", 2, common, kv_dist=True)}
-    router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0, namespace=ns,
-                                max_model_len=512, http_port=None, node_refresh_s=0.1, short_prompt_tokens=8,
-                                vocab_size=512))
+    router = start_router(redis_url, tok_dir, namespace=ns, max_model_len=512, short_prompt_tokens=8, vocab_size=512)
     client = pdserve.Client(router.address, timeout=60, retries=0)
     try:
         assert ray.get([a.ready.remote() for a in actors.values()], timeout=120) == [True, True]
@@ -175,22 +164,18 @@ def test_a_tp1_prefill_node_streams_into_a_tp2_decode_node_over_dist_and_tcp(tin
     shm does not apply): TP 1 -> TP 2, the KV streamed layer by layer lands full-head and each
     rectangle is scattered into both ranks' pools; over dist, then over tcp."""
     prefill_tp, decode_tp = 1, 2
-    from frontend.server import serve
     from kv_transfer.dist_transport import DistKVSender
     from kv_transfer.grpc_transport import GrpcKVSender
     from kv_transfer.tcp_transport import TcpKVSender
     from kv_transfer.transport import FallbackKVSender
-    from router.config import RouterConfig
-    from tests.clusters import start_node
+    from tests.clusters import start_node, start_router
 
     ns = f"tpin-{uuid.uuid4().hex[:6]}"
     eng = node_engine_config(tiny_dir, num_blocks=128)
     common = dict(redis_url=redis_url, namespace=ns, lease_s=1.5, heartbeat_s=0.2, grpc_workers=8)
     prefill = start_node("prefill", "prefill-0", eng, tensor_parallel=prefill_tp, **common)
     decode = start_node("decode", "decode-0", eng, kv_dist=True, tensor_parallel=decode_tp, **common)
-    router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0, namespace=ns,
-                                max_model_len=512, http_port=None, node_refresh_s=0.1, short_prompt_tokens=8,
-                                vocab_size=512))
+    router = start_router(redis_url, tok_dir, namespace=ns, max_model_len=512, short_prompt_tokens=8, vocab_size=512)
     client = pdserve.Client(router.address, timeout=60, retries=0)
     try:
         tp_node = prefill if prefill_tp > 1 else decode
@@ -287,11 +272,9 @@ def test_a_full_landing_area_answers_resource_exhausted_with_a_retry_hint_and_th
     import grpc
 
     from decode_node.server import RETRY_AFTER_MS
-    from frontend.server import serve
     from protos.conventions import retry_after_ms
     from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
-    from router.config import RouterConfig
-    from tests.clusters import start_node
+    from tests.clusters import start_node, start_router
 
     ns = f"tpfull-{uuid.uuid4().hex[:6]}"
     from engine.config import SchedulerConfig
@@ -302,9 +285,7 @@ def test_a_full_landing_area_answers_resource_exhausted_with_a_retry_hint_and_th
     common = dict(redis_url=redis_url, namespace=ns, lease_s=1.5, heartbeat_s=0.2, grpc_workers=8)
     prefill = start_node("prefill", "prefill-0", eng, **common)
     decode = start_node("decode", "decode-0", eng, tensor_parallel=2, reservation_lease_s=60.0, **common)
-    router = serve(RouterConfig(redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0, namespace=ns,
-                                max_model_len=512, http_port=None, node_refresh_s=0.1, short_prompt_tokens=8,
-                                vocab_size=512))
+    router = start_router(redis_url, tok_dir, namespace=ns, max_model_len=512, short_prompt_tokens=8, vocab_size=512)
     client = pdserve.Client(router.address, timeout=60, retries=0)
     channel = grpc.insecure_channel(decode.address)
     kv = kv_pb2_grpc.KVTransferStub(channel)

@@ -22,10 +22,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 import pdserve
-from frontend.server import serve
-from router.config import RouterConfig
 from telemetry import tracing
-from tests.clusters import start_node
+from tests.clusters import start_node, start_router
 from tests.helpers import engine_config, prompt, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -169,10 +167,8 @@ def traced(redis_url, tiny_model, tok_dir):
     nodes = {role: start_node(role, f"{role}-0", eng, redis_url=redis_url, namespace=ns, lease_s=1.5,
                               heartbeat_s=0.2, grpc_workers=4, metrics_port=None)
              for role in ("prefill", "decode")}
-    router = serve(RouterConfig(
-        redis_url=redis_url, model_name="m", tokenizer_dir=tok_dir, port=0,
-        http_port=None, namespace=ns, node_refresh_s=0.1, max_model_len=256, short_prompt_tokens=SHORT,
-        vocab_size=512))
+    router = start_router(redis_url, tok_dir, namespace=ns, max_model_len=256, short_prompt_tokens=SHORT,
+                          vocab_size=512)
     try:
         with pdserve.Client(router.address) as c:
             # Both nodes in the router's view (a decode node alone already makes it healthy).
