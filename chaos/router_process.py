@@ -1,9 +1,9 @@
 """The router as its own process, as the Helm chart runs it (``python -m frontend.server ...``), so
 that chaos can SIGKILL it with streams in flight and start it again on the same ports.
 
-``router_argv`` maps a RouterConfig onto the flags of ``python -m frontend.server`` (fields that
-have no flag keep the router's defaults there, as in the chart); the Redis password goes in
-``$PDSERVE_REDIS_PASSWORD``, never on the command line. The process gets SIGTERM if this one
+``router_argv`` maps a RouterConfig onto the flags of ``python -m frontend.server``, generated from
+the fields' declarations (``settings.flags.to_argv``; a setting no flag carries is refused, not
+dropped); the Redis password goes in ``$PDSERVE_REDIS_PASSWORD``, never on the command line. The process gets SIGTERM if this one
 dies (Linux), and its log goes to a file beside nothing else.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from kv_index.redis_url import PASSWORD_ENV
+from settings.flags import to_argv
 
 REPO = Path(__file__).resolve().parents[1]
 READY_PREFIX = "router listening on "
@@ -36,21 +37,20 @@ def split_password(url: str) -> tuple[str, str | None]:
 
 def router_argv(cfg, port: int, http_port: int | None) -> tuple[list[str], dict[str, str]]:
     """(argv, extra environment) of ``python -m frontend.server`` serving as ``cfg`` on the given
-    ports (a port taken from a running router: the new process binds the same ones)."""
-    url, password = split_password(cfg.redis_url)
-    argv = [sys.executable, "-m", "frontend.server", "--redis-url", url, "--tokenizer-dir", cfg.tokenizer_dir,
-            "--model-name", cfg.model_name, "--max-model-len", str(cfg.max_model_len), "--host", cfg.host,
-            "--port", str(port), "--http-port", str(-1 if http_port is None else http_port),
-            "--ready-min-prefill", str(cfg.ready_min_prefill), "--namespace", cfg.namespace,
-            "--short-prompt-tokens", str(cfg.short_prompt_tokens), "--max-inflight", str(cfg.max_inflight),
-            "--drain-timeout", str(cfg.drain_timeout_s), "--node-refresh-s", str(cfg.node_refresh_s),
-            "--policy", cfg.policy, "--default-slo-class", cfg.default_slo_class,
-            "--max-migrations", str(cfg.max_migrations), "--straggler-factor", str(cfg.straggler_factor)]
-    for flag, value in (("--max-prompt-tokens", cfg.max_prompt_tokens), ("--max-tokens-limit", cfg.max_tokens_limit)):
-        if value is not None:
-            argv += [flag, str(value)]
+    ports (a port taken from a running router: the new process binds the same ones). ValueError:
+    ``cfg`` has TLS or API keys, or a setting the flags cannot carry."""
+    from router.planner.config import lease_for
+
     if cfg.tls is not None or cfg.api_keys:
         raise ValueError("chaos runs the router process without TLS or API keys")
+    if cfg.planner.leader_lease_s != lease_for(cfg.planner.interval_s):
+        raise ValueError(f"the router process derives the planner's leader lease from --planner-interval-s: "
+                         f"{lease_for(cfg.planner.interval_s)}, not {cfg.planner.leader_lease_s}")
+    url, password = split_password(cfg.redis_url)
+    argv = [sys.executable, "-m", "frontend.server", "--redis-url", url, "--port", str(port),
+            "--http-port", str(-1 if http_port is None else http_port),
+            *to_argv(cfg, exclude=("redis_url", "port", "http_port", "planner")),
+            *to_argv(cfg.planner, exclude=("leader_lease_s",))]
     return argv, ({PASSWORD_ENV: password} if password else {})
 
 

@@ -12,50 +12,21 @@ from deploy.spinner import Spinner
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="builtin name or local HF directory / .gguf file")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-mib", type=int, default=512)
-    p.add_argument("--host-cache-mib", type=float, default=0,
-                   help="KV tier in host memory below each node's device pool, MiB (0: none; docs/engine.md)")
-    p.add_argument("--disk-cache-dir", default=None,
-                   help="KV tier on disk below the host tier: a directory, one subdirectory per node, kept "
-                   "across restarts (needs --host-cache-mib and --disk-cache-mib)")
-    p.add_argument("--disk-cache-mib", type=float, default=0, help="byte budget of each node's disk KV tier, MiB")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--spec-method", default="off",
-                   choices=["off", "ngram", "draft", "early_exit", "low_precision", "medusa", "eagle"],
-                   help="speculative decoding on decode nodes (docs/speculative.md)")
-    p.add_argument("--spec-tokens", type=int, default=8, help="most draft tokens per sequence and step")
-    p.add_argument("--spec-draft-model", default=None, help="draft: model dir or builtin; medusa, eagle: checkpoint dir")
-    p.add_argument("--spec-draft-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--spec-early-exit-layers", type=int, default=None)
-    p.add_argument("--spec-ngram-max", type=int, default=8)
-    p.add_argument("--no-spec-adaptive", action="store_true", help="always draft spec-tokens tokens")
+    """The engine's flags: one per field of engine/config.py's configs that declares one."""
+    from engine.config import ENGINE_CONFIGS
+    from settings.flags import add_arguments
+
+    for cls in ENGINE_CONFIGS:
+        add_arguments(p, cls)
 
 
 def engine_config_from_args(a: argparse.Namespace):
+    """The EngineConfig of parsed ``_add_engine_args`` flags: each sub-config from its flags."""
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+    from settings.flags import from_args
 
-    return EngineConfig(
-        model=a.model,
-        dtype=a.dtype,
-        device=a.device,
-        num_threads=a.threads,
-        cache=CacheConfig(block_size=a.block_size, kv_cache_bytes=a.kv_cache_mib * 2**20,
-                          enable_prefix_caching=not a.no_prefix_caching, host_cache_mib=a.host_cache_mib,
-                          disk_cache_dir=a.disk_cache_dir, disk_cache_mib=a.disk_cache_mib),
-        scheduler=SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
-                                  max_num_seqs=a.max_num_seqs),
-        speculative=SpeculativeConfig(
-            method=a.spec_method, num_speculative_tokens=a.spec_tokens, draft_model=a.spec_draft_model,
-            draft_dtype=a.spec_draft_dtype, early_exit_layers=a.spec_early_exit_layers,
-            ngram_max=a.spec_ngram_max, adaptive=not a.no_spec_adaptive),
-    )
+    return from_args(EngineConfig, a, cache=from_args(CacheConfig, a), scheduler=from_args(SchedulerConfig, a),
+                     speculative=from_args(SpeculativeConfig, a))
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

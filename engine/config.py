@@ -1,20 +1,33 @@
 """Frozen configuration of one engine instance (one per process role).
 
-CLI flags and (later) Helm values map onto these fields one to one.
+The engine's flags (``pdserve up``, ``nodes``, ``generate``, ``chaos``) are declared on these
+fields (settings/flags.py); ``deploy/cli.py`` generates them and builds the config from them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from settings.flags import negated, setting
+
+DTYPES = ["float32", "bfloat16", "float16"]
+SPEC_METHODS = ["off", "ngram", "draft", "early_exit", "low_precision", "medusa", "eagle"]
+
+
+def mib_to_bytes(mib: int) -> int:
+    """``--kv-cache-mib 64``: a budget of 64 MiB, in bytes."""
+    return mib * 2**20
+
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = setting(16, flag="--block-size")
     # KV budget. ``num_blocks`` wins when set; otherwise the budget in bytes is turned into
     # blocks from the model's per-block KV size.
     num_blocks: int | None = None
-    kv_cache_bytes: int = 512 * 1024 * 1024
-    enable_prefix_caching: bool = True
+    kv_cache_bytes: int = setting(512 * 1024 * 1024, flag="--kv-cache-mib", dest="kv_cache_mib", flag_default=512,
+                                  to_field=mib_to_bytes)
+    enable_prefix_caching: bool = setting(True, flag="--no-prefix-caching", dest="no_prefix_caching",
+                                          flag_default=False, action="store_true", to_field=negated)
     # Fraction of all blocks kept free when admitting a *new* request, so running ones can
     # still grow without preempting each other right away.
     watermark: float = 0.01
@@ -24,9 +37,12 @@ class CacheConfig:
     # ``disk_cache_mib`` (None = no disk tier). The directory is one engine's: it survives a
     # restart, whose engine re-registers the blocks it finds there. Fractions of a MiB are
     # fine (tests size tiers in blocks of a tiny model).
-    host_cache_mib: float = 0
-    disk_cache_dir: str | None = None
-    disk_cache_mib: float = 0
+    host_cache_mib: float = setting(0, flag="--host-cache-mib", help="KV tier in host memory below each node's "
+                                    "device pool, MiB (0: none; docs/engine.md)")
+    disk_cache_dir: str | None = setting(None, flag="--disk-cache-dir", help="KV tier on disk below the host tier: a "
+                                         "directory, one subdirectory per node, kept across restarts (needs "
+                                         "--host-cache-mib and --disk-cache-mib)")
+    disk_cache_mib: float = setting(0, flag="--disk-cache-mib", help="byte budget of each node's disk KV tier, MiB")
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -49,8 +65,8 @@ class CacheConfig:
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     # Per-step token budget: decode tokens + prefill chunk tokens.
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
+    max_num_batched_tokens: int = setting(512, flag="--max-num-batched-tokens")
+    max_num_seqs: int = setting(64, flag="--max-num-seqs")
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None  # None -> the model's own context length
 
@@ -67,14 +83,22 @@ class SpeculativeConfig:
     named by ``method`` is built by whoever constructs the engine (``engine.speculative.proposers``)."""
 
     # off | ngram | draft | early_exit | low_precision | medusa | eagle (see docs/speculative.md)
-    method: str = "off"
-    num_speculative_tokens: int = 8  # k: most draft tokens one sequence verifies per step
+    method: str = setting("off", flag="--spec-method", dest="spec_method", choices=SPEC_METHODS,
+                          help="speculative decoding on decode nodes (docs/speculative.md)")
+    # k: most draft tokens one sequence verifies per step
+    num_speculative_tokens: int = setting(8, flag="--spec-tokens", dest="spec_tokens",
+                                          help="most draft tokens per sequence and step")
     ngram_min: int = 1  # n-gram prompt lookup: shortest / longest suffix matched
-    ngram_max: int = 8
-    draft_model: str | None = None  # draft: a model dir / builtin; medusa / eagle: the checkpoint dir
-    draft_dtype: str = "bfloat16"  # draft and low_precision: dtype of the draft's weights and KV
-    early_exit_layers: int | None = None  # early_exit: target layers the draft runs (None: half)
-    adaptive: bool = True  # k per request from observed acceptance; off when it does not pay
+    ngram_max: int = setting(8, flag="--spec-ngram-max", dest="spec_ngram_max")
+    draft_model: str | None = setting(None, flag="--spec-draft-model", dest="spec_draft_model",
+                                      help="draft: model dir or builtin; medusa, eagle: checkpoint dir")
+    # draft and low_precision: dtype of the draft's weights and KV
+    draft_dtype: str = setting("bfloat16", flag="--spec-draft-dtype", dest="spec_draft_dtype", choices=DTYPES)
+    # early_exit: target layers the draft runs (None: half)
+    early_exit_layers: int | None = setting(None, flag="--spec-early-exit-layers", dest="spec_early_exit_layers")
+    # k per request from observed acceptance; off when it does not pay
+    adaptive: bool = setting(True, flag="--no-spec-adaptive", dest="no_spec_adaptive", flag_default=False,
+                             action="store_true", to_field=negated, help="always draft spec-tokens tokens")
     # Per-step speculative token budget at batch 1; it shrinks linearly to 0 at
     # ``max_batch_size`` running sequences (verification is not free at large batch).
     max_tokens_per_step: int = 64
@@ -106,11 +130,14 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str = "smollm2-135m"  # builtin name or local Hugging Face directory / GGUF file
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    device: str = "auto"  # auto -> cuda when available else cpu
+    # builtin name or local Hugging Face directory / GGUF file
+    model: str = setting("smollm2-135m", flag="--model", help="builtin name or local HF directory / .gguf file")
+    dtype: str = setting("float32", flag="--dtype", choices=DTYPES)
+    device: str = setting("auto", flag="--device")  # auto -> cuda when available else cpu
     seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
+    # torch intra-op threads on CPU; None keeps torch's default
+    num_threads: int | None = setting(None, flag="--threads", dest="threads",
+                                      help="torch CPU threads (default: torch's)")
     # CPU kernels: "auto" measures the matmul candidates once per machine and model shapes
     # (cached; see engine/models/cpu_linear.py) and, for bfloat16, builds the native decode
     # attention (engine/attention/cpu_decode.py); "torch" keeps F.linear and SDPA everywhere.
@@ -122,3 +149,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.cpu_kernels not in ("auto", "torch"):
             raise ValueError(f"cpu_kernels must be 'auto' or 'torch', got {self.cpu_kernels!r}")
+
+
+# The configs whose fields declare the engine's flags, in the order the flags are added.
+ENGINE_CONFIGS = (EngineConfig, CacheConfig, SchedulerConfig, SpeculativeConfig)

@@ -288,9 +288,11 @@ class NodeServer:
         for name in ("", *self.served):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.metrics.healthy.set(0)
+        # The record before the leave: whoever sees the node gone from the index (a router,
+        # `pdserve status`, a test) then finds why, never a stale "serving".
+        self._record_health(UNHEALTHY, reason)
         if self.publisher is not None:
             self.publisher.stop(deregister=True)
-        self._record_health(UNHEALTHY, reason)
         if self.on_unhealthy is not None:
             self.on_unhealthy(reason)
 

@@ -13,7 +13,8 @@ field's name unless the flag says otherwise (a ClusterConfig holds the planner's
 ``planner_*`` names); ``to_field`` turns a parsed value into the field's (``negative_is_none``:
 ``--http-port -1`` is None). Other add_argument keywords (choices, metavar, a ``type`` of its
 own, ``action``) are given with the declaration. ``like`` refers to another class's declaration
-of the same setting instead of repeating it.
+of the same setting instead of repeating it. ``to_argv`` goes the other way: the flags that give
+back a config (a process started with another's settings: chaos's router process).
 """
 from __future__ import annotations
 
@@ -68,6 +69,12 @@ def like(cls: type, name: str, **changes: Any) -> Any:
 def negative_is_none(value: int) -> int | None:
     """``--http-port -1``: no such port (None)."""
     return None if value < 0 else value
+
+
+def negated(value: bool) -> bool:
+    """``--no-prefix-caching`` stored True under its own dest: the field (``enable_prefix_caching``)
+    is False."""
+    return not value
 
 
 def flagged(cls: type, names: Iterable[str] | None = None,
@@ -153,3 +160,72 @@ def shared_values(source: Any, cls: type, exclude: Iterable[str] = ()) -> dict:
     handed on (a ClusterConfig's to the router's RouterConfig, a NodeTemplate's to each node)."""
     mine = {f.name for f in dataclasses.fields(cls)} - set(exclude)
     return {f.name: getattr(source, f.name) for f in dataclasses.fields(source) if f.name in mine}
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _text(value: Any) -> str:
+    """A value as its flag's text: a tuple as ``a,b`` (``--planner-slo-band``), else ``str``."""
+    if isinstance(value, (tuple, list)):
+        return ",".join(_text(v) for v in value)
+    return str(value)
+
+
+def to_argv(config: Any, names: Iterable[str] | None = None, exclude: Iterable[str] = ()) -> list[str]:
+    """The flags that give back ``config`` (a dataclass instance) when parsed by the parser
+    ``add_arguments`` made for its class: option and value of each flagged field that is required
+    or differs from its default, in declaration order (or only ``names``); a bool as its
+    ``store_true`` / ``store_false`` flag present or absent, a repeatable (``append``) flag once per
+    item, None as -1 where ``to_field`` is ``negative_is_none``. ``exclude``: fields left to the
+    caller (neither given nor checked). ValueError names the fields no flag can say: no flag and
+    not the default, or a value the flag cannot express (None without ``negative_is_none``, a
+    ``to_field`` this cannot invert)."""
+    skip = set(exclude)
+    chosen = None if names is None else list(names)
+    if chosen is not None:
+        flagged(type(config), chosen)  # KeyError: a name without a flag
+    lost: list[str] = []
+    argv: list[str] = []
+    for f in dataclasses.fields(config):
+        if f.name in skip or (chosen is not None and f.name not in chosen):
+            continue
+        value, default = getattr(config, f.name), _field_default(f)
+        flag = f.metadata.get(FLAG)
+        if flag is None:
+            if default is dataclasses.MISSING or value != default:
+                lost.append(f"{f.name}={value!r} (no flag)")
+            continue
+        if default is not dataclasses.MISSING and value == default:
+            continue
+        action = flag.kwargs.get("action")
+        if action in ("store_true", "store_false") or (action is None and isinstance(value, bool)):
+            present = (action or ("store_false" if flag.option.startswith("--no-") else "store_true")) == "store_true"
+            present_value = flag.to_field(present) if flag.to_field is not None else present
+            if value == present_value:
+                argv.append(flag.option)
+            else:  # absent gives the flag's default: not this value
+                lost.append(f"{f.name}={value!r} ({flag.option} present or absent cannot say it)")
+            continue
+        if flag.to_field not in (None, tuple, negative_is_none):
+            lost.append(f"{f.name}={value!r} ({flag.option}: its to_field is not invertible)")
+            continue
+        if value is None:
+            if flag.to_field is negative_is_none:
+                argv += [flag.option, "-1"]
+            else:
+                lost.append(f"{f.name}=None ({flag.option} cannot say None)")
+            continue
+        if action == "append":
+            for item in value:
+                argv += [flag.option, _text(item)]
+        else:
+            argv += [flag.option, _text(value)]
+    if lost:
+        raise ValueError(f"{type(config).__name__} has settings its flags cannot carry: {', '.join(lost)}")
+    return argv
