@@ -197,7 +197,7 @@ def test_decode_keeps_a_node_whatever_the_mix():
     (dict(min_decode_nodes=0), "decode nodes are the only ones that decode"),
     (dict(min_prefill_nodes=-1), "min_prefill_nodes must be >= 0"),
     (dict(mode="auto"), "planner mode must be one of off, advisory, active"),
-    (dict(interval_s=10.0, lease_s=15.0), "lease_s (15.0) must exceed two rounds"),
+    (dict(interval_s=10.0, leader_lease_s=15.0), "leader_lease_s (15.0) must exceed two rounds"),
     (dict(min_short_prompt_tokens=512, max_short_prompt_tokens=64), "short-prompt threshold range"),
     (dict(scale_down_util=0.9, scale_up_util=0.8), "scale_down_util"),
     (dict(resize=True, max_prefill_nodes=2), "resize needs max_prefill_nodes and max_decode_nodes"),
