@@ -19,14 +19,23 @@ so they see the same machine load:
           three ways: the kernel's default socket options, the data port's (4 MiB buffers),
           and a cache-warm 1 MiB receive buffer; the fastest per size is the ceiling
           (``socket_default_gbps``, ``socket_tuned_gbps``, ``socket_warm_gbps``).
-  memcpy: ceiling of shared memory: one copy of the same bytes into a reused buffer, in the
-          sending process.
+  memcpy: ceiling of shared memory: a copy of the same bytes, timed three ways (one thread,
+          os.cpu_count() threads, two processes half each: bench/transfer_memcpy.py); the
+          fastest per size is the ceiling (``memcpy_one_thread_gbps``, ``memcpy_threads_gbps``,
+          ``memcpy_two_process_gbps``; weighted in ``memcpy_ceiling``).
   grpc_bytes: diagnostic. The serialized KVBlockMessages into a gRPC handler that only reads
           them: what grpcio itself allows (grpc / grpc_bytes is kv_transfer's own overhead).
 
 Throughput is in gigabytes per second (1e9 bytes/s), from each size's median time; headline
 figures weigh sizes by bytes (all bytes over the sum of the per-size median times). Each
-transport's ``ratio`` is to its ceiling measured in the same run.
+transport's ``ratio`` is to its ceiling measured in the same run; ``ratio_chat_sized`` is the
+same over the sizes of a chat turn's KV only (CHAT_SIZED_MIB, named in ``chat_sized_mib``).
+
+``bit_exact``: per transport (``transports[t]["bit_exact"]``, ``bit_exact_by_transport``) and
+all of them. Every transport writes the same blocks, so each is checked in a pass of its own
+after the timing, at every size and fixed-cost case: the receiver fills the destination blocks
+with a sentinel, the transport pushes once, the digest must equal the source's
+(bench/transfer_rig.py, ``Rig.verify``).
 
 ``fixed_ms``: the cost of a transfer before its bytes, per transport: the intercept of a
 least-squares line through the median times of 1, 4 and 16-block transfers (``latency_ms``).
@@ -47,38 +56,34 @@ block of 16 tokens over all layers is 737,280 bytes.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 
-import grpc
 import numpy as np
 import torch
-import xxhash
 
 from bench.plotting import figure
-from bench.transfer_receiver import RAW_LEN, RAW_MODES, SINK_METHOD, SINK_SERVICE, set_raw_options
+from bench.transfer_memcpy import WAYS as MEMCPY_WAYS
+from bench.transfer_memcpy import MemcpyCeilings
+from bench.transfer_receiver import RAW_MODES
+from bench.transfer_rig import BLOCK_BYTES, TRANSPORTS, Rig, exact_by_transport
 from kv_transfer import checksum as checksums
-from kv_transfer.dist_transport import DistKVSender, dist_endpoint
-from kv_transfer.grpc_transport import KV_GRPC_OPTIONS, push_blocks
-from kv_transfer.layout import PoolLayout
-from kv_transfer.shm_transport import ShmKVSender, shm_endpoint
-from kv_transfer.tcp_transport import TcpKVSender
-from kv_transfer.validate import new_token
-from kv_transfer.wire import build_header, iter_wire_messages, payload_units
+from kv_transfer.dist_transport import DistKVSender
 from protos.pdserve.v1 import kv_pb2
 
-NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
-FINGERPRINT = "bench"  # the receiver's
 GB = 1e9
 FIXED_BLOCKS = (1, 4, 16)
-TRANSPORTS = ("grpc", "tcp", "shm", "dist")
 CEILING = {"grpc": "socket", "tcp": "socket", "shm": "memcpy", "dist": "socket"}
+# Sizes of a chat turn's KV (a few thousand tokens of SmolLM2-135M: 2-16 MiB). The headline is
+# weighted by bytes, so the 32 and 64 MiB points dominate it; the ratio over these sizes is
+# reported beside it, since most transfers a chat server makes are this size.
+CHAT_SIZED_MIB = (2, 16)
+# Every path, timed interleaved per size; "socket" and "memcpy" are the best of their ways.
+PATHS = (*TRANSPORTS, *(f"socket_{mode}" for mode in RAW_MODES), *(f"memcpy_{way}" for way in MEMCPY_WAYS),
+         "grpc_bytes")
+SHOWN = (*TRANSPORTS, "socket", *(f"socket_{mode}" for mode in RAW_MODES), "memcpy",
+         *(f"memcpy_{way}" for way in MEMCPY_WAYS), "grpc_bytes")  # the table's columns
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,56 +131,6 @@ def _interleaved_times(
     return times
 
 
-class _Receiver:
-    """The receiving process and the ways to reach it."""
-
-    def __init__(self, shape: tuple[int, ...]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.transfer_receiver", "--shape", *map(str, shape)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        ports = self._read()
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}", options=KV_GRPC_OPTIONS)
-        self.sink = self.channel.stream_unary(f"/{SINK_SERVICE}/{SINK_METHOD}")
-        self.tcp_endpoint = f"tcp://127.0.0.1:{ports['data']}"
-        self.shm_endpoint = shm_endpoint(f"127.0.0.1:{ports['data']}")
-        self.dist_endpoint = dist_endpoint(f"127.0.0.1:{ports['data']}")
-        # The raw-socket ceiling at its best: timed three ways (RAW_MODES: the kernel's default
-        # socket options, the data port's 4 MiB buffers, and a cache-warm 1 MiB receive buffer
-        # that places the bytes nowhere), the fastest per size. Before 2026-12-01 it had only
-        # the first, which a chunked transport could beat.
-        self.raw = {}
-        for mode in RAW_MODES:
-            sock = socket.create_connection(("127.0.0.1", ports[f"raw_{mode}"]))
-            set_raw_options(sock, mode)
-            self.raw[mode] = sock
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the receiving process exited (see its stderr above)")
-        return json.loads(line)
-
-    def ask(self, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def raw_transfer(self, payload: bytes, mode: str) -> None:
-        sock = self.raw[mode]
-        sock.sendall(RAW_LEN.pack(len(payload)))
-        sock.sendall(payload)
-        if sock.recv(1) != b"\x01":
-            raise ConnectionError("raw receiver closed")
-
-    def close(self) -> None:
-        for sock in self.raw.values():
-            sock.close()
-        self.channel.close()
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
-
-
 def _streaming(args: argparse.Namespace, report) -> dict:
     from bench import transfer_streaming
 
@@ -194,112 +149,35 @@ def run(args: argparse.Namespace, report) -> dict:
         return {"unit": "seconds", **_streaming(args, report)}
     if args.quick:
         args.sizes_mib, args.seconds_per_size = [1, 4], 0.3
-    block_bytes_all_layers = NUM_LAYERS * 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 4
-    sizes = [(mib, _blocks_for(mib, block_bytes_all_layers)) for mib in args.sizes_mib]
-    num_blocks = 2 * max(max(n for _, n in sizes), max(FIXED_BLOCKS)) + 8
-    gen = torch.Generator().manual_seed(0)
-    shape = (NUM_LAYERS, num_blocks, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    src_pool = torch.randn(shape, generator=gen)  # [layers, blocks, 2, block, heads, dim]
-    algorithm = kv_pb2.ChecksumAlgorithm.Value(f"CHECKSUM_ALGORITHM_{args.checksum.upper()}")
-    report.progress(f"pools {tuple(shape)} float32, {block_bytes_all_layers} bytes per block (all layers), "
-                    f"checksum {args.checksum}; receiver in its own process")
-    receiver, tcp, shm, dist = _Receiver(shape), TcpKVSender(), ShmKVSender(), DistKVSender()
-    bit_exact, count = True, iter(range(1 << 30))
-
-    def case(n: int) -> dict:
-        """A reservation of n blocks in the receiver and one callable per path."""
-        src_ids = torch.randperm(num_blocks, generator=gen)[:n].tolist()  # shuffled, as a block table is
-        dst_ids = torch.randperm(num_blocks, generator=gen)[:n].tolist()
-        hashes = list(range(1, n + 1))
-        rid = f"bench-{n}-{next(count)}"
-        token = new_token()
-        receiver.ask(reserve=rid, first=0, dest=dst_ids, hashes=hashes, token=token.hex())
-        blocks = dict(request_id=rid, fingerprint=FINGERPRINT, src_block_ids=src_ids, block_hashes=hashes,
-                      num_tokens=n * BLOCK_SIZE, dest_block_ids=dst_ids, token=token, checksum_algorithm=algorithm)
-        payload = b"".join(payload_units(src_pool, src_ids, range(NUM_LAYERS)))
-        staging = np.empty(len(payload), dtype=np.uint8)
-        header = build_header(request_id=rid, fingerprint=FINGERPRINT, layout=PoolLayout.of(src_pool),
-                              dest_block_ids=dst_ids, block_hashes=hashes, num_tokens=n * BLOCK_SIZE,
-                              layers=range(NUM_LAYERS), checksum_algorithm=algorithm, token=token)
-        serialized = list(iter_wire_messages(header, payload_units(src_pool, src_ids, range(NUM_LAYERS))))
-        return {
-            "src_ids": src_ids, "dst_ids": dst_ids, "bytes": len(payload),
-            "grpc": lambda: push_blocks(receiver.channel, src_pool, **blocks),
-            "tcp": lambda: tcp.push(receiver.tcp_endpoint, src_pool, **blocks),
-            "shm": lambda: shm.push(receiver.shm_endpoint, src_pool, **blocks),
-            "dist": lambda: dist.push(receiver.dist_endpoint, src_pool, **blocks),
-            **{f"socket_{mode}": (lambda mode=mode: receiver.raw_transfer(payload, mode)) for mode in RAW_MODES},
-            "memcpy": lambda: np.copyto(staging, np.frombuffer(payload, dtype=np.uint8)),
-            "grpc_bytes": lambda: receiver.sink(iter(serialized)),
-        }
-
-    def exact(c: dict) -> bool:
-        want = xxhash.xxh3_64(src_pool[:, c["src_ids"]].contiguous().numpy().tobytes()).hexdigest()
-        return receiver.ask(digest=c["dst_ids"])["xxh3"] == want
-
-    paths = (*TRANSPORTS, *(f"socket_{mode}" for mode in RAW_MODES), "memcpy", "grpc_bytes")
+    sizes = [(mib, _blocks_for(mib, BLOCK_BYTES)) for mib in args.sizes_mib]
+    rig = Rig(2 * max(max(n for _, n in sizes), max(FIXED_BLOCKS)) + 8, args.checksum)
+    memcpy = MemcpyCeilings(max(n for _, n in sizes) * BLOCK_BYTES)
+    report.progress(f"pools {rig.shape} float32, {BLOCK_BYTES} bytes per block (all layers), "
+                    f"checksum {args.checksum}; receiver in its own process; memcpy ceiling: best of 1 "
+                    f"thread, {memcpy.threads} threads, 2 processes")
     ray = None
-    if args.ray:
-        from bench import transfer_ray
-
-        ray, ray_actor = transfer_ray.start(shape)
-        paths = (*paths, "ray")
-        unit = src_pool[0, 0].numel() * 4
-        src_rows = src_pool.view(-1).view(torch.uint8).view(-1, unit).numpy()
-        layer_rows = np.arange(NUM_LAYERS)[:, None] * num_blocks  # [layers, 1]
-        report.progress("Ray started: timing its object store beside shm")
-    shown = (*paths[:4], "socket", *paths[4:])  # the table's columns: the ceiling, then how it was taken
-    rows, per_size = [], []
     try:
-        for mib, n in sizes:
-            c = case(n)
-            if ray is not None:  # the same blocks, layer-major like the wire, into the same rows
-                c["ray"] = transfer_ray.transfer_fn(
-                    ray, ray_actor, src_rows, (layer_rows + np.asarray(c["src_ids"])).ravel(),
-                    (layer_rows + np.asarray(c["dst_ids"])).ravel())
-            times = dict(zip(paths, _interleaved_times([c[p] for p in paths], args.seconds_per_size)))
-            ok = exact(c)
-            if ray is not None:
-                src_idx = (layer_rows + np.asarray(c["src_ids"])).ravel()
-                want = xxhash.xxh3_64(np.ascontiguousarray(src_rows[src_idx])).hexdigest()
-                dst_idx = (layer_rows + np.asarray(c["dst_ids"])).ravel()
-                ok = ok and ray.get(ray_actor.digest.remote(dst_idx)) == want
-            bit_exact = bit_exact and ok
-            gbps = {p: c["bytes"] / statistics.median(times[p]) / GB for p in paths}
-            gbps["socket"] = max(gbps[f"socket_{mode}"] for mode in RAW_MODES)  # the ceiling at its best
-            per_size.append({"mib": mib, "blocks": n, "bytes": c["bytes"], "reps": len(times["grpc"]),
-                             "bit_exact": ok, **{f"{p}_gbps": round(g, 3) for p, g in gbps.items()}})
-            rows.append([c["bytes"] / (1 << 20), n, *(gbps[p] for p in shown), ok])
-            report.progress(f"{mib} MiB: " + ", ".join(f"{p} {gbps[p]:.2f}" for p in shown) + " GB/s")
-        fixed_ms, latency_ms = _fixed_costs(case, exact, args.quick, report)
-        bit_exact = bit_exact and fixed_ms.pop("bit_exact")
+        if args.ray:
+            from bench.transfer_ray import RayPath
+
+            ray = RayPath(rig.src_pool)
+            report.progress("Ray started: timing its object store beside shm")
+        per_size, checks = _sweep(rig, memcpy, ray, sizes, args.seconds_per_size, report)
+        fixed_ms, latency_ms, fixed_checks = _fixed_costs(rig, args.quick, report)
     finally:
-        for sender in (tcp, shm, dist):
-            sender.close()
-        receiver.close()
+        memcpy.close()
+        rig.close()
         if ray is not None:
             ray.shutdown()
-
-    report.table(["MiB", "blocks", *(f"{p} GB/s" for p in shown), "bit_exact"], rows)
-    total = sum(p["bytes"] for p in per_size)
-
-    def weighted(path: str) -> float:
-        return total / sum(p["bytes"] / (p[f"{path}_gbps"] * GB) for p in per_size) / GB
-
-    transports = {}
-    for t in TRANSPORTS:
-        g, ceiling = weighted(t), weighted(CEILING[t])
-        transports[t] = {"gbps": round(g, 3), "ceiling": CEILING[t], "ceiling_gbps": round(ceiling, 3),
-                         "ratio": round(g / ceiling, 3)}
+    exact = exact_by_transport(checks + fixed_checks)
+    transports, memcpy_ceiling = _summary(per_size, exact, memcpy.threads, ray is not None)
     if ray is not None:  # a comparison, not a transport of kv_transfer: no fixed cost measured
-        g = weighted("ray")
-        transports["ray_object_store"] = {"gbps": round(g, 3), "ceiling": "memcpy",
-                                          "ceiling_gbps": transports["shm"]["ceiling_gbps"],
-                                          "ratio": round(g / weighted("memcpy"), 3)}
         fixed_ms["ray_object_store"] = None
-    transports["dist"]["setup_ms"] = dist_setup_ms(dist)
-    report.table(["transport", "GB/s", "ceiling", "ceiling GB/s", "ratio", "fixed ms"],
-                 [[t, v["gbps"], v["ceiling"], v["ceiling_gbps"], v["ratio"], fixed_ms[t]] for t, v in transports.items()])
+    transports["dist"]["setup_ms"] = dist_setup_ms(rig.dist)
+    report.table(["transport", "GB/s", "ceiling", "ceiling GB/s", "ratio",
+                  f"ratio {CHAT_SIZED_MIB[0]}-{CHAT_SIZED_MIB[1]} MiB", "fixed ms", "bit_exact"],
+                 [[t, v["gbps"], v["ceiling"], v["ceiling_gbps"], v["ratio"], v["ratio_chat_sized"], fixed_ms[t],
+                   v["bit_exact"]] for t, v in transports.items()])
     if args.plot:
         _plot(per_size, args.plot)
         report.progress(f"plot written to {args.plot}")
@@ -309,7 +187,10 @@ def run(args: argparse.Namespace, report) -> dict:
     return {
         "unit": "gigabytes per second (1e9 bytes/s)",
         "transports": transports,
-        "bit_exact": bit_exact,
+        "bit_exact": all(exact.values()),
+        "bit_exact_by_transport": exact,
+        "memcpy_ceiling": memcpy_ceiling,
+        "chat_sized_mib": [p["mib"] for p in per_size if _chat_sized(p)],
         "fixed_ms": fixed_ms,
         "latency_ms": latency_ms,
         "overlap": streaming.get("overlap"),
@@ -320,11 +201,82 @@ def run(args: argparse.Namespace, report) -> dict:
         "gbps": grpc_t["gbps"],
         "socket_gbps": grpc_t["ceiling_gbps"],
         "ratio": grpc_t["ratio"],
-        "grpc_bytes_gbps": round(weighted("grpc_bytes"), 3),
+        "grpc_bytes_gbps": round(_weighted(per_size, "grpc_bytes"), 3),
         "checksum": args.checksum,
         "per_size": per_size,
         "components": components,
     }
+
+
+def _sweep(rig: Rig, memcpy: MemcpyCeilings, ray, sizes: list[tuple[int, int]], budget_s: float,
+           report) -> tuple[list[dict], list[dict[str, bool]]]:
+    """Per size: every path timed interleaved, then each transport's bit-exactness checked on
+    its own (``Rig.verify``). Returns the per-size rows and the checks."""
+    paths = (*PATHS, "ray") if ray is not None else PATHS
+    per_size, checks, rows = [], [], []
+    for mib, n in sizes:
+        c = rig.case(n)
+        c.update(memcpy.fns(c["payload"]))
+        if ray is not None:
+            c["ray"] = ray.transfer_fn(c)
+        times = dict(zip(paths, _interleaved_times([c[p] for p in paths], budget_s)))
+        ok = rig.verify(c)
+        if ray is not None:
+            ok["ray_object_store"] = ray.verify(c)
+        checks.append(ok)
+        gbps = {p: c["bytes"] / statistics.median(times[p]) / GB for p in paths}
+        gbps["socket"] = max(gbps[f"socket_{mode}"] for mode in RAW_MODES)  # the ceilings at their best
+        gbps["memcpy"] = max(gbps[f"memcpy_{way}"] for way in MEMCPY_WAYS)
+        per_size.append({"mib": mib, "blocks": n, "bytes": c["bytes"], "reps": len(times["grpc"]),
+                         "bit_exact": all(ok.values()), "bit_exact_by_transport": ok,
+                         **{f"{p}_gbps": round(g, 3) for p, g in gbps.items()}})
+        shown = (*SHOWN, "ray") if ray is not None else SHOWN
+        rows.append([c["bytes"] / (1 << 20), n, *(gbps[p] for p in shown), _failed(ok)])
+        report.progress(f"{mib} MiB: " + ", ".join(f"{p} {gbps[p]:.2f}" for p in shown) + " GB/s")
+    report.table(["MiB", "blocks", *(f"{p} GB/s" for p in shown), "bit_exact"], rows)
+    return per_size, checks
+
+
+def _failed(ok: dict[str, bool]) -> str:
+    """A table cell: "yes", or the paths whose check failed."""
+    bad = [t for t, v in ok.items() if not v]
+    return "no: " + ", ".join(bad) if bad else "yes"
+
+
+def _chat_sized(size: dict) -> bool:
+    return CHAT_SIZED_MIB[0] <= size["mib"] <= CHAT_SIZED_MIB[1]
+
+
+def _weighted(per_size: list[dict], path: str) -> float:
+    """``path``'s throughput over ``per_size`` weighted by bytes: all bytes over the sum of the
+    per-size median times (GB/s)."""
+    total = sum(p["bytes"] for p in per_size)
+    return total / sum(p["bytes"] / (p[f"{path}_gbps"] * GB) for p in per_size) / GB
+
+
+def _ratio(per_size: list[dict], path: str, ceiling: str) -> float | None:
+    return round(_weighted(per_size, path) / _weighted(per_size, ceiling), 3) if per_size else None
+
+
+def _summary(per_size: list[dict], exact: dict[str, bool], threads: int, ray: bool) -> tuple[dict, dict]:
+    """Per transport: throughput, ceiling, ratio (all sizes and chat-sized ones), bit_exact;
+    and the memcpy ceiling's ways."""
+    chat = [p for p in per_size if _chat_sized(p)]
+    transports = {}
+    for t in TRANSPORTS:
+        g, ceiling = _weighted(per_size, t), _weighted(per_size, CEILING[t])
+        transports[t] = {"gbps": round(g, 3), "ceiling": CEILING[t], "ceiling_gbps": round(ceiling, 3),
+                         "ratio": round(g / ceiling, 3), "ratio_chat_sized": _ratio(chat, t, CEILING[t]),
+                         "bit_exact": exact[t]}
+    if ray:
+        g, ceiling = _weighted(per_size, "ray"), _weighted(per_size, "memcpy")
+        transports["ray_object_store"] = {"gbps": round(g, 3), "ceiling": "memcpy", "ceiling_gbps": round(ceiling, 3),
+                                          "ratio": round(g / ceiling, 3), "ratio_chat_sized": _ratio(chat, "ray", "memcpy"),
+                                          "bit_exact": exact["ray_object_store"]}
+    ways = {f"{way}_gbps": round(_weighted(per_size, f"memcpy_{way}"), 3) for way in MEMCPY_WAYS}
+    memcpy_ceiling = {**ways, "threads": threads, "best_gbps": transports["shm"]["ceiling_gbps"],
+                      "fastest": max(MEMCPY_WAYS, key=lambda way: ways[f"{way}_gbps"])}
+    return transports, memcpy_ceiling
 
 
 def dist_setup_ms(sender: DistKVSender) -> float | None:
@@ -335,18 +287,19 @@ def dist_setup_ms(sender: DistKVSender) -> float | None:
     return round(1000 * sender.setup_s_total / sender.groups_made, 2)
 
 
-def _fixed_costs(case, exact, quick: bool, report) -> tuple[dict, dict]:
+def _fixed_costs(rig: Rig, quick: bool, report) -> tuple[dict, dict, list[dict[str, bool]]]:
     """Median time of 1, 4 and 16-block transfers per transport, and the intercept of the
-    least-squares line through them (the cost of a transfer before its bytes)."""
+    least-squares line through them (the cost of a transfer before its bytes); and each
+    size's bit-exactness checks (``Rig.verify``)."""
     latency: dict[str, dict[str, float]] = {}
     sizes: list[int] = []
     medians: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
-    ok = True
+    checks = []
     for n in FIXED_BLOCKS:
-        c = case(n)
+        c = rig.case(n)
         times = dict(zip(TRANSPORTS, _interleaved_times([c[t] for t in TRANSPORTS], 0.2 if quick else 2.0,
                                                          min_reps=5 if quick else 20, max_reps=200)))
-        ok = ok and exact(c)
+        checks.append(rig.verify(c))
         sizes.append(c["bytes"])
         latency[str(n)] = {t: round(statistics.median(times[t]) * 1e3, 3) for t in TRANSPORTS}
         for t in TRANSPORTS:
@@ -358,7 +311,7 @@ def _fixed_costs(case, exact, quick: bool, report) -> tuple[dict, dict]:
         slope, intercept = np.polyfit(np.asarray(sizes, dtype=float), np.asarray(medians[t]), 1)
         fixed[t] = round(max(0.0, intercept) * 1e3, 3)
     report.progress("fixed cost per transfer (ms): " + ", ".join(f"{t} {fixed[t]}" for t in TRANSPORTS))
-    return {**fixed, "bit_exact": ok}, latency
+    return fixed, latency, checks
 
 
 def _components(report, mib: int = 64, reps: int = 5) -> dict:

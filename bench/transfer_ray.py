@@ -35,6 +35,9 @@ def start(shape: tuple[int, ...]):
             self.rows[rows] = payload.reshape(len(rows), -1)
             return len(rows)
 
+        def clear(self, rows: np.ndarray) -> None:
+            self.rows[rows] = 0xFF  # not what a randn source holds: a push that writes nothing shows
+
         def digest(self, rows: np.ndarray) -> str:
             return xxhash.xxh3_64(np.ascontiguousarray(self.rows[rows])).hexdigest()
 
@@ -42,6 +45,35 @@ def start(shape: tuple[int, ...]):
     actor = Receiver.remote(tuple(shape), unit)
     ray.get(actor.digest.remote(np.arange(1)))  # started
     return ray, actor
+
+
+class RayPath:
+    """The Ray path over a bench source pool [layers, blocks, 2, block, heads, dim]: the same
+    blocks as a case's transports, layer-major like the wire, into the same rows."""
+
+    def __init__(self, src_pool) -> None:
+        self.ray, self.actor = start(tuple(src_pool.shape))
+        layers, num_blocks = src_pool.shape[:2]
+        self.src_rows = src_pool.numpy().view(np.uint8).reshape(layers * num_blocks, -1)  # [layers * blocks, unit]
+        self.layer_rows = np.arange(layers)[:, None] * num_blocks  # [layers, 1]
+
+    def _rows(self, block_ids: list[int]) -> np.ndarray:
+        return (self.layer_rows + np.asarray(block_ids)).ravel()
+
+    def transfer_fn(self, case: dict):
+        return transfer_fn(self.ray, self.actor, self.src_rows, self._rows(case["src_ids"]),
+                           self._rows(case["dst_ids"]))
+
+    def verify(self, case: dict) -> bool:
+        """Clear the destination rows, run ``case["ray"]`` once, compare the digests."""
+        dst = self._rows(case["dst_ids"])
+        self.ray.get(self.actor.clear.remote(dst))
+        case["ray"]()
+        want = xxhash.xxh3_64(np.ascontiguousarray(self.src_rows[self._rows(case["src_ids"])])).hexdigest()
+        return self.ray.get(self.actor.digest.remote(dst)) == want
+
+    def shutdown(self) -> None:
+        self.ray.shutdown()
 
 
 def transfer_fn(ray, actor, src_rows: np.ndarray, src_idx: np.ndarray, dst_idx: np.ndarray):

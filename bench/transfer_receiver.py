@@ -9,6 +9,10 @@ with the ports, then answers JSON-line commands on stdin, one reply line each:
 
     {"reserve": rid, "first": k, "dest": [...], "hashes": [...]}   -> {"ok": true}
     {"digest": [block ids]}   -> {"xxh3": hex of the destination pool's bytes of those blocks}
+    {"clear": [block ids]}    -> {"ok": true}, those blocks filled with SENTINEL
+
+``clear`` lets the bench check each transport on its own: every transport writes the same
+bytes into the same blocks, so without it a digest would only see the last writer.
 """
 from __future__ import annotations
 
@@ -32,6 +36,9 @@ from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 
 SINK_SERVICE, SINK_METHOD = "pdserve.bench.Sink", "PushBlocks"
 RAW_LEN = struct.Struct("!Q")
+# What ``clear`` writes: NaN, which randn source blocks never hold, so a transport that writes
+# nothing (or only part of a block) cannot match the source's digest.
+SENTINEL = float("nan")
 
 
 RAW_MODES = ("default", "tuned", "warm")
@@ -102,6 +109,9 @@ def main() -> None:
         if "reserve" in cmd:
             reservations[cmd["reserve"]] = Reservation(cmd["first"], tuple(cmd["dest"]), tuple(cmd["hashes"]),
                                                        bytes.fromhex(cmd["token"]))
+            out = {"ok": True}
+        elif "clear" in cmd:
+            pool[:, cmd["clear"]] = SENTINEL
             out = {"ok": True}
         else:
             blocks = pool[:, cmd["digest"]].contiguous()
