@@ -145,9 +145,13 @@ class ChaosCluster:
 
     # ---- the router as its own process
     @contextlib.contextmanager
-    def router_process(self):
+    def router_process(self, **settings):
         """Serve through ``python -m frontend.server`` on the in-process router's ports for the
-        block, then through an in-process router again."""
+        block, then through an in-process router again (with its own settings). ``settings``:
+        RouterConfig fields the process runs with instead, as its flags (the negative control
+        in tests/test_chaos.py: ``max_migrations=0``, a router that moves nothing)."""
+        from dataclasses import replace
+
         from chaos.router_process import RouterProcess
         from frontend.server import serve
 
@@ -155,9 +159,10 @@ class ChaosCluster:
         cfg = old.config
         port = int(old.address.rsplit(":", 1)[1])
         http_port = int(old.http_address.rsplit(":", 1)[1]) if old.http_address else None
+        proc = RouterProcess(replace(cfg, **settings), port, http_port)  # a bad setting raises here, none stopped
         old.stop()
         self.local.router = None
-        self.router_proc = RouterProcess(cfg, port, http_port)
+        self.router_proc = proc
         try:
             self.router_proc.start()
             self.wait_serving()
@@ -166,8 +171,6 @@ class ChaosCluster:
             if self.router_proc is not None:
                 self.router_proc.cleanup()
                 self.router_proc = None
-            from dataclasses import replace
-
             self.local.router = serve(replace(cfg, port=port, http_port=http_port))
             self.wait_serving()
 

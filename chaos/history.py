@@ -12,7 +12,8 @@ Every request must end in exactly one of two ways:
 
     completed   exactly one attempt finished, and it is the last; its tokens are the
                 reference's (fewer: tokens were lost; more: ``duplicated_tokens``; others:
-                ``outputs_identical`` is false)
+                ``outputs_identical`` is false, as it is when no request completed at all:
+                nothing compared is not a pass)
     failed      no attempt finished and the last ended in a typed error once the client's
                 retry budget was spent (or with an error that is not retried): UNAVAILABLE,
                 RESOURCE_EXHAUSTED, or INTERNAL from a failing engine step. Only where the
@@ -82,6 +83,12 @@ class RequestLog:
         return len(self.last.tokens) if self.last is not None else 0
 
 
+def completed_once(log: RequestLog) -> bool:
+    """Exactly one attempt finished, and it is the last (its tokens are the judge's to compare)."""
+    done = [a for a in log.attempts if a.completed]
+    return len(done) == 1 and done[0] is log.last
+
+
 def typed_failure(a: Attempt) -> bool:
     if a.code in TYPED_FAILURES:
         return True
@@ -132,15 +139,17 @@ def judge(log: RequestLog, reference: Sequence | None, failures_allowed: bool) -
 
 def figures(logs: Sequence[RequestLog], reference: Mapping[str, Sequence], failures_allowed: bool = False) -> dict:
     """A scenario's figures: ``requests``, ``completed``, ``failed`` (typed, allowed), ``lost``,
-    ``duplicated_tokens``, ``outputs_identical`` (every completed request), ``retried``
-    (requests the client tried more than once)."""
+    ``duplicated_tokens``, ``outputs_identical`` (every completed request, and at least one
+    completed: a run where nothing completed compared nothing), ``retried`` (requests the
+    client tried more than once)."""
     verdicts = [judge(log, reference.get(log.key), failures_allowed) for log in logs]
+    completed = [v for v in verdicts if v.outcome == "completed"]
     return {"requests": len(logs),
-            "completed": sum(v.outcome == "completed" for v in verdicts),
+            "completed": len(completed),
             "failed": sum(v.outcome == "failed" for v in verdicts),
             "lost": sum(v.outcome == "lost" for v in verdicts),
             "duplicated_tokens": sum(v.duplicated_tokens for v in verdicts),
-            "outputs_identical": all(v.identical for v in verdicts if v.outcome == "completed"),
+            "outputs_identical": bool(completed) and all(v.identical for v in completed),
             "retried": sum(len(log.attempts) > 1 for log in logs)}
 
 
@@ -176,9 +185,18 @@ def first_after(times: Iterable[float], since: float) -> float | None:
 
 
 @dataclass(frozen=True, slots=True)
+class Figure:
+    """Another figure of the same result, as an Expect's value: ``Expect("transfers_refused",
+    "==", Figure("transfers_damaged"))``. A missing or None figure fails the check."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
 class Expect:
-    """One check of a scenario's result: ``result[field] <op> value``. Ops: "==", "<=", ">=",
-    "not_none" (value unused), "none_or_le" (None passes: a figure that needs no bound)."""
+    """One check of a scenario's result: ``result[field] <op> value``, ``value`` a constant or
+    a ``Figure`` of the same result. Ops: "==", "<=", ">=", "not_none" (value unused). A
+    missing field fails every check, and a None figure (either side) every op but "not_none"."""
 
     field: str
     op: str
@@ -186,7 +204,8 @@ class Expect:
 
     @property
     def name(self) -> str:
-        return f"{self.field} {self.op}" + ("" if self.op == "not_none" else f" {self.value}")
+        value = self.value.name if isinstance(self.value, Figure) else self.value
+        return f"{self.field} {self.op}" + ("" if self.op == "not_none" else f" {value}")
 
     def holds(self, result: Mapping) -> bool:
         if self.field not in result:
@@ -194,16 +213,15 @@ class Expect:
         got = result[self.field]
         if self.op == "not_none":
             return got is not None
-        if self.op == "none_or_le":
-            return got is None or got <= self.value
-        if got is None:
+        want = result.get(self.value.name) if isinstance(self.value, Figure) else self.value
+        if got is None or want is None:
             return False
         if self.op == "==":
-            return got == self.value
+            return got == want
         if self.op == "<=":
-            return got <= self.value
+            return got <= want
         if self.op == ">=":
-            return got >= self.value
+            return got >= want
         raise ValueError(f"unknown op {self.op!r}")
 
 

@@ -14,6 +14,13 @@ check (chaos/history.py) then holds every request to: completed exactly once wit
 reference's tokens, or failed with a typed error after its retry budget; ``lost`` and
 ``duplicated_tokens`` must be 0. The schedule is ``plan``'s, from ``--seed``: a run can be
 repeated with the same faults in the same order (their effects depend on timing).
+
+A run passes only if it tested something (``NEMESIS_EXPECTATIONS``): every scheduled fault
+was injected (an injection that raises is recorded in ``injection_failures`` and fails the
+run), every kind of fault was injected at least once (``faults_missing`` empty: a schedule too
+short for every kind fails too), at least ``MIN_COMPLETED_SHARE`` of the requests sent
+completed (typed failures are allowed, a run of refusals is not), and outputs are identical
+(false when nothing completed). ``injected`` counts the faults that went in, by kind.
 """
 from __future__ import annotations
 
@@ -31,12 +38,39 @@ from chaos.workload import Batch, Endpoints, Reference, Sender, make_specs
 FAULTS = ("freeze-decode", "freeze-prefill", "kill-decode", "kill-prefill", "partition", "redis-hang",
           "step-error", "corrupt-kv", "slow-node", "restart-router")
 
+# The least share of the requests sent that must complete: typed failures (a request refused
+# while every decode node is down, an engine step that failed twice) are allowed, but a run in
+# which most requests only failed tested nothing. The 120 s runs complete all of them.
+MIN_COMPLETED_SHARE = 0.5
+
+NEMESIS_EXPECTATIONS = (Expect("nodes_back", "==", True), Expect("injection_failures", "==", {}),
+                        Expect("faults_missing", "==", []),
+                        Expect("completed_share", ">=", MIN_COMPLETED_SHARE))
+
 
 @dataclass(frozen=True, slots=True)
 class FaultEvent:
     at_s: float  # seconds after the start of the run
     fault: str
     hold_s: float
+
+
+def tally(records: Sequence[dict], faults: Sequence[str]) -> dict:
+    """What went in, from ``_one_fault``'s records: ``injected`` (kind -> faults injected),
+    ``injection_failures`` (kind -> injections that raised), ``faults_missing`` (the kinds of
+    ``faults`` never injected, in their order)."""
+    injected: dict[str, int] = {}
+    failures: dict[str, int] = {}
+    for rec in records:
+        into = failures if "error" in rec else injected
+        into[rec["fault"]] = into.get(rec["fault"], 0) + 1
+    return {"injected": injected, "injection_failures": failures,
+            "faults_missing": [f for f in dict.fromkeys(faults) if f not in injected]}
+
+
+def completed_share(figs: dict) -> float | None:
+    """Completed over sent (None: nothing sent, which fails the check)."""
+    return round(figs["completed"] / figs["requests"], 3) if figs.get("requests") else None
 
 
 def plan(rng: random.Random, seconds: float, faults: Sequence[str] = FAULTS, hold_s=(2.0, 8.0),
@@ -98,6 +132,10 @@ def run_nemesis(cluster, seconds: float, opts: Options = Options(), seed: int = 
     schedule = plan(rng, seconds, faults)
     specs = make_specs(16, opts.max_tokens, f"nemesis-{seed}-{rng.getrandbits(32):08x}", http_every=4)
     done: list[dict] = []
+    unplanned = sorted(set(faults) - {ev.fault for ev in schedule})
+    if unplanned:
+        progress(f"nemesis: {seconds:.0f} s leaves no time for {', '.join(unplanned)}: the run will fail "
+                 f"its faults_missing check (a longer run schedules every kind)")
     with cluster.router_process():
         progress(f"nemesis: {len(schedule)} faults over {seconds:.0f} s, {concurrency} clients")
         clients = Clients(Endpoints(cluster.address, cluster.http_address), specs, concurrency, opts)
@@ -113,12 +151,19 @@ def run_nemesis(cluster, seconds: float, opts: Options = Options(), seed: int = 
         logs = clients.logs
         progress(f"nemesis: {len(logs)} requests; reference run of the {len(specs)} specs, no fault")
         reference = Reference.of(Batch(Endpoints(cluster.address, cluster.http_address), specs).join())
-    result = {"nemesis_s": seconds, "seed": seed, "concurrency": concurrency, "faults": done,
-              **figures(logs, reference.tokens, failures_allowed=True), "nodes_back": everyone_back}
-    bad = problems(logs, reference.tokens, failures_allowed=True)
+    return verdict({"nemesis_s": seconds, "seed": seed, "concurrency": concurrency, "scheduled": len(schedule),
+                    "faults": done,
+                    **tally(done, faults), **figures(logs, reference.tokens, failures_allowed=True),
+                    "nodes_back": everyone_back}, problems(logs, reference.tokens, failures_allowed=True))
+
+
+def verdict(result: dict, bad: Sequence[str] = ()) -> dict:
+    """``result`` (tally's and figures' fields, ``nodes_back``) with ``completed_share``,
+    ``problems``, ``checks`` and ``passed``: the nemesis's own checks besides the base ones."""
+    result["completed_share"] = completed_share(result)
     if bad:
-        result["problems"] = bad
-    result["checks"] = checks(result, (Expect("nodes_back", "==", True),), failures_allowed=True)
+        result["problems"] = list(bad)
+    result["checks"] = checks(result, NEMESIS_EXPECTATIONS, failures_allowed=True)
     result["passed"] = all(result["checks"].values())
     return result
 
@@ -128,7 +173,7 @@ def _one_fault(cluster, ev: FaultEvent, rng: random.Random, opts: Options, t0: f
     rec = {"fault": ev.fault, "at_s": round(time.monotonic() - t0, 3), "hold_s": ev.hold_s}
     try:
         inj = INJECTORS[ev.fault](cluster, None, rng, restart_timeout_s=opts.restart_timeout_s)
-    except Exception as e:  # noqa: BLE001 - a fault that could not be injected is reported, not fatal
+    except Exception as e:  # noqa: BLE001 - recorded: the run goes on, its injection_failures check fails
         rec["error"] = f"{type(e).__name__}: {e}"
         progress(f"nemesis: {ev.fault} not injected: {rec['error']}")
         return rec

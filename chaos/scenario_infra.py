@@ -107,7 +107,10 @@ def corrupt_kv(run: Run) -> Outcome:
     tries (shared memory, TCP data stream, gRPC: prefill_node/faults.py): the decode nodes
     refuse each, write nothing, and the prompts are recomputed. Runs before its reference: a
     prompt the decode node has cached needs no transfer to damage. ``damaged_<transport>``:
-    transfers damaged on each, ``transfers_refused``: refusals on the decode nodes."""
+    transfers damaged on each, ``transfers_damaged`` their sum (every transport the senders
+    name), ``transfers_refused``: refusals on the decode nodes (their ``transfer_failures``,
+    the count behind ``pdserve:kv_transfer_failures_total``). Every damaged transfer must be
+    refused: one accepted is a corrupt KV cache, one refused that was not damaged a false alarm."""
     before = _transfer_figures(run.cluster)
     inj = INJECTORS["corrupt-kv"](run.cluster)
     try:
@@ -116,7 +119,7 @@ def corrupt_kv(run: Run) -> Outcome:
         inj.heal()
     after = _transfer_figures(run.cluster)
     delta = {k: v - before.get(k, 0) for k, v in after.items()}
-    extra = {"transfers_refused": delta.pop("refused")}
+    extra = {"transfers_refused": delta.pop("refused"), "transfers_damaged": sum(delta.values())}
     extra.update({f"damaged_{t}": delta.get(t, 0) for t in ("shm", "tcp", "grpc")})
     return Outcome(logs, inj.at, extra, detect_s=None, own_detect=True)
 

@@ -8,6 +8,7 @@ import time
 
 from chaos import faults
 from chaos.context import Outcome, Run, hold
+from chaos.history import completed_once
 from chaos.injectors import INJECTORS, busiest
 
 
@@ -112,13 +113,16 @@ def step_error(run: Run) -> Outcome:
 
 
 def all_decode_down(run: Run) -> Outcome:
-    """Every decode actor dies while the first half of the streams runs (Ray restarts them);
-    the second half is sent while they are down. A client's attempt that fails does so within
-    seconds (``unavailable_s``, the longest one took) and is retried; a probe sent with no
-    retry once the router reports no decode node (health NOT_SERVING, ``detect_s``) is refused
-    with UNAVAILABLE at once (``probe_unavailable_s``), not held until a node is back."""
-    import pdserve
-
+    """Every decode actor dies while the first half of the streams runs (Ray restarts them).
+    Once the router reports no decode node (health NOT_SERVING, ``detect_s``), a probe with no
+    retry must be refused with UNAVAILABLE at once (``probe_unavailable_s``), not held until a
+    node is back, and the second half is sent: refused too, each attempt within seconds
+    (``unavailable_s``, the longest any client attempt took to fail; the SDK's own retries of a
+    refused call included), and retried by its client. Sent any earlier, while the router
+    still saw the nodes, they would be placed and held for a node like the running streams,
+    and nothing would be refused to time. Once every decode node is back (``restart_s``), the
+    first half is sent once more: each of those requests must complete
+    (``sent_after_restart``, ``completed_after_restart``)."""
     cl = run.cluster
     first, second = run.halves()
     running = run.batch(first)
@@ -129,11 +133,38 @@ def all_decode_down(run: Run) -> Outcome:
     for nid in victims:
         faults.kill_actor(cl.actors[nid])
     run.progress(f"killed every decode node: {', '.join(victims)}")
+    gone_s, probe = _probe_when_down(cl, fault_at)
     waiting = run.batch(second)
+    probe_s = probe["s"] if probe.get("outcome") == "UNAVAILABLE" else None
+    logs = running.join() + waiting.join()
+    from chaos.injectors import _new_life
+
+    restart_s = max((_new_life(cl, nid, pids[nid], fault_at, run.opts.restart_timeout_s) or float("inf"))
+                    for nid in victims)
+    restart_s = None if restart_s == float("inf") else restart_s
+    failed = [(a.ended - max(a.started, fault_at)) for log in logs for a in log.attempts
+              if a.code == "UNAVAILABLE" and a.ended is not None and a.ended >= fault_at]
+    seen = [a.ended - fault_at for log in logs for a in log.attempts
+            if a.code is not None and a.ended is not None and a.ended >= fault_at]
+    later = []
+    if restart_s is not None:  # sent again: the same keys, judged against the same references
+        run.progress(f"every decode node is back: {len(first)} requests again")
+        later = run.batch(first).join()
+    return Outcome(logs + later, fault_at, {
+        "killed": victims, "restart_s": restart_s,
+        "unavailable_s": round(max(failed), 3) if failed else None, "probe_unavailable_s": probe_s, "probe": probe,
+        "client_errors": len(seen), "first_client_error_s": round(min(seen), 3) if seen else None,
+        "sent_after_restart": len(later), "completed_after_restart": sum(map(completed_once, later))},
+        detect_s=gone_s, own_detect=True)
+
+
+def _probe_when_down(cl, fault_at: float) -> tuple[float | None, dict]:
+    """Once the router says it has no decode node (health NOT_SERVING: seconds from the fault,
+    None if not within 30 s), one request with no retry: from then on it must be refused at
+    once, not held until a node comes back. -> (that time, the probe's outcome and seconds)."""
+    import pdserve
     from chaos.cluster import wait_for
 
-    # The probe goes once the router says it has no decode node (health NOT_SERVING): from then
-    # on a request must be refused at once, not held until a node comes back.
     with pdserve.Client(cl.address, timeout=5, retries=0) as c:
         gone_s = wait_for(lambda: not _serving(c), fault_at, 30.0, every_s=0.05)
     probe = {"after_s": gone_s}
@@ -146,21 +177,7 @@ def all_decode_down(run: Run) -> Outcome:
             except pdserve.PdServeError as e:
                 probe["outcome"] = e.code.name
         probe["s"] = round(time.monotonic() - t0, 3)
-    probe_s = probe["s"] if probe.get("outcome") == "UNAVAILABLE" else None
-    logs = running.join() + waiting.join()
-    from chaos.injectors import _new_life
-
-    restart_s = max((_new_life(cl, nid, pids[nid], fault_at, run.opts.restart_timeout_s) or float("inf"))
-                    for nid in victims)
-    failed = [(a.ended - max(a.started, fault_at)) for log in logs for a in log.attempts
-              if a.code == "UNAVAILABLE" and a.ended is not None and a.ended >= fault_at]
-    seen = [a.ended - fault_at for log in logs for a in log.attempts
-            if a.code is not None and a.ended is not None and a.ended >= fault_at]
-    return Outcome(logs, fault_at, {
-        "killed": victims, "restart_s": None if restart_s == float("inf") else restart_s,
-        "unavailable_s": round(max(failed), 3) if failed else None, "probe_unavailable_s": probe_s, "probe": probe,
-        "client_errors": len(seen), "first_client_error_s": round(min(seen), 3) if seen else None},
-        detect_s=gone_s, own_detect=True)
+    return gone_s, probe
 
 
 def _serving(client) -> bool:

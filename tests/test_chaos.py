@@ -3,7 +3,7 @@ code, the nemesis schedule, the router process's flags, the silent proxy and the
 real loopback sockets and processes; then scenarios on the embedded cluster (real Redis, real
 Ray actors frozen with SIGSTOP, a real router process SIGKILLed, real gRPC and HTTP) with a tiny
 random-weight model that carries SmolLM2's tokenizer: nothing lost, nothing duplicated, outputs
-equal the fault-free run."""
+equal the fault-free run; and the negative control, a router that moves nothing, must fail."""
 from __future__ import annotations
 
 import io
@@ -110,7 +110,7 @@ def test_checks_and_the_exit_code_see_every_figure():
     assert exit_code([{"checks": checks(ok, expect)}]) == 0
     assert exit_code([]) == 1 and exit_code([{"scenario": "x"}]) == 1  # no result, no checks: not a pass
     assert not Expect("missing", "==", 0).holds(ok)
-    assert Expect("unavailable_s", "none_or_le", 5).holds({"unavailable_s": None})
+    assert not Expect("unavailable_s", "<=", 5).holds({"unavailable_s": None})  # absent is not within a bound
     assert checks({**ok, "completed": 1}, (), failures_allowed=True)["lost == 0"]  # failures allowed: no completed check
     rows = summary([{"scenario": "s", **ok, "checks": {"lost == 0": False}, "passed": False}])
     assert rows["passed"] is False and rows["scenarios"][0]["failed_checks"] == ["lost == 0"]
@@ -321,3 +321,28 @@ def test_restart_router(cluster):
     result = run_scenario(cluster, "restart-router", Options(**SUITE))
     check(result, "restart-router")
     assert result["requests"] == result["completed"]  # the cut ones too, by the client's retry
+
+
+def test_all_decode_down(cluster):
+    cluster.settle()  # the router process of restart-router is gone, every node registered again
+    result = run_scenario(cluster, "all-decode-down", Options(**SUITE))
+    check(result, "all-decode-down")
+    assert result["unavailable_s"] is not None and result["sent_after_restart"] >= 1, result
+
+
+def test_a_router_that_moves_nothing_fails_the_checks(cluster):
+    """The negative control: freeze-decode against a router started with ``--max-migrations 0``
+    (a production setting: nothing moves off a failed node) and clients that do not retry must
+    come out failed, the frozen node's streams lost and nothing detected; if it passed, the
+    checks above would be blind. (With the clients' retries on, the retries complete the cut
+    streams and only ``detect_s`` fails.)"""
+    from chaos.workload import RetryBudget
+
+    cluster.settle()  # nothing left out of placement after the restarts above
+    with cluster.router_process(max_migrations=0):
+        result = run_scenario(cluster, "freeze-decode", Options(**SUITE, budget=RetryBudget(attempts=1)))
+    print(json.dumps(result))
+    failed = {k for k, v in result["checks"].items() if not v}
+    assert result["passed"] is False
+    assert {"lost == 0", "completed == requests", "detect_s <= 15.0"} <= failed, result
+    assert result["lost"] >= 1 and result["migrations"]["gave_up"] >= 1 and result["detect_s"] is None, result
