@@ -1,7 +1,8 @@
 """`pdserve bench load --http --overload N`: the router's HTTP front under N times the
-concurrency it admits, every request a body of the largest size it accepts.
+concurrency it admits, every request a body of the largest size it accepts, against the same
+router at 1x first.
 
-    pdserve bench load --http --overload 10 --json          # 60 s (the default --seconds)
+    pdserve bench load --http --overload 10 --json          # 2 x 60 s (the default --seconds)
     pdserve bench load --http --overload 2 --seconds 5      # smoke run
 
 The cluster is `pdserve up`'s parts on loopback (Redis, a local Ray, ``--prefill-nodes`` and
@@ -9,36 +10,43 @@ The cluster is `pdserve up`'s parts on loopback (Redis, a local Ray, ``--prefill
 vocabulary and tokenizer), and the router under
 test is a `python -m frontend.server` process of its own, as in the chart's router pod, so its
 RSS is the router's alone. Its context is SmolLM2's (8192 tokens), so its body limit is the
-default builtin model's (frontend/http_budget.py). The load is another process: ``--overload``
-times the router's admitted HTTP requests (``rpc_limit``: 2 * max_inflight + 64) as
-closed-loop clients, each sending POST /v1/completions with a body of exactly the body limit
-(a short prompt, 4 output tokens, and a long ``user`` string that the router parses and keeps
-as it would a prompt) and every ``--too-large-every``-th one byte over it. A 429 waits its
-``retry-after-ms``, as the official client does; everything else sends again at once.
+default builtin model's (frontend/http_budget.py). The load is another process
+(bench/load_http_client.py): closed-loop clients, each sending POST /v1/completions with a body
+of exactly the body limit (a short prompt, 4 output tokens with ``ignore_eos``, and a long
+``user`` string that the router parses and keeps as it would a prompt) and every
+``--too-large-every``-th one byte over it. It runs twice for ``--seconds`` each: first as many
+clients as the router admits at once (``rpc_limit``: 2 * max_inflight + 64), the reference,
+then ``--overload`` times that. Every 200's body is checked (bench/load_check.py).
 
-    answered / done / rejected_429 / too_large_413   responses, by status
+    answered / done / bad_200 / rejected_429 / too_large_413
+                            responses, by status; done: 200s carrying the completion asked
+                            for, bad_200: 200s that did not (target 0)
     errors                  any other status, a connection cut without an answer, no answer
                             in --request-timeout: each one a request lost (target 0)
+    done_per_s, done_per_s_at_1x, done_ratio_vs_1x
+                            good 200s answered within the window, per second, at --overload
+                            and at 1x; their ratio (target >= load_check.DONE_RATIO_MIN)
+    at_1x                   the reference level's figures
     router_rss_idle_mb      the router's RSS before the load
-    router_rss_peak_mb      its highest RSS sampled (every 0.1 s) during the load
+    router_rss_peak_mb      its highest RSS sampled (every 0.1 s) over both levels
     router_rss_bound_mb     the stated bound (--rss-bound-mb, default 1024: the chart's
                             router memory limit); within_bound says whether the peak kept it
     router_cpu_s, load_cpu_s
-                            CPU seconds the router and the load process used over the run
+                            CPU seconds the router and the load process used over the level
                             (they share the machine: a starved load process is a slow client)
-    router_refusals         the router's requests_rejected_total by reason: the front door's
-                            (http_overloaded, body_budget, body_too_large, body_timeout) and
-                            the orchestrator's (overloaded: max_inflight, or a node refused)
+    router_refusals         the router's requests_rejected_total by reason over the level:
+                            the front door's (http_overloaded, body_budget, body_too_large,
+                            body_timeout) and the orchestrator's (overloaded: max_inflight, or
+                            a node refused)
+    checks, passed          the verdict (bench/load_check.py): passed only if every check holds
 
 Only loopback addresses are used; nothing leaves the machine.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import random
 import resource
 import socket
 import subprocess
@@ -50,8 +58,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from bench.load_check import MAX_TOKENS, level_figures, verdict
+from bench.load_http_client import run_load
+
 MAX_MODEL_LEN = 8192  # SmolLM2-135M's, the builtin model: its body limit is the one under test
-WRITE_CHUNK = 256 * 1024
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,138 +83,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-# -- the client process -------------------------------------------------------------------------
-def request_body(size: int) -> bytes:
-    """A valid completions request of exactly ``size`` bytes."""
-    base = {"model": "", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0,
-            "ignore_eos": True, "user": ""}
-    body = json.dumps(base).encode()
-    if len(body) > size:
-        raise ValueError(f"a body of {size} bytes cannot hold the request ({len(body)} bytes)")
-    return body.replace(b'"user": ""', b'"user": "' + b"u" * (size - len(body)) + b'"')
-
-
-class _Exchange(asyncio.Protocol):
-    """One request on its own connection: the response is kept whatever happens to the socket
-    afterwards (a server that answers before reading the body may reset the connection)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.buf = bytearray()
-        self.done = loop.create_future()
-        self.writable = asyncio.Event()
-        self.writable.set()
-        self.transport = None
-        self.status: int | None = None
-        self.headers: dict[str, str] = {}
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        end = self.buf.find(b"\r\n\r\n")
-        if end < 0 or self.done.done():
-            return
-        lines = bytes(self.buf[:end]).decode("latin-1").split("\r\n")
-        headers = dict(line.lower().split(": ", 1) for line in lines[1:] if ": " in line)
-        if len(self.buf) - end - 4 >= int(headers.get("content-length", "0")):
-            self.status, self.headers = int(lines[0].split(" ", 2)[1]), headers
-            self.done.set_result(True)
-
-    def connection_lost(self, exc) -> None:
-        self.writable.set()
-        if not self.done.done():
-            self.done.set_result(False)
-
-    def pause_writing(self) -> None:
-        self.writable.clear()
-
-    def resume_writing(self) -> None:
-        self.writable.set()
-
-
-class ClientStats:
-    def __init__(self) -> None:
-        self.status: dict[int, int] = {}
-        self.lost = 0
-        self.samples: list[str] = []
-
-    def error(self, what: str) -> None:
-        self.lost += 1
-        if len(self.samples) < 5:
-            self.samples.append(what[:300])
-
-
-async def _one(host: str, port: int, head: bytes, body: memoryview, timeout: float, stats: ClientStats):
-    """One request; returns its response headers, or None when it got no answer."""
-    loop = asyncio.get_running_loop()
-    try:
-        _, ex = await asyncio.wait_for(loop.create_connection(lambda: _Exchange(loop), host, port), timeout)
-    except (OSError, asyncio.TimeoutError) as e:
-        stats.error(f"connect: {type(e).__name__}: {e}")
-        return None
-    try:
-        ex.transport.write(head)
-        for off in range(0, len(body), WRITE_CHUNK):
-            await ex.writable.wait()
-            if ex.done.done() or ex.transport.is_closing():
-                break  # answered (or cut off) before the body was all sent: the server refused it
-            ex.transport.write(body[off:off + WRITE_CHUNK])
-        await asyncio.wait_for(asyncio.shield(ex.done), timeout)
-    except asyncio.TimeoutError:
-        stats.error(f"no answer in {timeout:g} s")
-        return None
-    finally:
-        if not ex.transport.is_closing():
-            ex.transport.abort()  # what is left of the body is not sent: close() would send it first
-    if ex.status is None:
-        stats.error(f"the connection closed without an answer ({len(ex.buf)} bytes came)")
-        return None
-    stats.status[ex.status] = stats.status.get(ex.status, 0) + 1
-    if ex.status not in (200, 413, 429) and len(stats.samples) < 5:
-        stats.samples.append(f"HTTP {ex.status}: {bytes(ex.buf[-300:])!r}")
-    return ex
-
-
-async def _client(host: str, port: int, body_bytes: int, too_large_every: int, stop_at: float, timeout: float,
-                  seed: int, stats: ClientStats, counter: list[int]) -> None:
-    body = memoryview(request_body(body_bytes) + b" ")  # one byte more: the over-limit body (413)
-    rng = random.Random(seed)
-    await asyncio.sleep(rng.random())  # the clients start spread over a second, not in one burst
-    while time.monotonic() < stop_at:
-        counter[0] += 1
-        size = body_bytes + 1 if too_large_every and counter[0] % too_large_every == 0 else body_bytes
-        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {size}\r\nConnection: close\r\n\r\n").encode()
-        ex = await _one(host, port, head, body[:size], timeout, stats)
-        if ex is not None and ex.status == 429:
-            wait_ms = int(ex.headers.get("retry-after-ms", "1000"))
-            await asyncio.sleep(min(wait_ms / 1000 * (0.5 + rng.random()), max(0.0, stop_at - time.monotonic())))
-
-
-async def _client_main(a: argparse.Namespace) -> dict:
-    host, port = a.url.rsplit(":", 1)
-    stats, counter = ClientStats(), [0]
-    stop_at = time.monotonic() + a.seconds
-    await asyncio.gather(*(_client(host, int(port), a.body_bytes, a.too_large_every, stop_at, a.request_timeout,
-                                   a.seed + i, stats, counter) for i in range(a.clients)))
-    return {"requests": counter[0], "status": stats.status, "lost": stats.lost, "samples": stats.samples}
-
-
-def client_main(argv: list[str] | None = None) -> int:
-    """``python -m bench.load_http``: the load, in a process of its own; one JSON line."""
-    p = argparse.ArgumentParser()
-    p.add_argument("--url", required=True)
-    p.add_argument("--clients", type=int, required=True)
-    p.add_argument("--seconds", type=float, required=True)
-    p.add_argument("--body-bytes", type=int, required=True)
-    p.add_argument("--too-large-every", type=int, default=10)
-    p.add_argument("--request-timeout", type=float, default=120.0)
-    p.add_argument("--seed", type=int, default=0)
-    print(json.dumps(asyncio.run(_client_main(p.parse_args(argv)))), flush=True)
-    return 0
 
 
 # -- the router process and the run ---------------------------------------------------------------
@@ -256,6 +134,17 @@ class RouterProcess:
             return int(message.split("at most ", 1)[1].split(" ", 1)[0])
         raise RuntimeError("a body of 1 TiB was not refused")
 
+    def warm_up(self) -> None:
+        """One small completion before the reference level, so that it does not pay the first
+        request's costs alone (whatever it answers: the levels count and check the answers)."""
+        body = json.dumps({"prompt": "Hello", "max_tokens": MAX_TOKENS, "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"http://{self.http}/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=60).read()
+        except OSError:
+            pass
+
     def refusals(self) -> dict[str, int]:
         """The router's own count of refusals, by reason (pdserve:requests_rejected_total)."""
         with urllib.request.urlopen(f"http://{self.http}/metrics", timeout=10) as r:
@@ -293,6 +182,50 @@ def _sample_rss(pid: int, stop: threading.Event, out: list[float]) -> None:
         stop.wait(0.1)
 
 
+
+
+def _level(args, router: RouterProcess, overload: float, admitted: int, body_bytes: int) -> tuple[dict, dict]:
+    """``overload`` x ``admitted`` clients for ``args.seconds``: the level's figures (with the
+    router's and the load's CPU and the router's refusals over it) and the load's JSON line."""
+    import psutil
+
+    clients = max(1, round(overload * admitted))
+    proc = psutil.Process(router.proc.pid)
+    refusals0, cpu0 = router.refusals(), _cpu_s(proc)
+    children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = run_load(router.http, clients, args.seconds, body_bytes, args.too_large_every, args.request_timeout,
+                   args.seed)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    refusals = router.refusals()
+    figures = level_figures(out, clients, args.seconds)
+    figures["router_cpu_s"] = round(_cpu_s(proc) - cpu0, 1)
+    figures["load_cpu_s"] = round(children.ru_utime + children.ru_stime - children0.ru_utime - children0.ru_stime, 1)
+    figures["router_refusals"] = {k: v - refusals0.get(k, 0) for k, v in refusals.items() if v > refusals0.get(k, 0)}
+    return figures, out
+
+
+def _measure(args, router: RouterProcess, admitted: int, body_bytes: int, report) -> tuple[list, list[float]]:
+    """The reference level (1x), then --overload, the router's RSS sampled over both."""
+    rss: list[float] = []
+    stop = threading.Event()
+    sampler = threading.Thread(target=_sample_rss, args=(router.proc.pid, stop, rss), daemon=True)
+    sampler.start()
+    levels = []
+    try:
+        for overload in (1.0, args.overload):
+            report.progress(f"{max(1, round(overload * admitted))} clients ({overload:g}x) for {args.seconds:g} s")
+            levels.append(_level(args, router, overload, admitted, body_bytes))
+            report.progress(f"{overload:g}x: {levels[-1][0]['done_per_s']} done/s")
+    finally:
+        stop.set()
+        sampler.join()
+    return levels, rss
+
+
+def _samples(levels: list, key: str) -> list[str]:
+    return [f"{name}: {s}" for name, (_, out) in zip(("1x", "overload"), levels) for s in out[key]]
+
+
 def run(args: argparse.Namespace, report) -> dict:
     import psutil
 
@@ -301,7 +234,6 @@ def run(args: argparse.Namespace, report) -> dict:
     from engine.config import CacheConfig, EngineConfig
 
     admitted = 2 * args.max_inflight + 64  # RouterConfig.rpc_limit
-    clients = max(1, round(args.overload * admitted))
     with tempfile.TemporaryDirectory(prefix="pdserve-load-http-") as tmp:
         report.progress("building the tiny model")
         model = tiny_model_with_tokenizer(Path(tmp), max_position_embeddings=MAX_MODEL_LEN)
@@ -314,57 +246,29 @@ def run(args: argparse.Namespace, report) -> dict:
             router = RouterProcess(cluster, cluster.model_dir or model, args.max_inflight)
             router.wait_ready()
             body_bytes = router.body_limit()
+            router.warm_up()
             rss_idle = psutil.Process(router.proc.pid).memory_info().rss / 2**20
             report.progress(f"router pid {router.proc.pid} on {router.http}: admits {admitted} requests, body limit "
-                            f"{body_bytes} bytes, RSS {rss_idle:.0f} MB idle; {clients} clients for "
-                            f"{args.seconds:g} s")
-            rss: list[float] = []
-            cpu0 = _cpu_s(psutil.Process(router.proc.pid))
-            children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-            stop = threading.Event()
-            sampler = threading.Thread(target=_sample_rss, args=(router.proc.pid, stop, rss), daemon=True)
-            sampler.start()
-            try:
-                load = subprocess.run(
-                    [sys.executable, "-m", "bench.load_http", "--url", router.http, "--clients", str(clients),
-                     "--seconds", str(args.seconds), "--body-bytes", str(body_bytes), "--too-large-every",
-                     str(args.too_large_every), "--request-timeout", str(args.request_timeout),
-                     "--seed", str(args.seed)],
-                    capture_output=True, text=True, timeout=args.seconds + 2 * args.request_timeout + 120)
-            finally:
-                stop.set()
-                sampler.join()
-            if load.returncode != 0:
-                raise RuntimeError(f"the load process failed: {load.stderr[-2000:]}")
-            out = json.loads(load.stdout.strip().splitlines()[-1])
+                            f"{body_bytes} bytes, RSS {rss_idle:.0f} MB idle")
+            levels, rss = _measure(args, router, admitted, body_bytes, report)
             rss_end = psutil.Process(router.proc.pid).memory_info().rss / 2**20
-            router_cpu = _cpu_s(psutil.Process(router.proc.pid)) - cpu0
-            children = resource.getrusage(resource.RUSAGE_CHILDREN)
-            load_cpu = children.ru_utime + children.ru_stime - children0.ru_utime - children0.ru_stime
-            refusals = router.refusals()
         finally:
             if router is not None:
                 router.stop()
             cluster.stop()
-    status = {int(k): v for k, v in out["status"].items()}
-    done, r429, r413 = status.get(200, 0), status.get(429, 0), status.get(413, 0)
-    peak = max(rss) if rss else rss_idle
+    (at_1x, _), (over, _) = levels
+    peak = max(rss + [rss_idle])
     result = {
-        "mode": "http", "admitted": admitted, "clients": clients, "overload": args.overload, "seconds": args.seconds,
-        "body_bytes": body_bytes, "requests": out["requests"], "answered": sum(status.values()), "done": done,
-        "rejected_429": r429, "too_large_413": r413,
-        "errors": out["lost"] + sum(v for k, v in status.items() if k not in (200, 413, 429)),
-        "status": {str(k): v for k, v in sorted(status.items())}, "router_refusals": refusals,
-        "router_rss_idle_mb": round(rss_idle, 1), "router_rss_peak_mb": round(peak, 1),
-        "router_rss_end_mb": round(rss_end, 1), "router_rss_bound_mb": args.rss_bound_mb,
-        "within_bound": peak < args.rss_bound_mb,
-        "router_cpu_s": round(router_cpu, 1), "load_cpu_s": round(load_cpu, 1),
+        "mode": "http", "admitted": admitted, "overload": args.overload, "seconds": args.seconds,
+        "body_bytes": body_bytes, **over, "router_rss_idle_mb": round(rss_idle, 1),
+        "router_rss_peak_mb": round(peak, 1), "router_rss_end_mb": round(rss_end, 1),
+        "router_rss_bound_mb": args.rss_bound_mb, "within_bound": peak < args.rss_bound_mb,
     }
+    result.update(verdict(at_1x, over, result["within_bound"]), at_1x=at_1x)
     report.table(["figure", "value"], [[k, v] for k, v in result.items()])
-    if out["samples"]:
-        report.progress("errors, first ones: " + " | ".join(out["samples"]))
-    return {**result, "error_samples": out["samples"]}
-
-
-if __name__ == "__main__":
-    raise SystemExit(client_main())
+    errors, bad = _samples(levels, "samples"), _samples(levels, "bad_samples")
+    if errors or bad:
+        report.progress("first errors and bad 200s: " + " | ".join(errors + bad))
+    if not result["passed"]:
+        report.progress("FAILED: " + ", ".join(k for k, ok in result["checks"].items() if not ok))
+    return {**result, "error_samples": errors, "bad_200_samples": bad}

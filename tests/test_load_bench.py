@@ -21,13 +21,21 @@ def test_load_bench_smoke_reports_every_figure_and_leaks_nothing():
 
 
 def test_load_bench_http_smoke_answers_every_request_within_the_bound():
-    """`--http`: a router process of its own at twice its admitted requests, maximum-size
-    bodies, for a few seconds: every request answered, none lost, the RSS figures there."""
+    """`--http`: a router process of its own, at 1x then twice its admitted requests,
+    maximum-size bodies, a few seconds each: every request answered, none lost, every 200 the
+    completion asked for, the 2x level serving about as fast as the 1x one, the RSS figures
+    there."""
     out = run_bench("load", "--http", "--overload", "2", "--max-inflight", "1", "--seconds", "3",
                     "--request-timeout", "60", "--prefill-nodes", "0")
-    assert out["admitted"] == 66 and out["clients"] == 132
-    assert out["errors"] == 0, out["error_samples"]
-    assert out["answered"] == out["requests"] == out["done"] + out["rejected_429"] + out["too_large_413"]
-    assert out["too_large_413"] > 0 and out["router_refusals"]["body_too_large"] >= out["too_large_413"]
+    assert out["admitted"] == 66 and out["clients"] == 132 and out["at_1x"]["clients"] == 66
+    assert out["errors"] == out["at_1x"]["errors"] == 0, out["error_samples"]
+    assert out["bad_200"] == out["at_1x"]["bad_200"] == 0, out["bad_200_samples"]
+    for level in (out, out["at_1x"]):
+        assert level["answered"] == level["requests"] == (level["done"] + level["bad_200"] + level["rejected_429"]
+                                                          + level["too_large_413"])
+        assert level["done"] > 0 and level["done_per_s"] > 0
+    assert out["too_large_413"] > 0 and out["router_refusals"]["body_too_large"] == out["too_large_413"]
     assert out["body_bytes"] == 1_261_568  # SmolLM2's context: 8192 tokens
     assert out["router_rss_idle_mb"] > 0 and out["within_bound"]
+    assert out["done_ratio_vs_1x"] == round(out["done_per_s"] / out["done_per_s_at_1x"], 3)
+    assert out["passed"], out["checks"]
