@@ -1,8 +1,9 @@
 """Constrained decoding through the engine: a tiny random model with SmolLM2's vocabulary and
 its real tokenizer, llguidance masks. Every output parses and validates with ``jsonschema``;
 greedy outputs are identical with speculation on and off (n-gram and draft proposers), across
-a prefill -> decode hand-off and after a resume (migration); n > 1 samples each keep their own
-grammar; the prefix cache is keyed by tokens only; refused constraints name what is refused.
+a prefill -> decode hand-off and after a resume (migration), and with the masks filled serially,
+in parallel or overlapped with the forward; n > 1 samples each keep their own grammar; the
+prefix cache is keyed by tokens only; refused constraints name what is refused.
 
 A random model never closes a free string, so every schema here bounds its strings (enum,
 pattern, maxLength) and uses additionalProperties false: the grammar, not the model, ends the
@@ -17,12 +18,16 @@ from dataclasses import replace
 
 import jsonschema
 import pytest
+import torch
 
 from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.models.tiny import save_tiny_model
+from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
 from engine.speculative.proposers import build_proposer
+from engine.structured.decoding import FillMode
 from tokens.sampling_params import SamplingParams, StructuredOutput
 
 SCHEMAS = [
@@ -152,6 +157,52 @@ def test_greedy_identical_with_speculation(models, prompt, reference, method):
         assert_valid(sampled, SCHEMAS)
         assert eng.stats()["speculative"]["drafts"] > 0
     assert eng.kv.num_free_blocks == eng.num_blocks and not eng.structured.active
+
+
+@pytest.mark.parametrize("method", [None, "ngram"])
+def test_outputs_identical_with_parallel_fill_on_and_off(models, prompt, reference, method):
+    """Greedy and seeded sampled outputs, with their logprobs, are the same whichever way the
+    masks are filled; with n-gram drafts the waves walk drafts of several sequences at once.
+    One fresh engine per mode: a second run on the same engine would hit the prefix cache."""
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=4, adaptive=False) if method else SpeculativeConfig()
+    params = [json_params(s, logprobs=2) for s in SCHEMAS] + [
+        json_params(s, temperature=1.0, seed=i, logprobs=2) for i, s in enumerate(SCHEMAS)]
+    runs = {}
+    for mode in FillMode:
+        eng = make_engine(models, spec)
+        eng.structured.fill = mode
+        outs = eng.generate([prompt] * len(params), params)
+        runs[mode] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        assert not eng.structured.active
+        if method:
+            assert eng.stats()["speculative"]["drafts"] > 0
+    assert runs[FillMode.SERIAL] == runs[FillMode.PARALLEL] == runs[FillMode.OVERLAP]
+
+
+def test_an_overlapped_fill_is_waited_for_before_the_matchers_move(engine, prompt):
+    """A step whose forward never applied its masks (it failed) leaves a fill running: the next
+    use of the matchers waits for it; its rows are the serial fill's. (One row is filled at
+    once; three go to the fill's thread.)"""
+    sd = engine.structured
+    so = StructuredOutput("json_schema", json.dumps(SCHEMAS[2]))
+    items = []
+    for i in range(3):
+        seq = Sequence(f"overlap{i}", 0, list(prompt), len(prompt), json_params(SCHEMAS[2]), 0.0)
+        sd.add(seq.seq_id, so, [])
+        items.append(ScheduledSeq(seq, 0, len(prompt), sample=True))
+    try:
+        sd.fill = FillMode.SERIAL
+        want = sd.prepare(items).rows.clone()
+        sd.fill = FillMode.OVERLAP
+        masks = sd.prepare(items)
+        assert masks.pending is not None
+        first = engine.encode('{"code"', chat=False)[0]
+        assert sd.advance(items[0].seq.seq_id, [first]) is None  # waited, then advanced
+        masks.wait()
+        assert torch.equal(masks.rows, want)
+    finally:
+        sd.fill = FillMode.OVERLAP
+        sd.forget(*(it.seq.seq_id for it in items))
 
 
 def test_resumed_request_continues_identically(engine, prompt, reference):

@@ -13,11 +13,19 @@ is, and the prefix cache and KV index never see it. The tokens it is advanced ov
     advance          the tokens the step emitted (sampled, or accepted drafts + the next)
 
 A grammar with nothing left to match but EOS ends its sequence (STOP): ``advance`` says so.
+
+The step's masks are the serial part of constrained decoding; by default (``FillMode.OVERLAP``)
+they are filled for the whole batch at once on llguidance's native pool while the forward
+runs, and waited for where the logits are masked (a GPU step of a few ms would otherwise wait
+for a fill that grows with the batch). Drafts are walked before the forward: a cut changes
+what it computes.
 """
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import torch
@@ -39,18 +47,34 @@ def _allowed(rows: torch.Tensor, r: int, token: int) -> bool:
     return bool((int(rows[r, token // 32]) >> (token % 32)) & 1)
 
 
+class FillMode(enum.Enum):
+    """How a step's masks are filled; every mode fills exactly the same masks."""
+
+    SERIAL = "serial"  # one matcher after another, on the engine thread, before the forward
+    PARALLEL = "parallel"  # the batch at once on llguidance's native pool (off the GIL), before the forward
+    OVERLAP = "overlap"  # PARALLEL, started before the forward and waited for where the logits are masked
+    # (a step with one row to fill fills it at once: the thread hand-off costs about a mask)
+
+
 class StructuredDecoding:
-    def __init__(self, compiler: LazyCompiler, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, compiler: LazyCompiler, vocab_size: int, eos_token_ids: Sequence[int],
+                 fill: FillMode = FillMode.OVERLAP, fill_threads: int | None = None) -> None:
         self.compiler = compiler
         self.words = bitmask_words(vocab_size)
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.fill = fill  # may change between steps (the bench and the tests compare the modes)
+        self.fill_threads = fill_threads  # llguidance's pool; None: its default (80% of the CPUs, up to 32)
         self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self._executor: llguidance.LLExecutor | None = None  # built on the first parallel fill
+        self._thread: ThreadPoolExecutor | None = None  # the overlapped fill's thread, built on first use
+        self._pending: Future | None = None  # an overlapped fill not yet waited for
 
     @classmethod
-    def for_engine(cls, hf_tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> StructuredDecoding:
+    def for_engine(cls, hf_tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
+                   fill: FillMode = FillMode.OVERLAP) -> StructuredDecoding:
         """An engine's: masks as wide as its logits; its compiler built on the first
         constraint (an engine without a tokenizer refuses constraints then)."""
-        return cls(LazyCompiler(hf_tokenizer, vocab_size, eos_token_ids), vocab_size, eos_token_ids)
+        return cls(LazyCompiler(hf_tokenizer, vocab_size, eos_token_ids), vocab_size, eos_token_ids, fill)
 
     @property
     def active(self) -> bool:
@@ -87,12 +111,14 @@ class StructuredDecoding:
 
     def ended(self, seq_id: str) -> bool:
         """Nothing but EOS can follow: the sequence is complete."""
+        self._settle()
         m = self._matchers.get(seq_id)
         return m is not None and m.is_stopped()
 
     def fork(self, scheduled: list[ScheduledSeq]) -> None:
         """Before the step's tokens are appended: every n > 1 prompt that sampled its samples
         this step hands each new sample a copy of its (pre-sample) state."""
+        self._settle()
         for item in scheduled:
             m = self._matchers.get(item.seq.seq_id)
             if m is not None and item.num_samples > 1:
@@ -105,6 +131,7 @@ class StructuredDecoding:
         token that completed it (an EOS the verification emitted after that is not output:
         plain decoding ends there without sampling one). A refused token (never: every one was
         sampled under the mask) is logged, and the output ends before it."""
+        self._settle()
         m = self._matchers.get(seq_id)
         if m is None:
             return None
@@ -139,23 +166,53 @@ class StructuredDecoding:
             self._matchers.pop(seq_id, None)
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepMasks | None:
-        """Masks for every constrained sequence that samples or verifies this step; drafts
-        are cut at the first token the grammar refuses (``_fill``)."""
+        """Masks for every constrained sequence that samples or verifies this step. Drafts are
+        walked now, in waves across the batch (``_walk_drafts``): the first token the grammar
+        refuses ends a draft, which changes what the forward computes. The other rows are
+        filled by ``self.fill``: now (SERIAL, PARALLEL), or started now and waited for where
+        the logits are masked (OVERLAP: ``StepMasks.apply`` waits)."""
+        self._settle()
         jobs = [it for it in scheduled if it.sample and it.seq.seq_id in self._matchers]
         if not jobs:
             return None
         total = sum(len(it.draft_token_ids) + 1 for it in jobs)  # before cuts: an upper bound
-        rows = torch.empty((total, self.words), dtype=torch.int32)  # [R, words]
+        rows = torch.empty((total, self.words), dtype=torch.int32)  # [R, words]; rows past a cut are never read
         masks = StepMasks(rows)
+        plain: list[tuple[llguidance.LLMatcher, int]] = []  # (matcher, its row)
+        drafted: list[tuple[ScheduledSeq, llguidance.LLMatcher, int]] = []
         r = 0
         for item in jobs:
             masks.first_row[item.seq.seq_id] = r
-            r += self._fill(item, rows, r)
+            m = self._matchers[item.seq.seq_id]
+            if item.draft_token_ids:
+                drafted.append((item, m, r))
+            else:
+                plain.append((m, r))
+            r += len(item.draft_token_ids) + 1
+        mode = self.fill
+        if drafted:
+            self._walk_drafts(drafted, rows, mode)
+        if len(plain) > 1 and mode is FillMode.OVERLAP:
+            masks.pending = self._pending = self._background().submit(self._fill_rows, plain, rows, mode)
+        elif plain:  # one row overlapped: the hand-off to the fill's thread (~20 us) costs about a mask
+            self._fill_rows(plain, rows, mode)
         return masks
 
-    def _fill(self, item: ScheduledSeq, rows: torch.Tensor, r: int) -> int:
-        """Fill ``item``'s masks from row ``r`` on -> rows used (kept drafts + 1). Row j is the
-        state after drafts 1..j; the matcher is rolled back afterwards.
+    def _fill_rows(self, pairs: list[tuple[llguidance.LLMatcher, int]], rows: torch.Tensor, mode: FillMode) -> None:
+        """Each matcher's next mask into its row of ``rows``: one after another (SERIAL), or
+        all at once on llguidance's native pool, which runs off the GIL."""
+        nbytes = self.words * 4
+        if mode is FillMode.SERIAL:
+            for m, r in pairs:
+                m.unsafe_compute_mask_ptr(rows[r].data_ptr(), nbytes)
+        else:
+            self._native().unsafe_compute_mask_ptr(pairs, rows.data_ptr(), nbytes, rows.shape[0])
+
+    def _walk_drafts(self, walks: list[tuple[ScheduledSeq, llguidance.LLMatcher, int]], rows: torch.Tensor,
+                     mode: FillMode) -> None:
+        """Fill each drafted item's masks from its first row ``r`` on: row r + j is the state
+        after drafts 1..j. Wave j fills row r + j of every item still walking at once, then
+        checks draft j + 1 of each; the matchers are rolled back afterwards.
 
         The first draft the grammar refuses ends the draft. A deterministic draft (one-hot q)
         drops it: the verification would surely reject it and then draw from p, which is what
@@ -165,28 +222,49 @@ class StructuredDecoding:
         p-distributed; p is 0 on it, so it is always rejected, and its next row (a copy) is
         never read. A drafted EOS the grammar allows ends the draft too (nothing follows it).
         """
-        m = self._matchers[item.seq.seq_id]
-        nbytes = self.words * 4
-        drafts = item.draft_token_ids
-        keep, consumed = len(drafts), 0
-        for j in range(len(drafts) + 1):
-            m.unsafe_compute_mask_ptr(rows[r + j].data_ptr(), nbytes)
-            if j == len(drafts):
-                break
-            tok = int(drafts[j])
-            allowed = _allowed(rows, r + j, tok)
-            if allowed and tok not in self.eos_token_ids and m.consume_token(tok):
-                consumed += 1
-                continue
-            keep = j if not allowed and item.draft_probs is None else j + 1
-            if keep > j:
-                rows[r + j + 1] = rows[r + j]
-            break
-        if consumed:
-            m.rollback(consumed)
-        if keep < len(drafts):
-            item.draft_token_ids = drafts[:keep]
-            item.draft_probs = item.draft_probs[:keep] if item.draft_probs is not None and keep else None
-            if not keep:
-                item.draft_bucket = None
-        return keep + 1
+        live, j = walks, 0
+        while live:
+            self._fill_rows([(m, r + j) for _, m, r in live], rows, mode)
+            going = []
+            for item, m, r in live:
+                drafts = item.draft_token_ids
+                keep = j
+                if j < len(drafts):
+                    tok = int(drafts[j])
+                    allowed = _allowed(rows, r + j, tok)
+                    if allowed and tok not in self.eos_token_ids and m.consume_token(tok):
+                        going.append((item, m, r))
+                        continue
+                    keep = j if not allowed and item.draft_probs is None else j + 1
+                    if keep > j:
+                        rows[r + j + 1] = rows[r + j]
+                if j:
+                    m.rollback(j)  # j drafts consumed
+                _cut_drafts(item, keep)
+            live, j = going, j + 1
+
+    def _settle(self) -> None:
+        """Wait for an overlapped fill still running (a step whose forward failed before its
+        masks were applied): nothing may touch a matcher while it is being filled."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def _native(self) -> llguidance.LLExecutor:
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(num_threads=self.fill_threads)
+        return self._executor
+
+    def _background(self) -> ThreadPoolExecutor:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-mask-fill")
+        return self._thread
+
+
+def _cut_drafts(item: ScheduledSeq, keep: int) -> None:
+    drafts = item.draft_token_ids
+    if keep < len(drafts):
+        item.draft_token_ids = drafts[:keep]
+        item.draft_probs = item.draft_probs[:keep] if item.draft_probs is not None and keep else None
+        if not keep:
+            item.draft_bucket = None

@@ -10,6 +10,7 @@ before the sampler and the verification see them::
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -44,14 +45,24 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
 @dataclass(slots=True)
 class StepMasks:
     """One step's masks: ``rows`` [R, words] int32 (CPU), and per constrained sequence the
-    first of its rows (a sampled item has one row, a verified one k + 1)."""
+    first of its rows (a sampled item has one row, a verified one k + 1). ``pending``: a fill
+    of some rows still running beside the forward (engine/structured/decoding.py FillMode);
+    ``apply`` waits for it."""
 
     rows: torch.Tensor
     first_row: dict[str, int] = field(default_factory=dict)
+    pending: Future | None = None
+
+    def wait(self) -> None:
+        """Until every row is filled (re-raises the fill's error)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
 
     def apply(self, logits: torch.Tensor, sampled: list[ScheduledSeq], verifying: list[ScheduledSeq]) -> None:
         """Mask ``logits`` [S + R, V] in place: ``sampled`` items own its first S rows and
         ``verifying`` items the rest, k + 1 each (the model runner's order)."""
+        self.wait()
         at, src = [], []  # logits row, mask row
         row = 0
         for item in sampled:
