@@ -34,6 +34,7 @@ class ClusterConfig:
     dashboard_port: int = setting(8265, flag="--dashboard-port")
     namespace: str = "pdserve"
     short_prompt_tokens: int = like(RouterConfig, "short_prompt_tokens", default=16)
+    local_prefill_uncached_tokens: int = like(RouterConfig, "local_prefill_uncached_tokens")
     lease_s: float = 3.0  # the nodes' registry lease (NodeConfig.lease_s)
     # Torch threads per node: nodes share this machine's cores.
     node_threads: int = setting(1, flag="--node-threads", help="torch threads per node (per rank with tensor "

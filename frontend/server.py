@@ -150,7 +150,8 @@ class RouterServer:
                                   lookup=lookup, settle_s=cfg.registry_settle_s)
         if cfg.policy == "ttft":
             policy = TtftPolicy(costs, cfg.short_prompt_tokens, cfg.max_n, compute_weight=cfg.compute_weight,
-                                slow_step_factor=cfg.straggler_factor, replicate=cfg.prefix_fetch)
+                                slow_step_factor=cfg.straggler_factor, replicate=cfg.prefix_fetch,
+                                local_uncached_tokens=cfg.local_prefill_uncached_tokens)
         else:
             policy = PrefixLoadPolicy(cfg.load_alpha, cfg.short_prompt_tokens, cfg.max_n,
                                       slow_step_factor=cfg.straggler_factor)

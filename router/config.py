@@ -49,6 +49,12 @@ class RouterConfig:
     # recomputing them.
     short_prompt_tokens: int = setting(64, flag="--short-prompt-tokens", help="prompts shorter than this prefill on "
                                        "the decode node")
+    # A request whose uncached part on some decode node is shorter than this prefills there:
+    # a follow-up turn whose conversation that node already holds pays no transfer (Dynamo's
+    # max_local_prefill_length, which compares the prefill the request still needs). 0: off.
+    local_prefill_uncached_tokens: int = setting(0, flag="--local-prefill-uncached-tokens",
+                                                 help="prefill on a decode node that holds all but fewer than this "
+                                                 "many of the prompt's tokens (0: off)")
     node_refresh_s: float = setting(0.5, flag="--node-refresh-s")
     prune_every_s: float = 10.0
     # Admission bound: requests beyond it get RESOURCE_EXHAUSTED with a retry hint.
@@ -192,6 +198,9 @@ class RouterConfig:
             )
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if self.local_prefill_uncached_tokens < 0:
+            raise ValueError(f"local_prefill_uncached_tokens must be >= 0 (0: off), got "
+                             f"{self.local_prefill_uncached_tokens}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be 'ttft' or 'prefix_load', got {self.policy!r}")
         if self.default_slo_class not in SLO_CLASSES:

@@ -275,8 +275,9 @@ class TtftPolicy(PlacementPolicy):
 
     def __init__(self, costs: CostBook, short_prompt_tokens: int = 64, max_n: int = 1,
                  replicate: bool = False, compute_weight: float = 1.0,
-                 slow_step_factor: float = SLOW_STEP_FACTOR) -> None:
+                 slow_step_factor: float = SLOW_STEP_FACTOR, local_uncached_tokens: int = 0) -> None:
         self.costs = costs
+        self.local_uncached_tokens = local_uncached_tokens
         self.slow_step_factor = slow_step_factor
         self.compute_weight = compute_weight
         self.short_prompt_tokens = short_prompt_tokens
@@ -307,6 +308,9 @@ class TtftPolicy(PlacementPolicy):
         prefillers = [n for n in nodes if n.role == Role.PREFILL]
         if prompt < self.short_prompt_tokens or request.n > self.max_n or not prefillers:
             return self._local(request, ok, matched_blocks, wait, tbt_of)
+        near = [d for d in ok if prompt - cached_tokens(request, matched_blocks, d.node_id) < self.local_uncached_tokens]
+        if near:  # the decode node holds nearly all of it: computing the rest there beats a transfer
+            return self._local(request, near, matched_blocks, wait, tbt_of)
 
         decode_wait = {d.node_id: wait(d) for d in ok}
         holders = [(n.node_id, prefix_match(matched_blocks, n.node_id)) for n in nodes
@@ -370,7 +374,8 @@ class TtftPolicy(PlacementPolicy):
     def _local(self, request: PlacementRequest, ok: list[NodeInfo], matched_blocks: Mapping[str, Match],
                wait, tbt_of: Mapping[str, float]) -> Placement:
         """The decode node prefills the prompt itself: a short prompt (a transfer costs more
-        than computing it), n > max_n (the hand-off carries one sample), or no prefill node."""
+        than computing it), a prompt the node holds all but ``local_uncached_tokens`` of, n >
+        max_n (the hand-off carries one sample), or no prefill node."""
         prompt = request.num_prompt_tokens
         plans = {d.node_id: self.plan(request, d.node_id, matched_blocks) for d in ok}
 
@@ -379,7 +384,9 @@ class TtftPolicy(PlacementPolicy):
 
         d = min(ok, key=lambda d: (wait(d) + local_s(d), decode_load_key(d)))
         why = ("short prompt" if prompt < self.short_prompt_tokens else
-               f"n={request.n} > {self.max_n}" if request.n > self.max_n else "no live prefill node")
+               f"n={request.n} > {self.max_n}" if request.n > self.max_n else
+               f"{prompt - plans[d.node_id].cached} uncached < {self.local_uncached_tokens}"
+               if prompt - plans[d.node_id].cached < self.local_uncached_tokens else "no live prefill node")
         est = Estimate(queue_s=0.0, prefill_s=local_s(d), decode_wait_s=wait(d), tbt_s=tbt_of[d.node_id],
                        load_s=plans[d.node_id].load_s)
         return Placement(None, d, plans[d.node_id].cached, f"{why}: prefill on the decode node", est)

@@ -135,3 +135,20 @@ def test_the_compute_term_does_not_multiply_a_fast_nodes_advantage():
         assert pol.choose(req, ns, {}, behind).prefill_node.node_id == "slow", weight
         ahead = {"fast": 0.8 * (slow - fast), "slow": 0.0, "d0": 0.0}
         assert pol.choose(req, ns, {}, ahead).prefill_node.node_id == "fast", weight
+
+
+def test_a_decode_node_holding_all_but_a_few_tokens_prefills_them_itself():
+    """Dynamo's local prefill by uncached length: d0 holds 9 of the 10 blocks (a follow-up turn
+    of a conversation it decoded), so 100 tokens remain; with a threshold above that, d0
+    computes them and nothing is transferred; at or below it, the pair is disaggregated."""
+    matched = {"d0": PrefixMatch(9), "p0": PrefixMatch(0)}
+    local = choose(TtftPolicy(book(), short_prompt_tokens=0, local_uncached_tokens=101), matched, ids=("p0",))
+    assert local.prefill_node is None and local.decode_node.node_id == "d0"
+    assert local.predicted_cached_tokens == 900 and "100 uncached < 101" in local.reason
+    for threshold in (0, 100):  # 0: off; 100 is not above the 100 uncached tokens
+        pl = choose(TtftPolicy(book(), short_prompt_tokens=0, local_uncached_tokens=threshold), matched, ids=("p0",))
+        assert pl.prefill_node is not None and pl.prefill_node.node_id == "p0"
+    # the rule looks at decode nodes only: a prefill node holding the prefix does not make it local
+    pl = choose(TtftPolicy(book(), short_prompt_tokens=0, local_uncached_tokens=101), {"p0": PrefixMatch(9)},
+                ids=("p0",))
+    assert pl.prefill_node.node_id == "p0"

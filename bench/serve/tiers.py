@@ -11,7 +11,8 @@ Conversations start at ``--conversation-rate`` per second (Poisson); within one 
 closed-loop, as a user's are. Greedy decoding with a fixed answer length, so both runs send
 exactly the same token ids as long as their answers are the same (``outputs_identical``).
 
-One layout (``pdserve up``'s: 1 prefill + 1 decode node, one core each), started twice:
+One layout (``pdserve up``'s: 1 prefill + 1 decode node, one core each), started once per run
+with what ``--layouts`` turns on (bench/serve/tiers_layouts.py lists them):
 
     off   each node's device pool sized to hold ``--device-share`` (0.2) of the working set
           (every conversation's final context), no host or disk tier, no prefix fetch
@@ -19,12 +20,21 @@ One layout (``pdserve up``'s: 1 prefill + 1 decode node, one core each), started
           ``--disk-share`` of the working set per node, and prefix fetch (a prefill node brings
           the answer's KV from the decode node that produced it)
 
-The SLO is the same for both: ``--slo-ttft-factor`` x the better run's median unloaded TTFT of a
+and the baselines at their best: ``off-local`` (a decode node prefills a follow-up turn it
+holds all but the new message of, as Dynamo does by uncached length), ``off-big`` (the host
+tier's RAM given to the device pool), and the 2 x 2 halves ``tiers`` and ``fetch``. With
+``--abba`` each seed runs the layouts forward then backward; off's two runs are the A/A pair.
+
+The SLO is the same for all: ``--slo-ttft-factor`` x the best run's median unloaded TTFT of a
 first turn (sent alone, nothing to reuse), ``--slo-tpot-factor`` x its unloaded TPOT. Result::
 
-    {"goodput_ratio": on / off, "ttft_p50_ratio": off / on, "ttft_p99_ratio": off / on,
-     "cached_token_fraction_on", "cached_token_fraction_off", "outputs_identical", "off": {...},
+    {"slo_attainment_ratio": on / off, "ttft_p50_ratio": off / on, "ttft_p99_ratio": off / on,
+     "goodput_ratio_closed_loop", "aa": {the same ratios, off against off}, "layouts": {name:
+     {figures, ratios, their range over seeds}}, "runs": [...], "outputs_identical", "off": {...},
      "on": {...}, "slo": {...}, "working_set_tokens", ...}
+
+Goodput is not the headline: turns are closed-loop, so a faster layout's run is also shorter
+and good requests per second count its win twice.
 """
 from __future__ import annotations
 
@@ -38,6 +48,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from bench.serve import tiers_layouts as tl
 from bench.serve import workload as wl
 from bench.serve.client import send_grpc
 from bench.serve.metrics import Record, slo_from_unloaded, summarize
@@ -58,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="each node's device KV as a share of the working set (both runs)")
     g.add_argument("--host-share", type=float, default=0.6, help="each node's host tier, share of the working set (on)")
     g.add_argument("--disk-share", type=float, default=1.0, help="each node's disk tier, share of the working set (on)")
+    g.add_argument("--layouts", default="off,on", help="comma-separated: off, off-local (local prefill by uncached "
+                   "length), off-big (device pool + the host tier's RAM), tiers, fetch, on (tiers and fetch); off is "
+                   "always run, every ratio is against it")
+    g.add_argument("--seeds", default=None, help="comma-separated workload seeds (default: --seed)")
+    g.add_argument("--abba", action="store_true", help="per seed, run the layouts forward then backward (A B B A): "
+                   "drift falls on all alike, and off's two runs are an A/A pair")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,15 +143,17 @@ async def _run(target: str, system: tuple[int, ...], convs: list[Conversation], 
     return records, outputs
 
 
-def _engine(args, tiers: bool, tmp: str):
+def _engine(args, layout: tl.TiersLayout, tmp: str):
     from engine.config import CacheConfig, EngineConfig
 
     block_bytes = _block_bytes(args.model)
     ws_blocks = math.ceil(working_set_tokens(args) / BLOCK_SIZE)
     longest = math.ceil((working_set_tokens(args) / args.conversations + args.answer_tokens) / BLOCK_SIZE)
     device = max(math.ceil(args.device_share * ws_blocks), 2 * longest)  # room for two of the longest turns
+    if layout.device_plus_host:  # the same RAM as the host tier, as device blocks (a device block is a host block)
+        device += math.ceil(args.host_share * ws_blocks)
     cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=device)
-    if tiers:
+    if layout.tiers:
         cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=device,
                             host_cache_mib=args.host_share * ws_blocks * block_bytes / 2**20,
                             disk_cache_dir=os.path.join(tmp, "disk") if args.disk_share > 0 else None,
@@ -155,17 +174,22 @@ def _block_bytes(model: str) -> int:
     return 2 * mc.num_layers * BLOCK_SIZE * mc.num_kv_heads * mc.head_dim * 4
 
 
-def _start(args, tiers: bool, tmp: str, report):
+def _start(args, layout: tl.TiersLayout, tmp: str, report):
     from deploy.launcher import ClusterConfig, LocalCluster
 
-    engine, device, ws_blocks = _engine(args, tiers, tmp)
+    engine, device, ws_blocks = _engine(args, layout, tmp)
+    # A follow-up turn's uncached part on the node that decoded the last answer: the new user
+    # message and the partial blocks at either end of it.
+    local = args.user_tokens + 2 * BLOCK_SIZE if layout.local_uncached else 0
     cfg = ClusterConfig(engine=engine, prefill_nodes=1, decode_nodes=1, grpc_port=0, http_port=0, dashboard_port=0,
-                        node_threads=1, pin_cores=True, short_prompt_tokens=16, prefix_fetch=tiers,
-                        namespace=f"bench-tiers-{'on' if tiers else 'off'}-{os.getpid()}")
+                        node_threads=1, pin_cores=True, short_prompt_tokens=16, prefix_fetch=layout.fetch,
+                        local_prefill_uncached_tokens=local,
+                        namespace=f"bench-tiers-{layout.name}-{os.getpid()}")
     c = engine.cache
-    report.progress(f"tiers {'on' if tiers else 'off'}: device {device} blocks per node ({device / ws_blocks:.0%} of the "
+    report.progress(f"{layout.name}: device {device} blocks per node ({device / ws_blocks:.0%} of the "
                     f"{ws_blocks}-block working set), host {c.host_cache_mib:.0f} MiB, disk "
-                    f"{c.disk_cache_mib:.0f} MiB, prefix fetch {'on' if tiers else 'off'}")
+                    f"{c.disk_cache_mib:.0f} MiB, prefix fetch {'on' if layout.fetch else 'off'}, local prefill "
+                    f"below {local} uncached tokens")
     return LocalCluster(cfg, report.progress).start()
 
 
@@ -204,44 +228,64 @@ def compare_tiers(args, report) -> dict:
     if args.compare != "tiers" or args.workload != "multiturn":
         raise SystemExit("--compare tiers runs the multiturn workload, and the multiturn workload needs "
                          "--compare tiers: give both")
-    system, convs = conversations(args, args.seed)
-    runs, unloaded, outputs, fetches = {}, {}, {}, {}
-    for on in (False, True):
-        tmp = tempfile.mkdtemp(prefix="pdserve-tiers-")
-        cluster = _start(args, on, tmp, report)
-        try:
-            name = "on" if on else "off"
-            unloaded[name] = _unloaded(cluster.address, args, args.seed + 100, report)
-            report.progress(f"{name}: {args.conversations} conversations x {args.turns} turns")
-            t0 = time.monotonic()
-            runs[name], outputs[name] = asyncio.run(_run(cluster.address, system, convs, args.answer_tokens,
-                                                         report.progress))
-            report.progress(f"{name}: done in {time.monotonic() - t0:.0f} s")
-            fetches[name] = _fetch_counts(cluster)
-        finally:
-            cluster.stop()
-            shutil.rmtree(tmp, ignore_errors=True)
-    slo = slo_from_unloaded(unloaded.values(), args.slo_ttft_factor, args.slo_tpot_factor)
+    layouts = {lay.name: lay for lay in tl.parse_layouts(args.layouts)}
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
+    order = tl.schedule(list(layouts), seeds, args.abba)
+    report.progress(f"{len(order)} runs: " + " ".join(f"{n}/{s}" for n, s in order))
+    runs, unloaded = [], []
+    for i, (name, seed) in enumerate(order):
+        report.progress(f"run {i + 1}/{len(order)}: {name}, seed {seed}")
+        runs.append({"layout": name, "seed": seed, **_one_run(args, layouts[name], seed, report)})
+        unloaded.append(runs[-1].pop("unloaded"))
+    slo = slo_from_unloaded(unloaded, args.slo_ttft_factor, args.slo_tpot_factor)
     slo = type(slo)(slo.ttft_s, slo.tpot_s)  # one TTFT bound for every turn: a follow-up is no slower to wait for
-    res = {name: summarize(recs, slo) for name, recs in runs.items()}
-    for name in res:
-        res[name]["fetches"] = fetches[name]
-
-    def ratio(a, b):
-        return a / b if a is not None and b else None
-
+    for r in runs:
+        r["summary"] = summarize(r.pop("records"), slo)
+        r["summary"]["fetches"] = r.pop("fetches")
+        r["figures"] = tl.figures(r["summary"])
+    identical = all(r["outputs"] == next(q["outputs"] for q in runs if q["seed"] == r["seed"])
+                    and all(r["outputs"].values()) for r in runs)
+    cmp = tl.compare([{k: r[k] for k in ("layout", "seed", "figures")} for r in runs])
+    first = {r["layout"]: r["summary"] for r in reversed(runs) if r["seed"] == seeds[0]}  # each layout's first run
+    on = cmp["layouts"].get("on", {})
     out = {
-        "goodput_ratio": ratio(res["on"]["goodput_rps"], res["off"]["goodput_rps"]),
-        "ttft_p50_ratio": ratio(res["off"]["ttft_s"]["p50"], res["on"]["ttft_s"]["p50"]),
-        "ttft_p99_ratio": ratio(res["off"]["ttft_s"]["p99"], res["on"]["ttft_s"]["p99"]),
-        "cached_token_fraction_on": res["on"]["cached_token_fraction"],
-        "cached_token_fraction_off": res["off"]["cached_token_fraction"],
-        "outputs_identical": outputs["on"] == outputs["off"] and all(outputs["on"].values()),
-        "off": res["off"], "on": res["on"], "slo": slo.as_json(),
+        "headline": "slo_attainment_ratio and ttft_p50/p99_ratio of on against off (goodput_ratio_closed_loop "
+                    "counts a faster run twice: its turns also end sooner)",
+        "slo_attainment_ratio": on.get("slo_attainment_ratio"),
+        "ttft_p50_ratio": on.get("ttft_p50_ratio"), "ttft_p99_ratio": on.get("ttft_p99_ratio"),
+        "goodput_ratio_closed_loop": on.get("goodput_rps_ratio"),
+        "cached_token_fraction_on": first.get("on", {}).get("cached_token_fraction"),
+        "cached_token_fraction_off": first["off"]["cached_token_fraction"],
+        "outputs_identical": identical, "aa": cmp["aa"], "layouts": cmp["layouts"],
+        "runs": [{k: r[k] for k in ("layout", "seed", "figures")} for r in runs],
+        **{name: first[name] for name in first}, "slo": slo.as_json(), "order": [list(o) for o in order],
         "working_set_tokens": working_set_tokens(args), "conversations": args.conversations, "turns": args.turns,
-        "cores": len(os.sched_getaffinity(0)), "seed": args.seed, "model": args.model,
+        "cores": len(os.sched_getaffinity(0)), "seeds": seeds, "model": args.model,
     }
-    report.table(["run", "TTFT p50 s", "TTFT p99 s", "TPOT p50 s", "goodput req/s", "SLO met", "cached", "failed"],
-                 [[n, r["ttft_s"]["p50"], r["ttft_s"]["p99"], r["tpot_s"]["p50"], r["goodput_rps"],
-                   r["slo_attainment"], r["cached_token_fraction"], r["failed"]] for n, r in res.items()])
+    report.table(["layout", "runs", "SLO met", "x off", "TTFT p50 s", "x off", "TTFT p99 s", "x off", "cached"],
+                 [[n, e["runs"], e["figures"]["slo_attainment"], e.get("slo_attainment_ratio"),
+                   e["figures"]["ttft_p50"], e.get("ttft_p50_ratio"), e["figures"]["ttft_p99"],
+                   e.get("ttft_p99_ratio"), e["figures"]["cached_token_fraction"]]
+                  for n, e in cmp["layouts"].items()])
+    if cmp["aa"]:
+        report.progress("A/A (off against off, same seed): " + ", ".join(
+            f"{k} {v:.3f}" for k, v in cmp["aa"].items() if k != "seed" and v is not None))
     return out
+
+
+def _one_run(args, layout: tl.TiersLayout, seed: int, report) -> dict:
+    """One layout's cluster, its unloaded first turns, then the conversations of ``seed``."""
+    system, convs = conversations(args, seed)
+    tmp = tempfile.mkdtemp(prefix="pdserve-tiers-")
+    cluster = _start(args, layout, tmp, report)
+    try:
+        unloaded = _unloaded(cluster.address, args, seed + 100, report)
+        report.progress(f"{layout.name}: {args.conversations} conversations x {args.turns} turns")
+        t0 = time.monotonic()
+        records, outputs = asyncio.run(_run(cluster.address, system, convs, args.answer_tokens, report.progress))
+        report.progress(f"{layout.name}: done in {time.monotonic() - t0:.0f} s")
+        fetches = _fetch_counts(cluster)
+    finally:
+        cluster.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"unloaded": unloaded, "records": records, "outputs": outputs, "fetches": fetches}
