@@ -246,7 +246,18 @@ def cmd_bench(a: argparse.Namespace, rest: list[str]) -> int:
         print(json.dumps(result))
     else:
         print(json.dumps(result, indent=2))
+    failed = failed_checks(result)
+    if failed:
+        print(f"pdserve bench {a.name}: failed ({', '.join(f'{k} is false' for k in failed)})", file=sys.stderr)
+        return 1
     return 0
+
+
+def failed_checks(result: dict) -> list[str]:
+    """The verdict fields of a bench result that are false. A check that failed is the run's
+    verdict, not a figure: a script (or CI) sees it in the exit code. A target missed is a
+    figure (its ``met`` field) and exits 0."""
+    return [k for k in ("passed", "bit_exact") if result.get(k) is False]
 
 
 def add_up_arguments(u: argparse.ArgumentParser) -> None:

@@ -37,3 +37,12 @@ def test_kv_tiers_bench_reports_each_tier_against_its_baseline(tmp_path):
         t = out["tiers"][tier]
         assert t["offload_gbps"] > 0 and t["onboard_gbps"] > 0
         assert t["ratio"] == min(t["offload_ratio"], t["onboard_ratio"])
+
+
+def test_a_failed_check_fails_the_command_a_missed_target_does_not():
+    from deploy.cli import failed_checks
+
+    assert failed_checks({"passed": False, "bit_exact": True}) == ["passed"]
+    assert failed_checks({"bit_exact": False}) == ["bit_exact"]
+    assert failed_checks({"passed": True, "met": False, "ratio": 0.2}) == []  # a figure, not a verdict
+    assert failed_checks({}) == []
