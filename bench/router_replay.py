@@ -8,12 +8,22 @@ a ``CostBook`` that starts from the generic prior and is fitted online from the 
 step reports. Baselines (router.replay.baselines) and the global-pool upper bound run in the
 same process on the same arrivals. See router/replay/simulator.py for the node model.
 
-Equal terms: one admission gate for every policy (``--admission same_for_all``, the default) or
-none; a rejection is an SLO miss. Columns: token hit ratio; goodput (requests whose TTFT met the
-SLO class budget, per simulated second of the trace); TTFT mean / p50 / p99 over the requests
-every policy in the run served; SLO attainment (TTFT and TBT; rejected requests are misses);
-imbalance = max / mean prefill busy time; requests rejected; Redis round trips per request on
-the router's path (node-side publishes separately).
+Equal terms, each admission mode the same rule for every policy (``--admission``, all three by
+default; a rejection is an SLO miss): ``none`` is the headline (every policy serves the same
+requests); ``queue_bound`` is one policy-neutral gate (a request whose true queue wait on the
+node its policy chose exceeds its TTFT budget is rejected); ``pdserve_model``, the gate before
+issue 45, is pdserve's cost model judging every policy's choice, kept as a secondary field
+(``gated_by_pdserve_model``) because it favours pdserve. Columns: token hit ratio; goodput
+(requests whose TTFT met the SLO class budget, per simulated second of the trace); TTFT mean /
+p50 / p99 over the requests every policy in the run served; SLO attainment; imbalance = max /
+mean prefill busy time; requests rejected; Redis round trips per request on the router's path.
+
+Seeds (``--seeds 0,1,2,3,4``): a seed draws the step noise and the order of the nodes' speeds;
+every figure is a mean with a 95% t-interval over the seeds, and the comparisons are per-seed
+ratios (bench/router_report.py): ``policy_result``, pdserve_no_fetch against each peer (no
+fetch for anyone), and ``capability_result``, pdserve against each peer given a shared tier at
+fetch's bandwidth (``PEER+fetch``). ``DEV_SEEDS`` are the seeds the method was developed on;
+``--release-seeds N`` draws N fresh ones for figures no choice was made on.
 
 Tiers: ``--host-cache-tokens N --disk-cache-tokens M`` give every prefill node a host-memory
 and a disk tier below its device pool (``--cache-tokens``), LRU demotion down the tiers; a hit
@@ -27,21 +37,25 @@ tokens per tier (``hit_tokens``: device, host, disk, and remote for fetched ones
 (``replicate``, on in the live router too); ``pdserve_no_fetch`` never fetches.
 
 Constants (pdserve's compute_weight, each peer's main knob) are chosen on a tuning split,
-``TUNED_ON``, by ``--tune`` (the best goodput, then the lowest mean TTFT); every other trace and
-the held-out half are reported with them unchanged.
+``TUNED_ON``, by ``--tune`` (bench/router_tuning.py: the best mean goodput without admission
+over the tuning seeds, then the lowest mean TTFT); every other trace and the held-out half are
+reported with them unchanged, with a check that each sits inside its grid (``tuning_check``).
 """
 from __future__ import annotations
 
 import argparse
-import itertools
+import dataclasses
 import math
 import os
+import secrets
 import time
 import uuid
 
 import redis
 
 from bench.plotting import figure
+from bench.router_report import FETCH, FETCH_PEERS, SECTIONS, print_section, section
+from bench.router_tuning import TUNED_ON, TUNING_SEEDS, check_all, constants, knobs, sweep
 from deploy.redis_server import RedisServer
 from kv_index.client import RedisTimeouts, redis_client
 from kv_index.nodes import NodeInfo
@@ -63,36 +77,11 @@ from router.replay.simulator import (
 from router.replay.traces import TraceRequest, load_trace
 
 PDSERVE = ("pdserve", "pdserve_no_fetch")
-POLICIES = (*PDSERVE, *BASELINES, "global_pool")
+POLICIES = (*PDSERVE, *BASELINES, "global_pool", *FETCH_PEERS)
 SPLITS = ("all", "tune", "holdout")
-
-# The tuning split: the first half of the Mooncake conversation trace, in arrival order
-# (`--split tune`); `--split holdout` is the second half. The constants below were chosen there
-# by `pdserve bench router --trace ../shared/data/traces/conversation_trace.jsonl --split tune
-# --tune` (docs/benchmarks.md has the sweep).
-TUNED_ON = "conversation_trace.jsonl:tune"
-# policy -> {constant: (the values --tune tries, the value chosen on TUNED_ON)}; the rest of
-# each peer's constants are its router's defaults.
-KNOBS: dict[str, dict[str, tuple[tuple[float, ...], float]]] = {
-    "pdserve": {"compute_weight": ((0.0, 1.0, 2.0, 4.0, 8.0), 2.0)},
-    "pdserve_no_fetch": {"compute_weight": ((0.0, 1.0, 2.0, 4.0, 8.0), 1.0)},
-    "dynamo_kv": {"overlap_weight": ((0.5, 1.0, 2.0, 4.0), 4.0)},
-    "sglang_cache_aware": {"cache_threshold": ((0.1, 0.3, 0.5), 0.5), "balance_abs": ((4, 16, 64), 4)},
-    "llmd_weighted": {"prefix_weight": ((1.0, 3.0, 6.0, 12.0, 24.0), 24.0)},
-}
-# With tiers llm-d scores prefixes by its precise scorer, min-max normalised over the pods (every
-# conversation starts with the same block, so the pod holding one block more scores 1 and the
-# rest 0): its weight is tuned for that scorer, on the same split with tiers (--cache-tokens
-# 1000000 --host-cache-tokens 2000000 --disk-cache-tokens 8000000 --tune): 3 to 24 tie there,
-# the first wins (3, also its default profile's); at 24 the held-out half collapsed onto one pod.
-TIERED_KNOBS: dict[str, dict[str, tuple[tuple[float, ...], float]]] = {
-    "llmd_weighted": {"prefix_weight": ((1.0, 3.0, 6.0, 12.0, 24.0), 3.0)},
-}
-
-
-def knobs(name: str, tiered: bool = False) -> dict[str, tuple[tuple[float, ...], float]]:
-    """Policy ``name``'s tunable constants: (the values --tune tries, the value chosen)."""
-    return (TIERED_KNOBS.get(name) if tiered else None) or KNOBS.get(name, {})
+# The seeds the method, the grids and the constants were developed and checked on (issue 45):
+# figures on them are development figures; `--release-seeds N` draws fresh ones.
+DEV_SEEDS = (0, 1, 2, 3, 4)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +90,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", choices=SPLITS, default="all",
                         help="tune: the first half of the requests; holdout: the second half")
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    parser.add_argument("--seeds", "--seed", type=_seed_list, metavar="S[,S...]",
+                        help=f"seeds to replay (default: the development seeds {','.join(map(str, DEV_SEEDS))}; "
+                             f"with --tune {','.join(map(str, TUNING_SEEDS))})")
+    parser.add_argument("--release-seeds", type=int, metavar="N",
+                        help="draw N fresh seeds (reported in the JSON) instead of --seeds")
     parser.add_argument("--prefill-nodes", type=int, default=8)
     parser.add_argument("--decode-nodes", type=int, default=4)
     parser.add_argument("--cache-tokens", type=int, default=3_000_000, help="device KV cache per prefill node")
@@ -122,15 +116,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bandwidth-gbs", type=float, default=25.0)
     parser.add_argument("--decode-max-batch", type=int, default=128)
     parser.add_argument("--slo-class", choices=sorted(SLO_CLASSES), default="standard")
-    parser.add_argument("--admission", choices=ADMISSION_MODES, default="same_for_all",
-                        help="same_for_all: one SLO gate in front of every policy; none: nobody rejects")
+    parser.add_argument("--admission", nargs="+", choices=ADMISSION_MODES, default=list(ADMISSION_MODES),
+                        help="none: nobody rejects (the headline); queue_bound: one policy-neutral queue bound; "
+                             "pdserve_model: pdserve's model gates every policy (secondary)")
     parser.add_argument("--no-admission", action="store_true", help="same as --admission none")
+    parser.add_argument("--gate-queue-fraction", type=float, default=SimConfig().gate_queue_fraction,
+                        help="queue_bound rejects a request whose true queue wait exceeds this x its TTFT budget")
     parser.add_argument("--compute-weight", type=float,
                         help=f"pdserve's TtftPolicy.compute_weight (default: the value tuned on {TUNED_ON})")
     parser.add_argument("--tune", action="store_true",
-                        help="sweep each tunable policy's constant on this trace/split and report the best")
+                        help="sweep each tunable policy's grid on this trace/split (the first admission mode)")
     parser.add_argument("--redis-url", help="use this Redis instead of starting one")
-    parser.add_argument("--plot", metavar="FILE.png", help="draw the TTFT CDF per policy")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the TTFT CDF per policy (first seed, first mode)")
+
+
+def _seed_list(text: str) -> tuple[int, ...]:
+    seeds = tuple(int(x) for x in text.split(",") if x.strip())
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"want distinct comma-separated integers, got {text!r}")
+    return seeds
 
 
 def split_requests(requests: list[TraceRequest], split: str) -> list[TraceRequest]:
@@ -139,13 +143,10 @@ def split_requests(requests: list[TraceRequest], split: str) -> list[TraceReques
     return {"all": requests, "tune": requests[:half], "holdout": requests[half:]}[split]
 
 
-def constants(name: str, override: dict | None = None, tiered: bool = False) -> dict:
-    """The tuned constants of policy ``name``, with ``override`` on top."""
-    return {k: chosen for k, (_, chosen) in knobs(name, tiered).items()} | (override or {})
-
-
 def make_policy(name: str, cfg: SimConfig, costs: CostBook, override: dict | None = None) -> PlacementPolicy | None:
-    """The policy ``name`` with its tuned constants (``override`` replaces some)."""
+    """The policy ``name`` with its tuned constants (``override`` replaces some); a ``+fetch``
+    variant is its base policy (the simulator adds the shared tier)."""
+    name = name.removesuffix(FETCH)
     c = constants(name, override, cfg.tiered)
     # Peers' approximate trees are sized to a node's cache: all of its tiers (HiCache's L1-L3).
     tree_blocks = cfg.node_cache_tokens // cfg.block_size
@@ -161,21 +162,63 @@ def make_policy(name: str, cfg: SimConfig, costs: CostBook, override: dict | Non
     return BASELINES[name](**c)
 
 
-def run(args: argparse.Namespace, report) -> dict:
-    cfg = SimConfig(
+def sim_config(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
         prefill_nodes=args.prefill_nodes, decode_nodes=args.decode_nodes, cache_tokens=args.cache_tokens,
         host_cache_tokens=args.host_cache_tokens, disk_cache_tokens=args.disk_cache_tokens,
         tiers=TierTruth(host_bandwidth=args.host_gbs * 1e9, disk_bandwidth=args.disk_gbs * 1e9),
         block_size=args.block_size, load=args.load, speed_spread=args.speed_spread, step_noise=args.step_noise,
         kv_bytes_per_token=args.kv_bytes_per_token, bandwidth=args.bandwidth_gbs * 1e9,
         decode_max_batch=args.decode_max_batch, slo_class=args.slo_class,
+        gate_queue_fraction=args.gate_queue_fraction,
     )
-    admission = "none" if args.no_admission else args.admission
+
+
+def choose_seeds(args: argparse.Namespace) -> tuple[tuple[int, ...], str]:
+    """The seeds to replay and their role: ``release`` when none was used in development."""
+    if args.release_seeds:
+        seeds = tuple(sorted({secrets.randbelow(2**31 - 1) + 1 for _ in range(args.release_seeds)}))
+    else:
+        seeds = args.seeds or (TUNING_SEEDS if args.tune else DEV_SEEDS)
+    role = "development" if set(seeds) & {*DEV_SEEDS, *TUNING_SEEDS} else "release"
+    return seeds, role
+
+
+class Replayer:
+    """One policy's replay at a time, on one trace, against one Redis."""
+
+    def __init__(self, client: redis.Redis, cfg: SimConfig, requests: list[TraceRequest], scale: float,
+                 report) -> None:
+        self.client, self.cfg, self.requests, self.scale, self.report = client, cfg, requests, scale, report
+
+    def __call__(self, name: str, admission: str, seed: int, override: dict | None = None) -> PolicyResult:
+        t0 = time.perf_counter()
+        cfg = dataclasses.replace(self.cfg, seed=seed)
+        costs = CostBook()  # the generic prior, as a router starts; fitted from step reports
+        policy = make_policy(name, cfg, costs, override)
+        index = _index(self.client, cfg) if name != "global_pool" else None
+        try:
+            res = simulate(name, self.requests, cfg, policy, costs, index, scale=self.scale, admission=admission,
+                           global_pool=name == "global_pool", shared_fetch=name.endswith(FETCH))
+        finally:
+            if index is not None:
+                _drop(self.client, index.reader.ns)
+        s = res.summary()
+        knob = "".join(f" {k}={v}" for k, v in (override or {}).items())
+        self.report.progress(f"seed {seed} {admission} {name}{knob}: hit {s['hit_ratio']:.3f}, goodput "
+                             f"{s['goodput_rps']:.3f}/s, ttft mean {s['ttft_mean_s']:.2f}s p99 {s['ttft_p99_s']:.2f}s, "
+                             f"rejected {res.rejected} ({time.perf_counter() - t0:.1f}s wall)")
+        return res
+
+
+def run(args: argparse.Namespace, report) -> dict:
+    cfg = sim_config(args)
+    modes = ["none"] if args.no_admission else [m for m in ADMISSION_MODES if m in args.admission]
+    seeds, role = choose_seeds(args)
     requests = split_requests(load_trace(args.trace, args.max_requests), args.split)
     scale = time_scale(requests, cfg)
-    split_name = f"{os.path.basename(args.trace)}:{args.split}"
-    report.progress(f"{len(requests)} requests from {split_name}; arrivals x{scale:.3f} for load {cfg.load}; "
-                    f"admission {admission}")
+    report.progress(f"{len(requests)} requests from {os.path.basename(args.trace)}:{args.split}; arrivals "
+                    f"x{scale:.3f} for load {cfg.load}; admission {' '.join(modes)}; seeds {seeds} ({role})")
     server = None
     url = args.redis_url
     if url is None:
@@ -183,66 +226,61 @@ def run(args: argparse.Namespace, report) -> dict:
         url = server.url
     client = redis_client(url, RedisTimeouts(reply_s=30.0))  # bulk deletes of a whole replay's keys
     try:
-        def replay(name: str, override: dict | None = None) -> PolicyResult:
-            t0 = time.perf_counter()
-            costs = CostBook()  # the generic prior, as a router starts; fitted from step reports
-            policy = make_policy(name, cfg, costs, override)
-            index = _index(client, cfg) if name != "global_pool" else None
-            try:
-                res = simulate(name, requests, cfg, policy, costs, index, scale=scale, admission=admission,
-                               global_pool=name == "global_pool")
-            finally:
-                if index is not None:
-                    _drop(client, index.reader.ns)
-            s = res.summary()
-            knob = "".join(f" {k}={v}" for k, v in (override or {}).items())
-            report.progress(f"{name}{knob}: hit {s['hit_ratio']:.3f}, goodput {s['goodput_rps']:.3f}/s, "
-                            f"ttft mean {s['ttft_mean_s']:.2f}s p99 {s['ttft_p99_s']:.2f}s, "
-                            f"rejected {res.rejected} ({time.perf_counter() - t0:.1f}s wall)")
-            return res
-
+        replay = Replayer(client, cfg, requests, scale, report)
         if args.tune:
-            out = _tune(args, replay, report)
+            out = sweep(args.policies, cfg.tiered, seeds, lambda n, c, seed: _swept(replay(n, modes[0], seed, c)),
+                        report)
         else:
-            override = {"compute_weight": args.compute_weight} if args.compute_weight is not None else {}
-            overrides = {name: override for name in PDSERVE}
-            results = [replay(name, overrides.get(name)) for name in args.policies]
-            out = _compare(results, args, overrides, report)
+            out = compare_seeds(args, replay, modes, seeds, report)
     finally:
         client.close()
         if server is not None:
             server.stop()
     out.update({"trace": args.trace, "split": args.split, "requests": len(requests), "time_scale": scale,
-                "admission": admission, "tuned_on": TUNED_ON,
+                "admission": modes, "seeds": list(seeds), "seed_role": role, "tuned_on": TUNED_ON,
                 "config": {"prefill_nodes": cfg.prefill_nodes, "decode_nodes": cfg.decode_nodes,
                            "cache_tokens": cfg.cache_tokens, "host_cache_tokens": cfg.host_cache_tokens,
                            "disk_cache_tokens": cfg.disk_cache_tokens, "host_gbs": cfg.tiers.host_bandwidth / 1e9,
                            "disk_gbs": cfg.tiers.disk_bandwidth / 1e9, "load": cfg.load, "slo_class": cfg.slo_class,
-                           "speed_spread": cfg.speed_spread, "step_noise": cfg.step_noise}})
+                           "speed_spread": cfg.speed_spread, "step_noise": cfg.step_noise,
+                           "gate_queue_fraction": cfg.gate_queue_fraction}})
     return out
 
 
-def _compare(results: list[PolicyResult], args, overrides: dict, report) -> dict:
-    n = len(results[0].ttft_s) if results else 0
-    common = [all(not math.isnan(r.ttft_s[i]) for r in results) for i in range(n)]
+def compare_seeds(args, replay: Replayer, modes: list[str], seeds, report) -> dict:
+    """Every policy, every admission mode, every seed; then each mode's section over the seeds.
+    The pdserve-model gate runs without the ``+fetch`` variants (its estimate knows no shared tier)."""
+    override = {"compute_weight": args.compute_weight} if args.compute_weight is not None else {}
+    overrides = {name: override for name in PDSERVE}
+    tiered = _tiered(args)
+    per_seed: dict[str, dict[str, dict]] = {}
+    for mode in modes:
+        names = [n for n in args.policies if mode != "pdserve_model" or not n.endswith(FETCH)]
+        for seed in seeds:
+            results = [replay(name, mode, seed, overrides.get(name)) for name in names]
+            per_seed.setdefault(mode, {})[str(seed)] = compare(results, overrides, tiered)
+            if args.plot and mode == modes[0] and seed == seeds[0]:
+                _plot(args.plot, results, _common(results))
+                report.progress(f"TTFT CDF written to {args.plot}")
+    out: dict = {"per_seed": per_seed}
+    for mode in modes:
+        sec = out[SECTIONS[mode]] = section(mode, [t["policies"] for t in per_seed[mode].values()])
+        print_section(report, SECTIONS[mode], sec)
+    out["tuning_check"] = check_all(args.policies, tiered)
+    out["all_interior"] = all(c["interior"] for c in out["tuning_check"].values())
+    return out
+
+
+def compare(results: list[PolicyResult], overrides: dict, tiered: bool) -> dict:
+    """One seed, one mode: every policy's summary over the requests all of them served."""
+    common = _common(results)
     table = {}
     for r in results:
         s = r.summary(common)
         s["span_s"] = r.span_s
-        if constants(r.name):
-            s["constant"] = constants(r.name, overrides.get(r.name), _tiered(args))
+        if knobs(r.name):
+            s["constant"] = constants(r.name, overrides.get(r.name), tiered)
         table[r.name] = s
-    cols = ["hit_ratio", "goodput_rps", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "slo_attainment", "imbalance",
-            "rejected", "redis_rtt_per_request", "index_exact_fraction"]
-    tiers = ("host", "disk", "remote")
-    report.table(["policy", *cols, *[f"{t}_hit_share" for t in tiers]],
-                 [[name, *[s[c] for c in cols],
-                   *[s["hit_tokens"][t] / max(1, sum(s["hit_tokens"].values())) for t in tiers]]
-                  for name, s in table.items()])
-    report.progress(f"TTFT statistics over the {sum(common)} of {n} requests every policy served")
-    if args.plot:
-        _plot(args.plot, results, common)
-        report.progress(f"TTFT CDF written to {args.plot}")
     out = {"policies": table, "ttft_requests": sum(common)}
     if "global_pool" in table:
         pool = out["global_pool_hit_ratio"] = table["global_pool"]["hit_ratio"]
@@ -251,29 +289,15 @@ def _compare(results: list[PolicyResult], args, overrides: dict, report) -> dict
     return out
 
 
-def _tune(args, replay, report) -> dict:
-    """Every combination of every tunable policy's constants on this trace/split; the best
-    goodput wins, then the lowest mean TTFT over the requests it served."""
-    sweep, chosen, rows = {}, {}, []
-    for name in args.policies:
-        space = knobs(name, _tiered(args))
-        if not space:
-            continue
-        names = list(space)
-        runs = []
-        for combo in itertools.product(*(space[k][0] for k in names)):
-            c = dict(zip(names, combo))
-            s = replay(name, c).summary()
-            runs.append({"constants": c, "goodput_rps": s["goodput_rps"], "ttft_mean_s": s["ttft_mean_served_s"],
-                         "ttft_p99_s": s["ttft_p99_served_s"], "rejected": s["rejected"], "hit_ratio": s["hit_ratio"]})
-            rows.append([name, " ".join(f"{k}={v}" for k, v in c.items()), s["goodput_rps"], s["ttft_mean_served_s"],
-                         s["ttft_p99_served_s"], s["rejected"], s["hit_ratio"]])
-        best = max(runs, key=lambda r: (round(r["goodput_rps"], 4), -r["ttft_mean_s"]))
-        sweep[name] = runs
-        chosen[name] = best["constants"]
-    report.table(["policy", "constants", "goodput_rps", "ttft_mean_s", "ttft_p99_s", "rejected", "hit_ratio"], rows)
-    report.progress(f"chosen: {chosen}")
-    return {"tuning": sweep, "chosen": chosen}
+def _common(results: list[PolicyResult]) -> list[bool]:
+    n = len(results[0].ttft_s) if results else 0
+    return [all(not math.isnan(r.ttft_s[i]) for r in results) for i in range(n)]
+
+
+def _swept(res: PolicyResult) -> dict:
+    s = res.summary()
+    return {"goodput_rps": s["goodput_rps"], "ttft_mean_s": s["ttft_mean_served_s"],
+            "ttft_p99_s": s["ttft_p99_served_s"], "rejected": s["rejected"], "hit_ratio": s["hit_ratio"]}
 
 
 def _tiered(args: argparse.Namespace) -> bool:

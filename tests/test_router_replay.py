@@ -11,6 +11,7 @@ import os
 import pytest
 
 from bench import Reporter, benchmark_module
+from bench.router_tuning import KNOBS
 from router.cost_model import CostBook, PrefillCost
 from router.node_view import PrefillLedger
 from router.placement import Placement, PlacementPolicy, TtftPolicy
@@ -126,7 +127,7 @@ def test_the_cost_book_learns_each_nodes_speed_from_a_generic_prior():
 def test_one_admission_gate_for_every_policy_and_rejections_are_misses():
     cfg = SimConfig(prefill_nodes=2, decode_nodes=1, load=3.0, step_noise=0.0)  # overloaded
     reqs = [TraceRequest(i * 0.1, 6000, 10) for i in range(200)]
-    gated = simulate("rr", reqs, cfg, RoundRobin(), CostBook(), None, admission="same_for_all")
+    gated = simulate("rr", reqs, cfg, RoundRobin(), CostBook(), None, admission="pdserve_model")
     open_ = simulate("rr", reqs, cfg, RoundRobin(), CostBook(), None, admission="none")
     assert gated.rejected > 0 and open_.rejected == 0
     assert sum(math.isnan(x) for x in gated.ttft_s) == gated.rejected and len(gated.ttft_s) == 200
@@ -140,7 +141,7 @@ def test_one_admission_gate_for_every_policy_and_rejections_are_misses():
 def test_summary_over_a_common_set_of_requests():
     cfg = SimConfig(prefill_nodes=2, decode_nodes=1, load=3.0, step_noise=0.0)
     reqs = [TraceRequest(i * 0.1, 6000, 10) for i in range(100)]
-    r = simulate("rr", reqs, cfg, RoundRobin(), CostBook(), None, admission="same_for_all")
+    r = simulate("rr", reqs, cfg, RoundRobin(), CostBook(), None, admission="pdserve_model")
     served = [not math.isnan(x) for x in r.ttft_s]
     first_ten = [i < 10 for i in range(100)]
     s = r.summary([a and b for a, b in zip(served, first_ten)])
@@ -168,19 +169,26 @@ def _run(redis_url, trace, n, *extra):
     return out
 
 
+def _table(out, mode="none", seed=0):
+    """One admission mode's, one seed's comparison."""
+    return out["per_seed"][mode][str(seed)]
+
+
 @needs_traces
 def test_replay_conversation_slice_every_policy(redis_url):
-    out = _run(redis_url, CONV, 400)
-    assert out["admission"] == "same_for_all" and out["tuned_on"] == "conversation_trace.jsonl:tune"
-    pol = out["policies"]
+    out = _run(redis_url, CONV, 400, "--seeds", "0", "--admission", "queue_bound")
+    assert out["admission"] == ["queue_bound"] and out["tuned_on"] == "conversation_trace.jsonl:tune"
+    assert out["seeds"] == [0] and out["seed_role"] == "development"
+    one = _table(out, "queue_bound")
+    pol = one["policies"]
     assert set(pol) >= {"pdserve", "round_robin", "least_loaded", "longest_prefix", "sglang_cache_aware",
-                        "dynamo_kv", "llmd_weighted", "global_pool"}
+                        "dynamo_kv", "llmd_weighted", "global_pool", "dynamo_kv+fetch"}
     for name, s in pol.items():
         assert {"hit_ratio", "goodput_rps", "ttft_mean_s", "ttft_p99_s", "imbalance", "rejected",
                 "redis_rtt_per_request"} <= set(s)
         assert s["redis_rtt_per_request"] <= 1.0
-        assert s["ttft_requests"] == out["ttft_requests"]  # TTFT statistics over the same requests
-        assert s["hit_ratio"] <= out["global_pool_hit_ratio"] + 0.02, name  # the pool is an upper bound
+        assert s["ttft_requests"] == one["ttft_requests"]  # TTFT statistics over the same requests
+        assert s["hit_ratio"] <= one["global_pool_hit_ratio"] + 0.02, name  # the pool is an upper bound
     assert pol["pdserve"]["redis_rtt_per_request"] == 1.0
     for own_tree in ("round_robin", "sglang_cache_aware", "llmd_weighted"):  # no KV-event index
         assert pol[own_tree]["redis_rtt_per_request"] == 0.0
@@ -188,28 +196,47 @@ def test_replay_conversation_slice_every_policy(redis_url):
     assert pol["pdserve"]["hit_ratio"] > 2 * pol["round_robin"]["hit_ratio"]
     assert pol["pdserve"]["index_exact_fraction"] >= 0.95
     assert pol["pdserve"]["constant"] == benchmark_module("router").constants("pdserve")
+    # the shared tier: the peer fetches, and the same peer without it does not
+    assert pol["dynamo_kv+fetch"]["fetched_tokens"] > 0 == pol["dynamo_kv"]["fetched_tokens"]
+    gated = out["gated"]
+    assert "headline" not in out and gated["admission"] == "queue_bound"
+    assert gated["policies"]["pdserve"]["goodput_rps"]["mean"] == pol["pdserve"]["goodput_rps"]
+    assert gated["capability_result"]["ratios"]["dynamo_kv"]["against"] == "dynamo_kv+fetch"
+    assert out["all_interior"] and out["tuning_check"]["dynamo_kv"]["knobs"]["overlap_weight"]["position"] == "interior"
 
 
 @needs_traces
 def test_replay_without_admission_serves_everything(redis_url):
-    out = _run(redis_url, AZURE, 400, "--policies", "pdserve", "least_loaded", "global_pool", "--admission", "none")
-    pol = out["policies"]
-    assert out["admission"] == "none" and out["ttft_requests"] == 400
-    assert all(s["rejected"] == 0 for s in pol.values())
-    assert pol["pdserve"]["hit_ratio"] == pol["least_loaded"]["hit_ratio"] == 0.0
-    assert pol["pdserve"]["redis_rtt_per_request"] == 0.0  # no prefix blocks: nothing to look up
+    out = _run(redis_url, AZURE, 400, "--policies", "pdserve", "least_loaded", "global_pool", "--admission", "none",
+               "--seeds", "0,7")
+    assert out["admission"] == ["none"] and out["seeds"] == [0, 7]
+    for seed in (0, 7):
+        one = _table(out, seed=seed)
+        pol = one["policies"]
+        assert one["ttft_requests"] == 400
+        assert all(s["rejected"] == 0 for s in pol.values())
+        assert pol["pdserve"]["hit_ratio"] == pol["least_loaded"]["hit_ratio"] == 0.0
+        assert pol["pdserve"]["redis_rtt_per_request"] == 0.0  # no prefix blocks: nothing to look up
+    head = out["headline"]["policies"]["pdserve"]["goodput_rps"]
+    assert head["n"] == 2 and head["lo"] <= head["mean"] <= head["hi"]
 
 
 @needs_traces
 def test_splits_and_tuning(redis_url):
-    tune = _run(redis_url, CONV, 200, "--split", "tune", "--policies", "pdserve", "round_robin")
-    hold = _run(redis_url, CONV, 200, "--split", "holdout", "--policies", "pdserve")
+    tune = _run(redis_url, CONV, 200, "--split", "tune", "--policies", "pdserve", "round_robin", "--seeds", "0",
+                "--admission", "none")
+    hold = _run(redis_url, CONV, 200, "--split", "holdout", "--policies", "pdserve", "--seeds", "0",
+                "--admission", "none")
     assert (tune["requests"], hold["requests"], tune["split"]) == (100, 100, "tune")
-    swept = _run(redis_url, CONV, 200, "--split", "tune", "--tune", "--policies", "pdserve", "round_robin")
+    swept = _run(redis_url, CONV, 200, "--split", "tune", "--tune", "--policies", "pdserve", "round_robin",
+                 "--seeds", "0", "--admission", "none")
     assert set(swept["chosen"]) == {"pdserve"}  # round robin has nothing to tune
     runs = swept["tuning"]["pdserve"]
-    assert [r["constants"]["compute_weight"] for r in runs] == [0.0, 1.0, 2.0, 4.0, 8.0]
+    grid = list(KNOBS["pdserve"]["compute_weight"].grid)
+    assert [r["constants"]["compute_weight"] for r in runs] == grid
     assert swept["chosen"]["pdserve"] in [r["constants"] for r in runs]
+    assert swept["tuning_check"]["pdserve"]["knobs"]["compute_weight"]["grid"] == grid
+    assert swept["tuning_seeds"] == [0]
 
 
 # -- tiers ---------------------------------------------------------------------------------------------
@@ -272,14 +299,15 @@ def test_the_global_pool_gets_every_tier_of_every_node():
 def test_replay_with_tiers_reports_hits_per_tier(redis_url):
     out = _run(redis_url, CONV, 300, "--cache-tokens", "100000", "--host-cache-tokens", "200000",
                "--disk-cache-tokens", "800000", "--admission", "none", "--policies", "pdserve", "pdserve_no_fetch",
-               "dynamo_kv", "llmd_weighted", "global_pool")
+               "dynamo_kv", "llmd_weighted", "global_pool", "--seeds", "0")
     assert out["config"]["host_cache_tokens"] == 200_000 and out["config"]["disk_cache_tokens"] == 800_000
-    pol = out["policies"]
+    one = _table(out)
+    pol = one["policies"]
     for name, s in pol.items():
         assert set(s["hit_tokens"]) == {"device", "host", "disk", "remote"}
         assert sum(s["hit_tokens"].values()) == pytest.approx(s["hit_ratio"] * sum(
             r.input_tokens for r in load_trace(CONV, 300)), abs=1), name
-        assert s["hit_vs_global_pool"] == pytest.approx(s["hit_ratio"] / out["global_pool_hit_ratio"])
+        assert s["hit_vs_global_pool"] == pytest.approx(s["hit_ratio"] / one["global_pool_hit_ratio"])
     lower = pol["pdserve_no_fetch"]["hit_tokens"]
     assert lower["host"] > 0 and lower["disk"] > 0  # the small device pools spill into both tiers
     assert pol["pdserve"]["hit_tokens"]["remote"] > 0 and pol["pdserve_no_fetch"]["hit_tokens"]["remote"] == 0

@@ -4,6 +4,7 @@ and load (``SimConfig``). No policy is given any of it: pdserve's cost book star
 generic prior and learns the nodes from their reports, as in production."""
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,7 +67,7 @@ class SimConfig:
     load: float = 0.8  # offered prefill work without any cache hit / total prefill capacity
     truth: NodeTruth = NodeTruth()
     tiers: TierTruth = TierTruth()
-    speed_spread: float = 0.4  # prefill node i's time x (1 + spread * (i / (N-1) - 1/2)): 0.8x-1.2x
+    speed_spread: float = 0.4  # prefill node i's time x (1 + spread * (rank(i) / (N-1) - 1/2)): 0.8x-1.2x
     step_noise: float = 0.1  # sigma of the log-normal factor on each prefill's time
     decode_cost: DecodeCost = DecodeCost()
     kv_bytes_per_token: int = 131072
@@ -74,11 +75,24 @@ class SimConfig:
     decode_max_batch: int = 128
     report_delay_s: float = 0.5  # a step report reaches the cost book one router refresh later
     slo_class: str = "standard"
+    # The step noise's draws and the order of the nodes' speeds: seed 0 keeps node i at rank i
+    # (prefill-0 the fastest, the figures before issue 45), any other seed shuffles the ranks.
     seed: int = 0
+    # The queue-bound gate (admission "queue_bound"): a request whose true wait on the node its
+    # policy chose exceeds this fraction of its TTFT budget is rejected, whatever the policy.
+    gate_queue_fraction: float = 1.0
 
     def speed(self, i: int) -> float:
         n = self.prefill_nodes
-        return 1.0 + (self.speed_spread * (i / (n - 1) - 0.5) if n > 1 else 0.0)
+        return 1.0 + (self.speed_spread * (self.speed_rank(i) / (n - 1) - 0.5) if n > 1 else 0.0)
+
+    def speed_rank(self, i: int) -> int:
+        """Prefill node i's place in speed order, 0 the fastest."""
+        if self.seed == 0:
+            return i
+        ranks = list(range(self.prefill_nodes))
+        random.Random(self.seed).shuffle(ranks)
+        return ranks[i]
 
     def blocks(self, tokens: int) -> int:
         return max(0, tokens // self.block_size)

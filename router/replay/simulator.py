@@ -30,9 +30,18 @@ What the router sees is what the live one sees:
     one in full (a router does not know when a node started it);
   * no decode backlog (the live ledger has none), only the decode nodes' heartbeats.
 
-Admission: "same_for_all" puts every policy's choice through one gate, ``decide`` on the
-estimate of the chosen pair from the same online cost book and ledger (pdserve's own estimate
-is that estimate); a rejection is an SLO miss. "none": nobody rejects.
+Admission, the same rule for every policy; a rejection is an SLO miss:
+  "none"           nobody rejects.
+  "queue_bound"    policy-neutral: a request whose true wait on the prefill node its policy
+                   chose (the queued work ahead of it there) exceeds ``gate_queue_fraction`` of
+                   its TTFT budget is rejected. No policy's model enters it.
+  "pdserve_model"  ``decide`` on the estimate of the chosen pair from pdserve's cost book and
+                   ledger (pdserve's own estimate is that estimate): pdserve's model judging
+                   the others' choices, which favours pdserve; kept as a secondary figure.
+
+``shared_fetch`` gives a policy without fetch of its own a shared tier at fetch's bandwidth:
+the chosen node loads whatever longer prefix another prefill node holds, from that node, as
+pdserve's fetch would (the capability comparison).
 
 Placement happens at arrival; a FIFO node whose service time is drawn at dispatch then fixes
 the request's start and finish at once, so the loop is one pass over the trace. What the router
@@ -46,7 +55,7 @@ import heapq
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kv_index.events import BlockRemoved, BlockStored, KVEvent, fold_kv_events_by_tier
 from kv_index.nodes import NodeInfo, PrefixMatch, Role, StepReport
@@ -66,7 +75,7 @@ from router.replay.traces import TraceRequest
 __all__ = ["ADMISSION_MODES", "IndexLink", "LruCache", "NodeTruth", "PolicyResult", "SimConfig", "TierTruth",
            "TieredCache", "simulate", "time_scale"]
 
-ADMISSION_MODES = ("same_for_all", "none")
+ADMISSION_MODES = ("none", "queue_bound", "pdserve_model")
 
 
 # ----------------------------------------------------------------------------- nodes
@@ -130,9 +139,9 @@ class _Run:
     """One policy over one trace: the nodes, the router's state and the timed events."""
 
     def __init__(self, name: str, cfg: SimConfig, policy: PlacementPolicy | None, costs: CostBook,
-                 index: IndexLink | None, admission: str, global_pool: bool) -> None:
+                 index: IndexLink | None, admission: str, global_pool: bool, shared_fetch: bool = False) -> None:
         self.cfg, self.policy, self.costs, self.index = cfg, policy, costs, index
-        self.admission, self.global_pool = admission, global_pool
+        self.admission, self.global_pool, self.shared_fetch = admission, global_pool, shared_fetch
         dev, host, disk = cfg.blocks(cfg.cache_tokens), cfg.blocks(cfg.host_cache_tokens), cfg.blocks(
             cfg.disk_cache_tokens)
         self.prefill = [_Prefill(f"prefill-{i}", TieredCache(max(1, dev), host, disk), cfg.speed(i))
@@ -214,6 +223,24 @@ class _Run:
                 self.res.freshness_s.extend(t - self.last_event_at[x] for x in ids)
         return self.policy.choose(rreq, infos, matched, backlog), matched
 
+    def admits(self, p: _Prefill, t: float, est: Estimate, prompt: int) -> bool:
+        if self.admission == "queue_bound":
+            return max(0.0, p.free_at - t) <= self.cfg.gate_queue_fraction * self.slo.ttft_budget_s(prompt)
+        if self.admission == "pdserve_model":
+            return decide(est, self.slo, prompt).admit
+        return True
+
+    def longest_holder(self, p: _Prefill, hashes: Sequence[int]) -> str | None:
+        """The shared tier's source for p: the prefill node that holds the longest prefix of
+        ``hashes`` in any tier, if longer than p's own (ties: the first node)."""
+        own = p.cache.match(hashes).blocks
+        best, holder = own, None
+        for q in self.prefill:
+            held = q.cache.match(hashes).blocks if q is not p else 0
+            if held > best:
+                best, holder = held, q.node_id
+        return holder
+
     def serve(self, p: _Prefill, pl: Placement, hashes: Sequence[int], prompt: int) -> _Served:
         """What the nodes really hold and move for this request (nothing changes yet)."""
         cfg, bs, kvb = self.cfg, self.cfg.block_size, self.cfg.kv_bytes_per_token
@@ -244,14 +271,16 @@ class _Run:
         # 2. Placement.
         pl, matched = self.place(i, rreq, infos, backlog)
         p, d = self.by_id[pl.prefill_node.node_id], self.decode_by_id[pl.decode_node.node_id]
-        # 3. Admission: one gate for every policy.
+        # 3. Admission: the same rule for every policy.
         est = pl.estimate if pl.estimate is not None else _estimate(self.gate, rreq, pl, backlog, matched)
-        if self.admission == "same_for_all" and not decide(est, self.slo, prompt).admit:
+        if not self.admits(p, t, est, prompt):
             res.rejected += 1
             res.ttft_s.append(math.nan)
             return
         if self.side is not None:
             self.side.routed(rreq, pl)
+        if self.shared_fetch and pl.fetch_from is None:
+            pl = replace(pl, fetch_from=self.longest_holder(p, hashes))
         self.ledger.add(p.node_id, str(i), est.compute_s)
         # 4. What the nodes really do: load and prefill on p (FIFO), transfer, a decode slot.
         served = self.serve(p, pl, hashes, prompt)
@@ -303,17 +332,18 @@ class _Run:
 
 
 def simulate(name: str, requests: Sequence[TraceRequest], cfg: SimConfig, policy: PlacementPolicy | None,
-             costs: CostBook, index: IndexLink | None, *, admission: str = "same_for_all",
-             global_pool: bool = False, scale: float | None = None) -> PolicyResult:
+             costs: CostBook, index: IndexLink | None, *, admission: str = "none",
+             global_pool: bool = False, scale: float | None = None, shared_fetch: bool = False) -> PolicyResult:
     """Replay ``requests`` under ``policy``. ``global_pool``: one shared cache of all nodes'
     capacity, tier by tier, and least-backlog placement on the true queues (the upper bound on
-    the hit ratio: no policy, no index). ``costs`` is the router's cost book: pass a fresh one
-    (generic prior) per run."""
+    the hit ratio: no policy, no index). ``shared_fetch``: the chosen node fetches a longer
+    prefix from the node that holds it (a peer given pdserve's fetch). ``costs`` is the
+    router's cost book: pass a fresh one (generic prior) per run."""
     if admission not in ADMISSION_MODES:
         raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {admission!r}")
     rng = random.Random(cfg.seed)  # one draw per request in trace order: the same noise for every policy
     scale = time_scale(requests, cfg) if scale is None else scale
-    run = _Run(name, cfg, policy, costs, index, admission, global_pool)
+    run = _Run(name, cfg, policy, costs, index, admission, global_pool, shared_fetch)
     rt0 = index.reader.round_trips if index else 0
     t_first = requests[0].arrival_s if requests else 0.0
     run.res.span_s = (requests[-1].arrival_s - t_first) * scale if requests else 0.0
