@@ -62,18 +62,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", default=None)
 
 
-def _round(rig: Rig, cold: bool) -> dict:
-    """One round on a pool in id order (the prompt's blocks one run): host down and back, then
-    disk down and back."""
+def _host_round(rig: Rig, seed: int | None):
+    """The pool laid out by ``seed`` (None: in id order), a prompt's blocks down to the host tier
+    and back -> (figures, the tokens, their KV before, whether it came back exact)."""
     import torch
 
-    rig.lay_out(None)
+    rig.lay_out(seed)
     tokens = rig.new_blocks()
     original = rig.pool[:, rig.block_ids(tokens)].clone()
     out = {"host_offload_s": rig.offload_host()}
     rig.evict_device(tokens)
     _, out["host_onboard_s"], ids, out["copy_runs"] = rig.onboard(tokens)
-    exact = torch.equal(rig.pool[:, ids], original)
+    return out, tokens, original, torch.equal(rig.pool[:, ids], original)
+
+
+def _round(rig: Rig, cold: bool) -> dict:
+    """One round on a pool in id order (the prompt's blocks one run): host down and back, then
+    disk down and back."""
+    import torch
+
+    out, tokens, original, exact = _host_round(rig, None)
     rig.evict_device(tokens)
     out["disk_offload_unsynced_s"], out["disk_offload_s"] = rig.spill_all(tokens)
     rig.tiers.host.clear()
@@ -91,15 +99,7 @@ def _round(rig: Rig, cold: bool) -> dict:
 
 def _fragmented_round(rig: Rig, seed: int) -> dict:
     """Host down and back with the prompt's blocks scattered over the pool (after churn)."""
-    import torch
-
-    rig.lay_out(seed)
-    tokens = rig.new_blocks()
-    original = rig.pool[:, rig.block_ids(tokens)].clone()
-    out = {"host_offload_s": rig.offload_host()}
-    rig.evict_device(tokens)
-    _, out["host_onboard_s"], ids, out["copy_runs"] = rig.onboard(tokens)
-    out["bit_exact"] = torch.equal(rig.pool[:, ids], original)
+    out, _, _, out["bit_exact"] = _host_round(rig, seed)
     rig.tiers.host.clear()
     return out
 

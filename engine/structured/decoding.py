@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import llguidance
 import torch
@@ -245,10 +245,12 @@ class StructuredDecoding:
 
     def _settle(self) -> None:
         """Wait for an overlapped fill still running (a step whose forward failed before its
-        masks were applied): nothing may touch a matcher while it is being filled."""
+        masks were applied): nothing may touch a matcher while it is being filled. Its error,
+        if any, is the step's (``StepMasks.apply`` raised it, or the forward failed first), not
+        the next call's."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.result()
+            wait([pending])
 
     def _native(self) -> llguidance.LLExecutor:
         if self._executor is None:
