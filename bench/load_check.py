@@ -78,16 +78,18 @@ def level_figures(out: dict, clients: int, seconds: float) -> dict:
     }
 
 
-def verdict(at_1x: dict, at_overload: dict, within_bound: bool) -> dict:
-    """The ratio of the two levels' done rates and the checks (module docstring)."""
+def verdict(at_1x: dict, at_overload: dict, within_bound: bool, done_ratio_min: float = DONE_RATIO_MIN) -> dict:
+    """The ratio of the two levels' done rates and the checks (module docstring). A smoke run of
+    a few seconds on a busy machine passes ``done_ratio_min=0``: a rate is a benchmark's figure,
+    never a test's assertion; the ratio is still computed and reported."""
     rate, rate_1x = at_overload["done_per_s"], at_1x["done_per_s"]
     ratio = rate / rate_1x if rate_1x > 0 else None  # nothing served at 1x: no reference, a failure
     checks = {
         "errors": at_1x["errors"] == 0 and at_overload["errors"] == 0,
         "bad_200": at_1x["bad_200"] == 0 and at_overload["bad_200"] == 0,
         "within_bound": within_bound,
-        "done_ratio_vs_1x": ratio is not None and ratio >= DONE_RATIO_MIN,
+        "done_ratio_vs_1x": ratio is not None and ratio >= done_ratio_min,
     }
     return {"done_per_s": rate, "done_per_s_at_1x": rate_1x,
-            "done_ratio_vs_1x": None if ratio is None else round(ratio, 3), "done_ratio_min": DONE_RATIO_MIN,
+            "done_ratio_vs_1x": None if ratio is None else round(ratio, 3), "done_ratio_min": done_ratio_min,
             "checks": checks, "passed": all(checks.values())}

@@ -133,12 +133,12 @@ class _KVTransferService(kv_pb2_grpc.KVTransferServicer):
         if problem:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         node.admit(context)  # a reservation is a new request here
-        hashes = hash_prompt_blocks(prompt, bs, eng.fingerprint.encode())
+        hashes = hash_prompt_blocks(prompt, bs, eng.fingerprint.encode(), salt=request.cache_salt)
         if request.block_hashes and list(request.block_hashes) != hashes[: len(request.block_hashes)]:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "block_hashes do not match the prompt's chained hashes for this model")
         try:
-            got = node.aengine.reserve_kv(rid, prompt)
+            got = node.aengine.reserve_kv(rid, prompt, request.cache_salt)
         except InvalidRequestError as err:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(err))
         except EngineStoppedError as err:
@@ -225,7 +225,8 @@ class _DecodeService(kv_pb2_grpc.DecodeNodeServicer):
                 self.node.admit(context, accepted=self.node.reservations.get(rid) is not None)
                 self._drop_for_recompute(rid, context)
                 stream = self.node.aengine.add_request(prompt, params, request_id=rid,
-                                                       resumed_output_tokens=request.resumed_output_tokens)
+                                                       resumed_output_tokens=request.resumed_output_tokens,
+                                                       cache_salt=request.cache_salt)
         except InvalidRequestError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except EngineStoppedError as err:
@@ -252,7 +253,7 @@ class _DecodeService(kv_pb2_grpc.DecodeNodeServicer):
         try:
             return self.node.aengine.add_prefilled_request(
                 rid, prompt, list(request.first_token_ids), params, num_cached_tokens=request.cached_prompt_tokens,
-                resumed_output_tokens=request.resumed_output_tokens)
+                resumed_output_tokens=request.resumed_output_tokens, cache_salt=request.cache_salt)
         except InvalidRequestError:
             self.node.aengine.release_kv(rid)  # taken off the table above: nobody else will
             raise

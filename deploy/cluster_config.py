@@ -52,6 +52,8 @@ class ClusterConfig:
                         "throwaway CA")
     api_keys: tuple[str, ...] = like(RouterConfig, "api_keys", help="clients must send this key (repeatable; default "
                                      "$PDSERVE_API_KEY, comma-separated)")  # () = none
+    # Whether API keys share cached prompt blocks (router/prepare.py): "key" (default) keeps them apart.
+    cache_salt_scope: str = like(RouterConfig, "cache_salt_scope")
     # The router's fault handling (router/config.py): times a request whose node failed is placed
     # again, and the step-time factor past which a decode node is left out (0: never).
     max_migrations: int = like(RouterConfig, "max_migrations")

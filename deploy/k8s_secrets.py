@@ -3,9 +3,12 @@ before every upgrade, create the release's generated Secrets, each only if it do
 
     --redis-password-secret NAME   key `password`: the built-in Redis's password
     --api-key-secret NAME          key `--api-key-key`: one API key clients send
+    --cluster-token-secret NAME    key `token`: the secret nodes sign prefix fetches with
     --tls-secret NAME              `tls.crt`, `tls.key`, `ca.crt`: a CA and the one member
                                    certificate (serverAuth + clientAuth, the `--tls-name`s and
-                                   loopback), valid `--tls-days` (security/ca.py)
+                                   loopback), valid `--tls-days` (security/ca.py); `client.crt`,
+                                   `client.key`: a client certificate for the router's clients
+                                   (tls.clientAuth), which nodes refuse
 
 Why a hook rather than the chart's templates: Helm's random functions give a new value on every
 render and `lookup` is empty under `helm template` (and the GitOps tools that render that way),
@@ -53,21 +56,28 @@ def redis_password() -> dict[str, bytes]:
     return {"password": "".join(secrets.choice(alphabet) for _ in range(32)).encode()}
 
 
+def cluster_token() -> dict[str, bytes]:
+    # 64 url-safe characters: past security/cluster_token.py's 32-character floor.
+    return {"token": secrets.token_urlsafe(48).encode()}
+
+
 def api_key(key: str) -> dict[str, bytes]:
     return {key: f"pdk-{secrets.token_urlsafe(32)}".encode()}
 
 
 def tls_bundle(names: Sequence[str], days: int, common_name: str = "pdserve release CA") -> dict[str, bytes]:
     """A fresh CA and one member certificate for ``names`` and loopback, as a kubernetes.io/tls
-    Secret's data plus ``ca.crt``. The CA's key dies with this call: nothing else can be signed."""
+    Secret's data plus ``ca.crt``, and a client certificate (``client.crt``, ``client.key``):
+    made now or never, since the CA's key dies with this call."""
     from security.ca import ThrowawayCA, private_dir
 
     directory = private_dir("pdserve-k8s-tls-")
     try:
-        member = ThrowawayCA(directory, common_name, valid_days=days).issue(
-            "member", hosts=(*names, "127.0.0.1", "::1"))
+        ca = ThrowawayCA(directory, common_name, valid_days=days)
+        member, client = ca.issue("member", hosts=(*names, "127.0.0.1", "::1")), ca.issue_client("client")
         return {"tls.crt": Path(member.cert_file).read_bytes(), "tls.key": Path(member.key_file).read_bytes(),
-                "ca.crt": Path(member.ca_file).read_bytes()}
+                "ca.crt": Path(member.ca_file).read_bytes(), "client.crt": Path(client.cert_file).read_bytes(),
+                "client.key": Path(client.key_file).read_bytes()}
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -78,6 +88,8 @@ def wanted_from_args(args: argparse.Namespace) -> list[Wanted]:
         out.append(Wanted(args.redis_password_secret, redis_password))
     if args.api_key_secret:
         out.append(Wanted(args.api_key_secret, lambda: api_key(args.api_key_key)))
+    if args.cluster_token_secret:
+        out.append(Wanted(args.cluster_token_secret, cluster_token))
     if args.tls_secret:
         if not args.tls_name:
             raise SystemExit("--tls-secret needs at least one --tls-name")
@@ -148,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-password-secret", help="Secret for the built-in Redis's password (key `password`)")
     p.add_argument("--api-key-secret", help="Secret for one generated API key")
     p.add_argument("--api-key-key", default="api-key", help="key of the API key in that Secret")
+    p.add_argument("--cluster-token-secret", help="Secret for the nodes' cluster token (key `token`)")
     p.add_argument("--tls-secret", help="Secret for a generated CA and member certificate")
     p.add_argument("--tls-name", action="append", default=[], help="a DNS name of the certificate (repeatable)")
     p.add_argument("--tls-days", type=int, default=365, help="days the certificate and its CA are valid")

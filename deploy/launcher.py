@@ -185,15 +185,19 @@ class LocalCluster:
 
     def _forget_node_health(self) -> None:
         """A new cluster: failures that nodes of an earlier one recorded under this namespace
-        (a shared --redis-url) must not count against these (node/start_guard.py)."""
+        (a shared --redis-url) must not count against these (node/start_guard.py); nor may its
+        role wishes and pool targets steer these nodes, which take its node ids again
+        (kv_index/roles.py: a new generation)."""
         from kv_index.client import redis_client
         from kv_index.health import HealthStore
+        from kv_index.roles import start_generation
 
         r = redis_client(self.redis_url)
         try:
             store = HealthStore(r, self.config.namespace)
             for nid in store.read_all():
                 store.clear(nid)
+            start_generation(r, self.config.namespace)
         finally:
             r.close()
 

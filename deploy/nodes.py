@@ -25,6 +25,10 @@ With ``--follow-targets`` the counts come from the pool targets the planner writ
 instead, within ``--min-/--max-{prefill,decode}-nodes``, one node added or drained and removed at
 a time (deploy/pool_controller.py); the flags' counts hold while no target is set.
 
+A ``--host`` other than loopback needs TLS or a shared ``--cluster-token-file``: without either
+any peer on the network could call the nodes as a member; ``--insecure-bind`` says to serve so
+anyway, and the refusal says why (``bind_problem``).
+
 Actors are detached: they outlive this process, so a restarted supervisor adopts them by name
 instead of starting a second set. The node binds ``--host`` and registers the address of the
 machine it lands on (node/actor.py ``with_advertised_host``).
@@ -32,6 +36,7 @@ machine it lands on (node/actor.py ``with_advertised_host``).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import re
@@ -97,6 +102,7 @@ class NodeTemplate:
     tls_key_file: str | None = like(NodeConfig, "tls_key_file")
     tls_ca_file: str | None = like(NodeConfig, "tls_ca_file")
     tls_server_name: str | None = like(NodeConfig, "tls_server_name")
+    cluster_token_file: str | None = like(NodeConfig, "cluster_token_file")  # the prefix-fetch link without TLS
 
     def config(self, role: Role, index: int, **fields) -> NodeConfig:
         role = Role(role)
@@ -302,6 +308,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_pool_arguments(p)  # --follow-targets and the pool bounds
     p.add_argument("--once", action="store_true", help="one pass, then exit (the actors stay)")
+    p.add_argument("--insecure-bind", action="store_true",
+                   help="serve on a non-loopback --host with neither TLS nor --cluster-token-file (refused otherwise: "
+                        "docs/security.md)")
     p.add_argument("--connect-timeout-s", type=float, default=300.0, help="how long to wait for Ray to answer")
 
 
@@ -343,6 +352,30 @@ def tensor_parallel_sizes(a: argparse.Namespace) -> tuple[int, int]:
     return sizes
 
 
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name, or every interface: reachable from elsewhere
+        return False
+
+
+def bind_problem(t: NodeTemplate) -> str:
+    """Why the nodes must not serve as ``t`` says without ``--insecure-bind`` ("" if they may).
+    Without TLS and without a cluster token, anyone who reaches a node's ports may call it like a
+    member: name a holder to fetch KV from (which then serves every user as cached blocks), ask
+    it to push prefixes and pin its pool, push KV into what it reserved."""
+    if is_loopback_host(t.host) or (t.tls_cert_file and t.tls_ca_file) or t.cluster_token_file:
+        return ""
+    return (f"the nodes would bind {t.host!r}, which is not loopback, with TLS off and no cluster token: any peer that "
+            "reaches their ports could call them as a cluster member (fetch KV from a holder of its choosing that "
+            "then serves every user, pin their pools, make them dial out). Give them TLS (--tls-cert-file, "
+            "--tls-key-file, --tls-ca-file) or a shared --cluster-token-file, bind --host 127.0.0.1, or pass "
+            "--insecure-bind to serve in plaintext on this network anyway (docs/security.md)")
+
+
 def _connect(address: str, namespace: str, timeout_s: float) -> None:
     """``ray.init`` until the cluster answers: beside a Ray head that is still starting, the
     first tries fail."""
@@ -367,11 +400,19 @@ def run(a: argparse.Namespace, engine: EngineConfig) -> int:
         from deploy.pool_runners import follow_targets, pool_bounds
 
         pool_bounds(a)  # refused before Ray is asked anything
+    problem = bind_problem(template)
+    if problem and not a.insecure_bind:
+        raise SystemExit(f"error: {problem}")
+    if problem:
+        log.warning("--insecure-bind: %s", problem)
     counts = {role: getattr(a, f"{role.value}_nodes") for role in Role}
     resources = {role: PoolResources(gpu=getattr(a, f"{role.value}_gpu"),
                                      accelerator_type=getattr(a, f"{role.value}_accelerator_type")) for role in Role}
     _connect(a.ray_address, a.namespace, a.connect_timeout_s)
     supervisor = NodeSupervisor(template, counts, resources)
+    from deploy.pool_runners import begin_generation
+
+    begin_generation(template)  # no node to adopt: a fresh cluster, earlier wishes dropped
     for nid in supervisor.reset_down():
         log.info("%s was down; trying it again", nid)
     stop = threading.Event()

@@ -11,11 +11,14 @@ idle and the autoscaler removes it (down to its minReplicas).
 
 Each pass:
 
-    observe   node actors by name (``prefill-3``) in the Ray namespace, joined with the registry:
-              a registered node counts in the role it serves now (a node whose role was switched
-              live, kv_index/roles.py, counts in its new one), a node not registered yet is
-              "starting" and counts in its name's role; a draining one counts in none; one that
-              stays down (`pdserve nodes`: failed its starts, kv_index/health.py) keeps its place
+    observe   node actors by name (``prefill-3``) in the Ray namespace, joined with the registry
+              and the role wishes (kv_index/roles.py): a node with a standing wish for another
+              role than it serves is "switching" and counts in the wished one, before and during
+              its drain, as the planner that wrote the wish (and the targets with it) counts it;
+              else a registered node counts in the role it serves now (a node whose role was
+              switched live counts in its new one), a node not registered yet is "starting" and
+              counts in its name's role; a draining one counts in none; one that stays down
+              (`pdserve nodes`: failed its starts, kv_index/health.py) keeps its place
     decide    ``decide()``, pure: wanted = target clamped to [min, max] (a role without a target
               keeps its size, clamped); hold during the cool-down after a change and while a node
               it added is still starting; a node that has not registered after ``start_timeout_s``
@@ -23,8 +26,11 @@ Each pass:
               add one node to the role furthest below what it wants (adding goes first:
               capacity before savings), or remove one from the role furthest above: a down node
               (its record is cleared), else a starting one, else the idlest by the registry's load (waiting + running, then
-              running tokens), never the last serving decode node
-    act       add: spawn a node actor with a fresh id (the lowest free index of its role);
+              running tokens), never a switching one, never the last serving decode node
+    act       add: spawn a node actor with a fresh id: the lowest index of its role above every
+              one issued or removed before (kept in Redis, kv_index/pool_targets.py ``retire``:
+              across controller restarts too), so nothing keyed by a node id (a role wish, a
+              health record, index entries) passes to a new node;
               remove: the actor's ``stop(drain_timeout_s)`` (it heartbeats ``draining`` so
               routers place nothing new there, finishes what it holds, leaves the index), then
               ``ray.kill`` and, should its process outlive that (a frozen worker), SIGKILL
@@ -54,6 +60,8 @@ ADD, REMOVE = "add", "remove"
 # (kv_index/health.py): it keeps its place in its pool, as under `pdserve nodes` without
 # targets, so that a bad model path does not turn into a spawn every cool-down.
 STARTING, SERVING, DRAINING, DOWN = "starting", "serving", "draining", "down"
+# SWITCHING: a standing role wish for another role than it serves; counted in the wished role.
+SWITCHING = "switching"
 
 
 def node_name_role(name: str) -> tuple[Role, int] | None:
@@ -98,7 +106,7 @@ class PoolNode:
 
     node_id: str
     role: Role  # the role it serves (registry), or its name's role while it starts
-    state: str = SERVING  # STARTING (not registered yet), SERVING, DRAINING, DOWN
+    state: str = SERVING  # STARTING (not registered yet), SERVING, SWITCHING, DRAINING, DOWN
     load: int = 0  # waiting + running, as of its last heartbeat
     running_tokens: int = 0
     starting_s: float = 0.0  # seconds since the controller first saw it starting
@@ -126,8 +134,10 @@ def wanted(nodes: Sequence[PoolNode], targets: Mapping[Role, int], bounds: PoolB
     return out
 
 
-def fresh_id(role: Role, taken: set[str]) -> str:
-    i = 0
+def fresh_id(role: Role, taken: set[str], issued: int = -1) -> str:
+    """The lowest id of ``role`` above ``issued`` (the highest index ever issued or removed)
+    that nothing holds now."""
+    i = issued + 1
     while f"{role.value}-{i}" in taken:
         i += 1
     return f"{role.value}-{i}"
@@ -143,10 +153,11 @@ def _removal_order(n: PoolNode) -> tuple:
 
 def decide(nodes: Sequence[PoolNode], targets: Mapping[Role, int], bounds: PoolBounds, *, now: float,
            last_change_at: float | None, cooldown_s: float, start_timeout_s: float = 300.0,
-           taken: set[str] = frozenset(), note: str = "") -> Decision:
+           taken: set[str] = frozenset(), note: str = "", issued: Mapping[Role, int] | None = None) -> Decision:
     """At most one change that brings the pools toward their targets. ``taken``: node ids
     already in use (actors and registry entries) besides ``nodes``'; ``note``: the targets'
-    reason, carried into the change's. Pure: no clock, no Redis, no Ray."""
+    reason, carried into the change's; ``issued``: role -> the highest index issued or removed
+    so far (never made again). Pure: no clock, no Redis, no Ray."""
     if last_change_at is not None and now - last_change_at < cooldown_s:
         return Decision(None, f"cool-down: {cooldown_s - (now - last_change_at):.1f} s left")
     pending = [n for n in nodes if n.state == STARTING and n.starting_s < start_timeout_s]
@@ -164,21 +175,27 @@ def decide(nodes: Sequence[PoolNode], targets: Mapping[Role, int], bounds: PoolB
             return Decision(None, f"waiting for {pending[0].node_id} to register")
         _, role = ups[-1]
         have, want = sizes[role]
-        nid = fresh_id(role, set(taken) | {n.node_id for n in nodes})
+        nid = fresh_id(role, set(taken) | {n.node_id for n in nodes}, (issued or {}).get(role, -1))
         return Decision(PoolChange(role, ADD, nid, f"{role.value} nodes {have} -> {want}{why}"), "")
+    holds = []
     for _, role in reversed(downs):
         have, want = sizes[role]
-        mine = sorted((n for n in nodes if n.role is role and n.state != DRAINING), key=_removal_order)
+        mine = sorted((n for n in nodes if n.role is role and n.state not in (DRAINING, SWITCHING)),
+                      key=_removal_order)
+        if not mine:  # only nodes on their way into the role: the surplus is a later pass's
+            holds.append(f"the {role.value} nodes above the target are still switching into the role")
+            continue
         victim = mine[0]
         serving_decode = sum(1 for n in nodes if n.role is Role.DECODE and n.state == SERVING)
         if role is Role.DECODE and victim.state == SERVING and serving_decode <= 1:
+            holds.append("removing would leave no serving decode node")
             continue  # never the last decode node that serves
         return Decision(PoolChange(role, REMOVE, victim.node_id,
                                    f"{role.value} nodes {have} -> {want}{why}; {victim.node_id} is the "
                                    f"{_WHICH.get(victim.state, 'idlest')} "
                                    f"(load {victim.load})"), "")
-    if downs:
-        return Decision(None, "holding: removing would leave no serving decode node")
+    if holds:
+        return Decision(None, "holding: " + "; ".join(holds))
     return Decision(None, "pools at their targets")
 
 
@@ -186,10 +203,12 @@ _WHICH = {DOWN: "one that stays down", STARTING: "one still starting"}
 
 
 def observe(actor_names: Sequence[str], registry: Mapping[str, NodeInfo], first_seen: dict[str, float],
-            now: float, down: Sequence[str] = ()) -> list[PoolNode]:
+            now: float, down: Sequence[str] = (), wishes: Mapping[str, Role] | None = None) -> list[PoolNode]:
     """The node actors as ``PoolNode``s: joined with the registry by id; ``down``: ids of nodes
-    that stay down (health records), shown DOWN when no actor has their name. ``first_seen`` (node
-    id -> when it was first seen starting) is updated in place."""
+    that stay down (health records), shown DOWN when no actor has their name; ``wishes``: node
+    id -> the role a standing wish asks of it (RoleStore.all). ``first_seen`` (node id -> when it
+    was first seen starting) is updated in place."""
+    wishes = wishes or {}
     out = [PoolNode(nid, parsed[0], DOWN) for nid in sorted(set(down) - set(actor_names))
            if (parsed := node_name_role(nid)) is not None]
     for name in actor_names:
@@ -197,13 +216,17 @@ def observe(actor_names: Sequence[str], registry: Mapping[str, NodeInfo], first_
         if parsed is None:
             continue
         info = registry.get(name)
-        if info is None:
+        if info is None:  # a restarted node starts in its name's role, then obeys its wish
             start = first_seen.setdefault(name, now)
-            out.append(PoolNode(name, parsed[0], STARTING, starting_s=now - start))
+            out.append(PoolNode(name, wishes.get(name, parsed[0]), STARTING, starting_s=now - start))
             continue
         first_seen.pop(name, None)
-        out.append(PoolNode(name, info.role, DRAINING if info.draining else SERVING,
-                            load=info.waiting + info.running, running_tokens=info.running_tokens))
+        want = wishes.get(name)
+        if want is not None and want is not info.role:  # about to switch, or draining for it
+            state, role = SWITCHING, want
+        else:
+            state, role = (DRAINING if info.draining else SERVING), info.role
+        out.append(PoolNode(name, role, state, load=info.waiting + info.running, running_tokens=info.running_tokens))
     for gone in set(first_seen) - set(actor_names):
         del first_seen[gone]
     return out
@@ -213,9 +236,10 @@ class PoolController:
     """Follows the targets in Redis on the connected Ray cluster (``ray.init`` first).
 
     ``spawn(role, node_id)`` starts a node actor with that name and returns its handle;
-    ``defaults()`` gives the count per role until targets are first set (a role it leaves out
-    keeps its size); once a target record exists, a role it leaves out keeps its size, not the
-    default: a planner that moved a node to the other role live must not see it put back.
+    ``defaults()`` gives the count per role until targets are first set in this cluster
+    generation (a role it leaves out keeps its size); once a target record exists, a role it
+    leaves out keeps its size, not the default: a planner that moved a node to the other role
+    live must not see it put back; and once it expires, every role keeps its size.
     ``on_removed(node_id)`` is told after a node is gone; ``down()`` (node id -> why) names the
     nodes that stay down, ``forget(node_id)`` clears such a node's record when it is removed. ``metrics``: a
     ``telemetry.metrics.PoolMetrics`` (``pdserve:pool_changes_total``), or None.
@@ -228,6 +252,7 @@ class PoolController:
                  metrics=None, clock: Callable[[], float] = time.monotonic) -> None:
         from kv_index.pool_targets import PoolTargets
         from kv_index.reader import IndexReader
+        from kv_index.roles import RoleStore
 
         for name, v in (("cooldown_s", cooldown_s), ("drain_timeout_s", drain_timeout_s),
                         ("start_timeout_s", start_timeout_s)):
@@ -235,6 +260,7 @@ class PoolController:
                 raise ValueError(f"pool controller {name} must be a finite number of seconds >= 0, got {v}")
         self.targets = PoolTargets(redis_client, namespace)
         self.reader = IndexReader(redis_client, namespace)
+        self.roles = RoleStore(redis_client, namespace)
         self.bounds, self.spawn, self.defaults, self.on_removed = bounds, spawn, defaults, on_removed
         self.down, self.forget = down, forget
         self.cooldown_s, self.drain_timeout_s, self.start_timeout_s = cooldown_s, drain_timeout_s, start_timeout_s
@@ -253,13 +279,16 @@ class PoolController:
         """One pass: observe, decide, act. Redis or Ray errors propagate (``run`` logs them)."""
         now = self.clock()
         rec = self.targets.record()
-        targets = rec.targets if rec is not None else self.defaults()
+        # Expired targets are no targets: every pool keeps its size (not the defaults, which
+        # would undo what the planner did while its targets stood).
+        targets = self.defaults() if rec is None else {} if rec.expired else rec.targets
         registry = self.reader.live_nodes()
         names = self._actor_names()
-        nodes = observe(names, registry, self._first_seen, now, down=list(self.down()))
+        nodes = observe(names, registry, self._first_seen, now, down=list(self.down()), wishes=self.roles.all())
         d = self.last = decide(nodes, targets, self.bounds, now=now, last_change_at=self.last_change_at,
                                cooldown_s=self.cooldown_s, start_timeout_s=self.start_timeout_s,
-                               taken=set(names) | set(registry), note=rec.reason if rec is not None else "")
+                               taken=set(names) | set(registry), note=rec.reason if rec is not None else "",
+                               issued=self.targets.issued())
         if d.change is None:
             if d.why != self._said and not d.why.startswith("cool-down"):
                 log.info("pools: %s", d.why)
@@ -269,6 +298,7 @@ class PoolController:
         c = d.change
         log.info("pool change: %s %s node %s: %s", c.action, c.role.value, c.node_id, c.reason)
         self.last_change_at = now
+        self.targets.retire(*node_name_role(c.node_id))  # before the act: an id is never made twice
         if c.action == ADD:
             self.spawn(c.role, c.node_id)
             self._first_seen[c.node_id] = now

@@ -1,10 +1,12 @@
 """Where the pool controller (deploy/pool_controller.py) runs: `pdserve nodes --follow-targets`
 (its flags, bounds checked before Ray is asked anything, the controller over the supervisor's
 actors) and `pdserve up --planner active --planner-resize` (``LocalPools``: a thread in the
-launcher, room in its private Ray for the largest pools allowed)."""
+launcher, room in its private Ray for the largest pools allowed); and where `pdserve nodes`
+starts a cluster generation (``begin_generation``; `pdserve up` starts one in its launcher)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -14,6 +16,42 @@ from kv_index.nodes import Role
 
 if TYPE_CHECKING:
     from deploy.nodes import NodeSupervisor, NodeTemplate
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------- `pdserve nodes`: the generation
+def begin_generation(template: NodeTemplate, actor_names: Sequence[str] | None = None) -> str | None:
+    """`pdserve nodes` at start (``ray.init`` first): with no node actor of its namespace to
+    adopt (``actor_names``: default Ray's named actors), its nodes are a fresh cluster (an
+    install, or a reinstall on a Redis that outlived the last one), so a new generation starts
+    and the wishes and targets of the earlier one are dropped (kv_index/roles.py); with some, a
+    restarted supervisor goes on with the same cluster and its wishes. Returns the new
+    generation, or None."""
+    from kv_index.client import RedisTimeouts, redis_client
+    from kv_index.roles import start_generation
+
+    if actor_names is None:
+        import ray
+
+        actor_names = ray.util.list_named_actors()
+    adopted = sorted(n for n in actor_names if node_name_role(n) is not None)
+    if adopted:
+        log.info("adopting %d node actors (%s): the cluster generation goes on", len(adopted), ", ".join(adopted))
+        return None
+    import redis
+
+    client = redis_client(template.redis_url, RedisTimeouts(template.redis_connect_timeout_s, template.redis_timeout_s))
+    try:
+        gen = start_generation(client, template.namespace)
+    except redis.RedisError as e:  # the nodes cannot read wishes either; expiry and floors still hold
+        log.warning("no new cluster generation: Redis did not answer (%s); wishes of an earlier cluster stand "
+                    "until they expire", e)
+        return None
+    finally:
+        client.close()
+    log.info("a fresh cluster: generation %s (role wishes and pool targets of earlier ones dropped)", gen)
+    return gen
 
 
 # ---------------------------------------------------------------------- `pdserve nodes --follow-targets`

@@ -8,6 +8,17 @@ the data directory kept) then ``start`` restarts it from that file, with whateve
 held, stale or not. ``frozen()`` stops the process (SIGSTOP) for a block and always resumes it:
 a Redis that hangs rather than refuses, for fault tests.
 
+Memory: ``maxmemory_mib`` (``MAXMEMORY_MIB`` unless given; 0: unbounded) with the policy
+``volatile-lfu``, which evicts only keys that carry a TTL, least frequently used first. The KV
+index's block keys (kv_index/schema.py ``INDEX_TTL_S``: ``{ns}:blk:*``) are the data that grows
+with the cluster's caches and carry a long TTL for this reason alone; what must survive (node
+registrations, the planner's plan and pool targets, role wishes, the Ray GCS's tables where the
+chart keeps them here) either has no TTL, so it is never evicted, or is a lease its owner touches
+every heartbeat, so it is among the most frequently used keys and evicted after every colder
+block. A full Redis then drops the least used index entries, which routers see as cache misses
+(a missing entry costs a recomputed prefix, never a wrong answer); only when what has no TTL
+alone fills it do writes fail (OOM). docs/security.md, "Redis memory".
+
 It requires a password (``requirepass``), generated unless one is given: another user of the
 machine cannot read or poison the index through the loopback port. The password reaches the
 server in a 0600 config file, not on its command line (visible to every user in ``ps``), and
@@ -28,6 +39,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote
+
+# Enough for the index of a cluster on one machine many times over (about 200 bytes a block
+# per node holding it): a bound that keeps a runaway index from taking the machine's memory.
+MAXMEMORY_MIB = 1024
+# Evict only keys with a TTL (the index's blocks), least frequently used first. Not LRU: Redis
+# counts idle time in whole seconds, so under a burst of index writes a lease refreshed this
+# second ties with the newest blocks and was evicted (measured: hundreds of lost leases where
+# LFU lost none); a lease is touched at every heartbeat and a block about once, and a block's
+# count decays each idle minute, so popular prefixes stay and cold ones go first. 10 samples
+# per eviction (Redis's default is 5) bring the approximation close to exact.
+MAXMEMORY_POLICY = "volatile-lfu"
+MAXMEMORY_SAMPLES = 10
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -91,13 +114,17 @@ class RedisServer:
     """A redis-server child process bound to 127.0.0.1; use as a context manager."""
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1", password: str | None = None,
-                 appendonly: bool = False) -> None:
+                 appendonly: bool = False, maxmemory_mib: int = MAXMEMORY_MIB) -> None:
         """``password``: None generates one; "" runs without (tests of a bare Redis).
-        ``appendonly``: keep an append-only file in the data directory (``kill`` keeps it)."""
+        ``appendonly``: keep an append-only file in the data directory (``kill`` keeps it).
+        ``maxmemory_mib``: where Redis starts evicting index entries (0: never)."""
+        if maxmemory_mib < 0:
+            raise ValueError(f"maxmemory_mib must be >= 0 (0: unbounded), got {maxmemory_mib}")
         self.host = host
         self.password = secrets.token_urlsafe(24) if password is None else password
         self.port = port or free_port(host)
         self.appendonly = appendonly
+        self.maxmemory_mib = maxmemory_mib
         self.proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
 
@@ -131,6 +158,9 @@ class RedisServer:
             "--appendonly", "yes" if self.appendonly else "no",
             "--protected-mode", "yes",
             "--loglevel", "warning",
+            "--maxmemory", f"{self.maxmemory_mib}mb",
+            "--maxmemory-policy", MAXMEMORY_POLICY,
+            "--maxmemory-samples", str(MAXMEMORY_SAMPLES),
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      start_new_session=True, preexec_fn=_die_with_parent)

@@ -165,6 +165,7 @@ class LLMEngine(TieredKV, RoleModes):
         hold_kv: bool = False,
         resumed_output_tokens: int = 0,
         stream_kv: bool = False,
+        cache_salt: bytes = b"",
     ) -> str:
         """Queue a request. ``hold_kv`` (prefill role) keeps its blocks after it finishes, for
         ``held_block_table`` / ``release_kv`` once they have been streamed to a decode node.
@@ -176,6 +177,9 @@ class LLMEngine(TieredKV, RoleModes):
         preempted one (prompt + k outputs, no KV): max_tokens, min_tokens, penalties and the
         seeded generator of each step see the k outputs, so the continuation is the run that
         never failed. Only for n = 1 (forks happen at the first output token).
+
+        ``cache_salt``: the request's prompt blocks are hashed under it (tokens/block_hash.py),
+        so they are reused only by requests of the same salt.
         """
         params = params or SamplingParams()
         if request_id is None:
@@ -195,7 +199,7 @@ class LLMEngine(TieredKV, RoleModes):
         self.scheduler.add_sequence(
             Sequence(request_id=request_id, index=0, token_ids=list(tokens),
                      num_prompt_tokens=len(tokens) - k, params=params, arrival_time=now, hold_kv=hold_kv,
-                     stream_kv=stream_kv)
+                     stream_kv=stream_kv, cache_salt=bytes(cache_salt))
         )
         return request_id
 

@@ -27,8 +27,10 @@ if TYPE_CHECKING:  # an annotation only: the role modes need no torch
 
 
 class RoleModes:
-    def reserve_kv(self, request_id: str, prompt_token_ids: Seq[int]) -> tuple[list[int], int] | None:
-        """Decode role: blocks for a prompt whose KV will arrive from a prefill node.
+    def reserve_kv(self, request_id: str, prompt_token_ids: Seq[int],
+                   cache_salt: bytes = b"") -> tuple[list[int], int] | None:
+        """Decode role: blocks for a prompt whose KV will arrive from a prefill node (its
+        prefix-cache hit looked up under ``cache_salt``).
 
         Returns the block table covering the prompt and how many leading tokens this node
         already holds in its prefix cache (their blocks need not be sent), or None when the
@@ -38,7 +40,7 @@ class RoleModes:
         if request_id in self._requests or self.kv.has_seq(seq_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         tokens = [int(t) for t in prompt_token_ids]
-        hit = self.kv.lookup_prefix(tokens) if self.config.cache.enable_prefix_caching else None
+        hit = self.kv.lookup_prefix(tokens, cache_salt) if self.config.cache.enable_prefix_caching else None
         cached = hit.num_tokens if hit else 0
         if not self.kv.allocate_slots(seq_id, cached, len(tokens), hit):
             return None
@@ -54,8 +56,10 @@ class RoleModes:
         num_cached_tokens: int = 0,
         arrival_time: float | None = None,
         resumed_output_tokens: int = 0,
+        cache_salt: bytes = b"",
     ) -> None:
-        """Decode role: continue a request whose prompt KV now sits in its reserved blocks.
+        """Decode role: continue a request whose prompt KV now sits in its reserved blocks
+        (registered as cached under ``cache_salt``, the one ``reserve_kv`` was given).
 
         ``output_token_ids`` are the tokens the prefill node already sampled (usually one);
         the first ``step`` reports them as new tokens, so the decode node is the only stream.
@@ -71,13 +75,14 @@ class RoleModes:
             raise InvalidRequestError("a prefilled request needs the prefill node's first token")
         # The grammar catches up with the resumed outputs and the prefill node's token(s).
         self.structured.add(seq_id, params.structured, prompt[len(prompt) - k:] + outs)
-        self.kv.cache_computed_blocks(seq_id, prompt, len(prompt))
+        self.kv.cache_computed_blocks(seq_id, prompt, len(prompt), cache_salt)
         now = time.monotonic() if arrival_time is None else arrival_time
         req = RequestState(request_id, prompt[: len(prompt) - k], params, RequestTimes(arrival_time=now), resumed=k)
         self._requests[request_id] = req
         seq = Sequence(request_id=request_id, index=0, token_ids=prompt + outs,
                        num_prompt_tokens=len(prompt) - k, params=params, arrival_time=now,
-                       num_computed_tokens=len(prompt), num_cached_tokens=num_cached_tokens)
+                       num_computed_tokens=len(prompt), num_cached_tokens=num_cached_tokens,
+                       cache_salt=bytes(cache_salt))
         seq.first_token_time = now
         self.scheduler.add_sequence(seq)
         # The prefill node's token may already end the request (EOS, a stop token, max_tokens=1).

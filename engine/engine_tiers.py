@@ -77,15 +77,17 @@ class TieredKV:
         finally:
             self.kv.finish_swap_ins()
 
-    def held_prefix(self, block_hashes: Seq[int], token_ids: Seq[int]) -> list[int]:
+    def held_prefix(self, block_hashes: Seq[int], token_ids: Seq[int], cache_salt: bytes = b"") -> list[int]:
         """Where this engine holds the leading blocks of a prompt: for chained ``block_hashes``
         and their ``token_ids`` (block i = ``token_ids[i * block_size:(i + 1) * block_size]``),
         the tier of each leading block held (kv_index.events TIER_DEVICE / TIER_HOST /
         TIER_DISK), up to the first block held nowhere or whose hash is not this engine's (another
-        model). Mutates nothing (no LRU change, no disk read); engine thread."""
-        return self.kv.held_tiers(token_ids, block_hashes)
+        model, or another cache salt: ``cache_salt`` is the chain's). Mutates nothing (no LRU
+        change, no disk read); engine thread."""
+        return self.kv.held_tiers(token_ids, block_hashes, cache_salt)
 
-    def export_prefix(self, export_id: str, block_hashes: Seq[int], token_ids: Seq[int]) -> list[int]:
+    def export_prefix(self, export_id: str, block_hashes: Seq[int], token_ids: Seq[int],
+                      cache_salt: bytes = b"") -> list[int]:
         """Hold the leading blocks of a prompt in the device pool for a send to a peer; returns
         their block ids in ``kv_cache`` (possibly fewer than asked: what is held here, and fits).
 
@@ -94,15 +96,15 @@ class TieredKV:
         stays referenced under ``export_id`` until ``release_export(export_id)``, so any transport
         can send from the pool tensor and these ids. Hashes and token ids are verified as in
         ``held_prefix``. Mutates the pool and the tiers' LRU; engine thread."""
-        n = len(self.kv.held_tiers(token_ids, block_hashes))
+        n = len(self.kv.held_tiers(token_ids, block_hashes, cache_salt))
         pin_id = f"export:{export_id}"
         tokens = [int(t) for t in token_ids[: n * self.block_size]]
-        hit = self.kv.pin_prefix(pin_id, tokens, n)
+        hit = self.kv.pin_prefix(pin_id, tokens, n, cache_salt)
         self._swap_in_now()
         if not hit.num_tokens:
             return []
         if hit.lower:  # now device blocks like the others: later lookups hit them here
-            self.kv.cache_computed_blocks(pin_id, tokens, hit.num_tokens)
+            self.kv.cache_computed_blocks(pin_id, tokens, hit.num_tokens, cache_salt)
         return self.kv.get_block_table(pin_id)
 
     def release_export(self, export_id: str) -> None:
@@ -110,18 +112,18 @@ class TieredKV:
         idempotent."""
         self.kv.free(f"export:{export_id}")
 
-    def commit_kv(self, request_id: str, prompt_token_ids: Seq[int]) -> int:
+    def commit_kv(self, request_id: str, prompt_token_ids: Seq[int], cache_salt: bytes = b"") -> int:
         """Import: the KV of ``prompt_token_ids`` arrived in the blocks ``reserve_kv(request_id)``
         reserved; register its full blocks as cached (chained hashes of these tokens) and release
         the reservation, so a later prefix lookup hits them. Returns the tokens now cached. Only
         call it once every reserved block past the reported cached prefix holds received,
-        validated KV. Engine thread."""
+        validated KV. ``cache_salt``: the chain's, as given to ``reserve_kv``. Engine thread."""
         seq_id = seq_id_of(request_id, 0)
         if not self.kv.has_seq(seq_id) or request_id in self._requests:
             raise InvalidRequestError(f"no KV reserved for request {request_id!r}")
         tokens = [int(t) for t in prompt_token_ids]
         full = len(tokens) // self.block_size * self.block_size
-        self.kv.cache_computed_blocks(seq_id, tokens, full)
+        self.kv.cache_computed_blocks(seq_id, tokens, full, cache_salt)
         self.kv.free(seq_id)
         return full
 

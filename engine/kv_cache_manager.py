@@ -23,6 +23,11 @@ One sequence, block_size 4, as the scheduler moves it along::
     cache_computed_blocks(seq, tokens, 10) then hashes block 1 (block 0 came hashed
     from the hit; block 2 is partial and waits until positions 8..11 are all computed).
 
+A request's cache salt (``salt``: ``Sequence.cache_salt``) seeds the root of its chain
+(tokens/block_hash.py): lookups, registrations and exports under one salt never meet blocks of
+another, so tenants share no block and cannot probe each other's prompts. b"": no salt, the
+hashes every request had before salts.
+
 With tiers below the pool (``tiers``, engine/kv_tiers/), a prefix lookup continues past the
 device hits into the host and disk tiers; ``allocate_slots`` gives those blocks fresh device
 blocks and queues ``(host slot, block)`` swap-ins, which the model runner copies in before the
@@ -39,7 +44,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from engine.block_pool import BlockPool, KVBlock, KVEvent
 from kv_index.events import TIER_DEVICE, TIER_DISK, TIER_HOST
-from tokens.block_hash import BlockHash, hash_block_tokens
+from tokens.block_hash import BlockHash, chain_root, hash_block_tokens
 
 if TYPE_CHECKING:
     from engine.kv_tiers.tiers import KVTiers, TierHit
@@ -141,8 +146,9 @@ class KVCacheManager:
 
     # ---- prefix cache --------------------------------------------------------------------
 
-    def lookup_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
-        """Longest chain of verified cached full blocks at the head of ``token_ids``.
+    def lookup_prefix(self, token_ids: Sequence[int], salt: bytes = b"") -> PrefixHit:
+        """Longest chain of verified cached full blocks at the head of ``token_ids``, hashed
+        under ``salt``.
 
         Capped so at least one prompt token is left to compute (its logits start decoding)::
 
@@ -152,17 +158,17 @@ class KVCacheManager:
         Takes no references: use the hit in ``allocate_slots`` before any other allocation
         can evict its blocks. Each call counts as one prefix-cache query.
         """
-        hit = self._lookup(token_ids, (len(token_ids) - 1) // self.block_size)
+        hit = self._lookup(token_ids, (len(token_ids) - 1) // self.block_size, salt)
         self.pool.record_prefix_query(len(token_ids), hit.num_tokens)
         return hit
 
-    def _lookup(self, token_ids: Sequence[int], max_blocks: int) -> PrefixHit:
+    def _lookup(self, token_ids: Sequence[int], max_blocks: int, salt: bytes = b"") -> PrefixHit:
         """Device hits, then (with tiers) host and disk hits, at most ``max_blocks`` in all."""
         if not self.enable_prefix_caching:
             return _NO_HIT
         bs = self.block_size
         blocks: list[KVBlock] = []
-        parent: BlockHash | None = None
+        parent: BlockHash | None = chain_root(self.extra_key, salt)
         # Hash lazily: a miss on block i makes hashing blocks i+1.. pointless.
         for i in range(max_blocks):
             chunk = token_ids[i * bs : (i + 1) * bs]
@@ -177,8 +183,10 @@ class KVCacheManager:
             lower = tuple(self.tiers.lookup(parent, token_ids, len(blocks), max_blocks, bs, self.extra_key))
         return PrefixHit(blocks, (len(blocks) + len(lower)) * bs, lower)
 
-    def cache_computed_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Register every block now entirely filled by ``token_ids[:num_computed_tokens]``.
+    def cache_computed_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                              salt: bytes = b"") -> None:
+        """Register every block now entirely filled by ``token_ids[:num_computed_tokens]``,
+        chained from the root of ``salt`` (the sequence's; it matters only for the first block).
 
         Only ever call this with tokens whose KV is computed and final (speculative tokens
         only after verification): a registered block is served to other requests as is.
@@ -189,10 +197,12 @@ class KVCacheManager:
         hashes = self._hashes[seq_id]
         bs = self.block_size
         num_full = min(num_computed_tokens // bs, len(table))
+        root = chain_root(self.extra_key, salt)
         for i in range(len(hashes), num_full):
+            # The pool's parent stays None for a chain's first block (events: "chain start").
             parent = hashes[-1] if hashes else None
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
-            block_hash = hash_block_tokens(parent, chunk, self.extra_key)
+            block_hash = hash_block_tokens(root if parent is None else parent, chunk, self.extra_key)
             self.pool.cache_full_block(table[i], block_hash, chunk, parent)
             hashes.append(block_hash)
 
@@ -330,16 +340,17 @@ class KVCacheManager:
 
     # ---- export (a peer fetches a prefix) ------------------------------------------------
 
-    def held_tiers(self, token_ids: Sequence[int], block_hashes: Sequence[int] | None = None) -> list[int]:
+    def held_tiers(self, token_ids: Sequence[int], block_hashes: Sequence[int] | None = None,
+                   salt: bytes = b"") -> list[int]:
         """The tier holding each leading full block of ``token_ids`` (device first, then host,
-        then disk), up to the first held nowhere, or whose chained hash differs from
-        ``block_hashes[i]`` when given. Reads only: no LRU change, no disk read."""
+        then disk; chained under ``salt``), up to the first held nowhere, or whose chained hash
+        differs from ``block_hashes[i]`` when given. Reads only: no LRU change, no disk read."""
         if not self.enable_prefix_caching:
             return []
         bs, tiers = self.block_size, self.tiers
         n = len(token_ids) // bs if block_hashes is None else min(len(block_hashes), len(token_ids) // bs)
         out: list[int] = []
-        parent: BlockHash | None = None
+        parent: BlockHash | None = chain_root(self.extra_key, salt)
         for i in range(n):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             h = hash_block_tokens(parent, chunk, self.extra_key)
@@ -356,17 +367,18 @@ class KVCacheManager:
             parent = h
         return out
 
-    def pin_prefix(self, pin_id: str, token_ids: Sequence[int], max_blocks: int) -> PrefixHit:
+    def pin_prefix(self, pin_id: str, token_ids: Sequence[int], max_blocks: int, salt: bytes = b"") -> PrefixHit:
         """Hold the leading cached blocks of ``token_ids`` (at most ``max_blocks``, every tier)
         in the device pool under the pseudo-sequence ``pin_id``, for a send: device hits take a
         reference; host and disk hits get fresh device blocks and swap-ins (apply them with
         ``take_swap_ins`` / ``finish_swap_ins`` before reading the blocks). Release with
         ``free(pin_id)``. When the pool cannot take the lower hits, only the device ones are held.
-        Returns the hit held (its ``num_tokens`` is what ``get_block_table(pin_id)`` covers)."""
+        Returns the hit held (its ``num_tokens`` is what ``get_block_table(pin_id)`` covers).
+        ``salt``: the chain's cache salt, as in ``lookup_prefix``."""
         if self.has_seq(pin_id):
             raise ValueError(f"{pin_id!r} already exists")
         max_blocks = min(max_blocks, len(token_ids) // self.block_size)
-        hit = self._lookup(token_ids, max_blocks)
+        hit = self._lookup(token_ids, max_blocks, salt)
         for h in (hit, PrefixHit(hit.blocks, len(hit.blocks) * self.block_size)):
             if h.num_tokens and self.allocate_slots(pin_id, h.num_tokens, h.num_tokens, h):
                 return h

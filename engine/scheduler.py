@@ -187,7 +187,7 @@ class Scheduler:
             hit: PrefixHit | None = None
             computed = seq.num_computed_tokens
             if computed == 0 and self.enable_prefix_caching:
-                hit = self.kv.lookup_prefix(seq.token_ids)
+                hit = self.kv.lookup_prefix(seq.token_ids, seq.cache_salt)
                 computed = hit.num_tokens
             remaining = seq.num_tokens - computed
             n = min(remaining, budget)
@@ -250,7 +250,7 @@ class Scheduler:
                 continue
             seq.num_computed_tokens = item.start + item.num_new_tokens
             if self.enable_prefix_caching:
-                self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+                self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)
             if not item.sample:
                 continue
             result = sampled[seq.seq_id]
@@ -285,7 +285,7 @@ class Scheduler:
         # Free the slots of rejected (and cut-off) positions before anything is hashed.
         self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
         if self.enable_prefix_caching:
-            self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)
 
     def _fork(self, parent: Sequence, count: int) -> list[Sequence]:
         parent.forked = True
@@ -303,6 +303,7 @@ class Scheduler:
                 num_cached_tokens=parent.num_cached_tokens,
                 status=SequenceStatus.RUNNING,
                 forked=True,
+                cache_salt=parent.cache_salt,
                 first_scheduled_time=parent.first_scheduled_time,
             )
             self.kv.fork(parent.seq_id, child.seq_id)

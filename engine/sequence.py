@@ -51,6 +51,9 @@ class Sequence:
     # Prefill role: report, layer by layer, which blocks hold final KV (ModelRunner's
     # kv_layer_listener), so they can be sent while later layers and chunks compute.
     stream_kv: bool = False
+    # The request's cache salt (tokens/block_hash.py): its blocks are hashed from the salted
+    # root, so they are matched and shared only within the salt. b"": no salt.
+    cache_salt: bytes = b""
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 

@@ -1,7 +1,8 @@
 """The HTTP front's bounds as plain data, no I/O (``frontend/http_front.py`` applies them):
 
     body_limit_bytes    the largest body a request can usefully send, from the model's context
-    ByteBudget          the body bytes held across all requests at once
+    body_shape          a JSON body's depth and what parsing it makes, measured unparsed
+    ByteBudget          the body bytes held across all requests at once (and their parsed size)
     Admission           the requests held at once
     RetryHint           the Retry-After of a refusal, from how fast the admitted drain
 
@@ -15,6 +16,10 @@ budget bounds their sum, so the router's memory is bounded by it whatever the co
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from tool_calling.json_limits import MAX_JSON_DEPTH, depth_of_structure, structure
+
 # JSON a chat message costs besides its text: braces, the role and content keys, quotes,
 # separators, some indentation (`{"role": "assistant", "content": ""}, ` is 38 bytes).
 MESSAGE_JSON_BYTES = 64
@@ -24,6 +29,38 @@ BASE_JSON_BYTES = 64 * 1024
 # The least any model gets: room for batched token prompts and generous formatting on small
 # contexts (a 64-token test model would otherwise get 74 KiB).
 MIN_BODY_BYTES = 1 << 20
+
+
+# What one JSON value of a body costs the router once parsed, besides the body's own bytes:
+# the Python object json.loads makes (a dict 64 bytes, a list 56, an int 28, each plus its
+# slot), pydantic's model of it and the protobuf field it becomes. Measured with tracemalloc
+# over json.loads + model_validate + to_generate for the worst shapes (many empty messages:
+# 153 bytes a value; lists of {} or [], many keys, token lists: 21 to 107).
+PARSED_VALUE_BYTES = 160
+# A body nests its own few levels around a tool's schema or a call's arguments
+# (messages[i].tool_calls[j].function.arguments): those get MAX_JSON_DEPTH of their own, and
+# the router's check of them names the field.
+MAX_BODY_DEPTH = MAX_JSON_DEPTH + 8
+
+
+@dataclass(frozen=True, slots=True)
+class BodyShape:
+    depth: int  # levels of arrays and objects
+    values: int  # containers, keys and elements (an upper bound: separators outside strings)
+
+    @property
+    def parsed_bytes(self) -> int:
+        return self.values * PARSED_VALUE_BYTES
+
+
+def body_shape(body: bytes) -> BodyShape:
+    """A JSON body's shape, measured without parsing it (at C speed: tool_calling/json_limits.py).
+    Every value but the first is after a "," or a ":" or opens a container, so counting those
+    outside strings bounds the number of values parsing makes. Strings are not counted again:
+    the body's bytes, already in the budget, are about the size of their parsed text."""
+    rest = structure(body)
+    values = rest.count(b",") + rest.count(b":") + rest.count(b"[") + rest.count(b"{")
+    return BodyShape(depth_of_structure(rest), values)
 
 
 def body_limit_bytes(max_model_len: int, token_json_bytes: int) -> int:

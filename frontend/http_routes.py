@@ -201,7 +201,8 @@ async def chat_completions(req: oai.ChatCompletionRequest, request: Request, ser
     except oai.UnsupportedError as e:
         raise ErrorResponse.unsupported(e) from None
     stream = served.orch.generate(greq, trace_context=tracing.context_from_metadata(request.headers.items()),
-                                  max_tokens_to_context=not greq.sampling.HasField("max_tokens"))
+                                  max_tokens_to_context=not greq.sampling.HasField("max_tokens"),
+                                  authorization=request.headers.get("authorization"))  # the tenant's cache salt
     first = await _first_response(stream)
     headers = {"x-request-id": rid}
     model_name = served.config.model_name
@@ -210,8 +211,12 @@ async def chat_completions(req: oai.ChatCompletionRequest, request: Request, ser
     if not req.stream:
         collected = await _collect_unless_disconnected(served, request, [rid], _drain(stream, first))
         _raise_stream_error(collected)
-        return JSONResponse(oresp.chat_completion_json(rid, model_name, collected, req.logprobs, served.token_text,
-                                                       tool_format), headers=headers)
+        answer = (rid, model_name, collected, req.logprobs, served.token_text, tool_format)
+        # A whole answer read for tool calls is parsed at once (linear, but a long answer is
+        # tens of milliseconds of Python): on a worker thread, not the event loop.
+        body = (oresp.chat_completion_json(*answer) if tool_format is None
+                else await asyncio.to_thread(oresp.chat_completion_json, *answer))
+        return JSONResponse(body, headers=headers)
     chat = oresp.ChatStream(rid, model_name, req.logprobs, req.include_usage, served.token_text, tool_format)
     return StreamingResponse(_chat_events(served, rid, chat, stream, first), media_type="text/event-stream",
                              headers=headers)
@@ -263,7 +268,8 @@ async def completions(req: oai.CompletionRequest, request: Request, served: Serv
     except oai.UnsupportedError as e:
         raise ErrorResponse.unsupported(e) from None
     trace_context = tracing.context_from_metadata(request.headers.items())
-    streams = [served.orch.generate(g, trace_context=trace_context) for g in greqs]
+    auth = request.headers.get("authorization")  # its key salts the cache blocks per tenant
+    streams = [served.orch.generate(g, trace_context=trace_context, authorization=auth) for g in greqs]
     # Every prompt is admitted (or refused) before any byte is sent: a batch fails as a whole.
     firsts = []
     try:

@@ -4,7 +4,8 @@ its gRPC server. This module assembles the app (``build_app``) from its parts an
 
     frontend/http_routes.py    the routes: OpenAI-compatible API, /health, /ready, /metrics
     frontend/http_errors.py    every failure in OpenAI's error shape
-    frontend/http_front.py     the bounds: admission, body limit, byte budget, read timeouts
+    frontend/http_front.py     the request's bounds: admission, body limit, byte budget, JSON depth
+    frontend/http_conn.py      the connection's: open connections, header and send deadlines
     here                     the API-key check (401) in front of them, the readiness check,
                              uvicorn
 
@@ -23,8 +24,9 @@ from fastapi.responses import JSONResponse
 from starlette.middleware.base import BaseHTTPMiddleware
 
 from frontend import openai_protocol as oai
+from frontend.http_conn import guarded_protocol
 from frontend.http_errors import add_error_handlers
-from frontend.http_front import OPEN_PATHS, FrontDoor, front_limits, guarded_protocol
+from frontend.http_front import OPEN_PATHS, FrontDoor, front_limits
 from frontend.http_routes import Served, routes
 from kv_index.nodes import Role
 from router.orchestrator import Orchestrator
@@ -92,12 +94,13 @@ class HttpServer:
     returns "host:port" once it accepts connections. uvicorn's own ``limit_concurrency`` is
     not used: past it uvicorn answers a plain-text 503, where the front door (the app's
     ``FrontDoor``) answers OpenAI's 429 with Retry-After; ``header_timeout_s`` bounds the wait
-    for a request's headers (``guarded_protocol``)."""
+    for a request's headers; the app's ``FrontLimits`` the open connections and the send
+    deadline (``guarded_protocol``)."""
 
     def __init__(self, app: FastAPI, host: str, port: int, ssl: dict | None = None,
                  header_timeout_s: float = 20.0) -> None:
         self.app, self.host, self.port = app, host, port
-        self.protocol = guarded_protocol(header_timeout_s, app.state.front.body_limit)
+        self.protocol = guarded_protocol(header_timeout_s, app.state.front)
         self.ssl = ssl or {}  # uvicorn's ssl_* keywords: HTTPS (security.tls.uvicorn_ssl)
         self.address: str | None = None
         self._server: uvicorn.Server | None = None

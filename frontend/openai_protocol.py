@@ -98,6 +98,8 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     slo_class: Literal["interactive", "standard", "batch", "relaxed"] | None = None
     session_id: Text | None = None
+    # vLLM's: prompt blocks are reused only among requests of the same salt (router/prepare.py).
+    cache_salt: Text | None = None
     # Structured outputs: OpenAI's, vLLM's object, vLLM's older extras (one at a time).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -169,7 +171,7 @@ class _Common(BaseModel):
 
     def _request(self, sampling: pb.SamplingParams, request_id: str) -> pb.GenerateRequest:
         req = pb.GenerateRequest(model=self.model, request_id=request_id, sampling=sampling,
-                                 session_id=self.session_id or "")
+                                 session_id=self.session_id or "", cache_salt=self.cache_salt or "")
         if self.slo_class is not None:
             req.slo_class = pb.SloClass.Value(f"SLO_CLASS_{self.slo_class.upper()}")
         return req

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from frontend.grpc_parsing import add_parsing_servicer
 from frontend.http_server import HttpServer, build_app, node_readiness
 from kv_index.client import RedisTimeouts, redis_client
+from kv_index.event_feed import EventFeed
 from kv_index.nodes import index_freshness
 from kv_index.reader import IndexReader
 from kv_index.redis_url import resolve_redis_url
@@ -42,7 +43,7 @@ from router.planner.config import add_planner_arguments, planner_config
 from router.planner.loop import router_planner
 from router.tokenizer import PromptTokenizer
 from security import tls as tls_
-from security.api_keys import ApiKeyInterceptor, ApiKeys, keys_from
+from security.api_keys import ApiKeyInterceptor, ApiKeys, authorization_of, keys_from
 from settings.flags import add_arguments, from_args
 from telemetry import tracing
 from telemetry.metrics import RouterMetrics
@@ -63,7 +64,9 @@ class PdServeService(pb_grpc.PdServeServicer):
         calls = CallCollector(fmt) if fmt is not None and parses_calls(request) else None
         try:
             parent = tracing.context_from_metadata(context.invocation_metadata())  # a client's traceparent
-            async for resp in self.orch.generate(request, trace_context=parent):
+            # The key (checked by the interceptor) salts the request's cache blocks per tenant.
+            auth = authorization_of(context.invocation_metadata())
+            async for resp in self.orch.generate(request, trace_context=parent, authorization=auth):
                 yield calls.feed(resp) if calls is not None else resp
         except RouterError as e:
             md = retry_after_metadata(e.retry_after_ms) if e.retry_after_ms is not None else ()
@@ -144,7 +147,8 @@ class RouterServer:
         lookup_client = redis_client(cfg.redis_url, RedisTimeouts(cfg.index_lookup_timeout_s,
                                                                   cfg.index_lookup_timeout_s))
         reader = IndexReader(client, cfg.namespace)
-        lookup = GuardedLookup(IndexReader(lookup_client, cfg.namespace), LookupBreaker(base_s=cfg.node_refresh_s))
+        lookup = GuardedLookup(IndexReader(lookup_client, cfg.namespace), LookupBreaker(base_s=cfg.node_refresh_s),
+                               local=EventFeed(client, cfg.namespace) if cfg.index_lookup == "local" else None)
         costs = CostBook(kv_bytes_per_token=cfg.kv_bytes_per_token) if cfg.kv_bytes_per_token else CostBook()
         refresher = NodeRefresher(reader, cfg.node_refresh_s, cfg.prune_every_s, costs, cfg.registry_outage_s,
                                   lookup=lookup, settle_s=cfg.registry_settle_s)
@@ -166,6 +170,7 @@ class RouterServer:
         planner = (router_planner(cfg.planner, client, cfg.namespace, refresher, costs, orch, policy,
                                   metrics.planner_decision) if cfg.planner.enabled else None)
         server, health_servicer, port = _grpc_server(cfg, orch)
+        lookup.start(timeout_s=cfg.redis_timeout_s)
         refresher.start()
         await server.start()
         if planner is not None:
@@ -182,6 +187,7 @@ class RouterServer:
             except BaseException:
                 await server.stop(0)
                 refresher.stop()
+                lookup.close()
                 raise
         log.info("router serving %s on %s (gRPC), %s (HTTP)", cfg.model_name, self.address, self.http_address)
         self._started.set()
@@ -196,6 +202,7 @@ class RouterServer:
                 await http.stop()
             await server.stop(self._grace)
             refresher.stop()
+            lookup.close()
             await orch.close()
             client.close()
             lookup_client.close()

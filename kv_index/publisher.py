@@ -4,7 +4,9 @@ step reports.
 Events are applied by a server-side script (``schema.APPLY_EVENTS``) that checks the batch's
 sequence number against the node's ``seq``: a batch that does not follow the last applied one
 (a lost publish, a Redis restart, an expired lease whose entries were pruned) is refused as a
-gap, and the node then replaces all its entries with its snapshot (``resync``).
+gap, and the node then replaces all its entries with its snapshot (``resync``). Each script
+that changes entries also appends its event to the index's event stream, which routers' local
+copies follow (kv_index/event_feed.py).
 
 A node's lease is its HASH's TTL, refreshed by every heartbeat: when a node dies the HASH
 expires within ``lease_s`` and readers stop seeing it, so it stops receiving work.
@@ -26,6 +28,7 @@ from kv_index.schema import (
     STEP_STREAM_MAXLEN,
     TIER_DEVICE,
     drop_node_blocks,
+    event_keys,
     node_blocks_key,
     node_key,
     nodes_key,
@@ -95,7 +98,7 @@ class NodePublisher:
         for op, groups in (("-", removed), ("+", stored)):
             for tier, hashes in groups.items():
                 args += [op, tier, len(hashes), *[f"{h:016x}" for h in hashes]]
-        ok, _ = self._apply(keys=[self._key, node_blocks_key(self.ns, nid)], args=args)
+        ok, _ = self._apply(keys=[self._key, node_blocks_key(self.ns, nid), *event_keys(self.ns)], args=args)
         if ok:
             self.seq += 1
         return bool(ok)
@@ -122,7 +125,7 @@ class NodePublisher:
         for mask, hexes in masks.items():
             if hexes:
                 args += [mask, len(hexes), *hexes]
-        self._resync(keys=[self._key, node_blocks_key(self.ns, nid)], args=args)
+        self._resync(keys=[self._key, node_blocks_key(self.ns, nid), *event_keys(self.ns)], args=args)
         self.seq = seq
 
     def _by_tier(self, hashes: TierHashes) -> dict[int, list[int]]:

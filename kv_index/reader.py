@@ -5,7 +5,12 @@ A lookup is one script call (``schema.MATCH``): it walks the prompt's block keys
 returns, per live node, its leading matched blocks and how many of them sit only in its host
 memory or on its disk (``PrefixMatch``), so a 4k-token prompt costs one round trip whatever
 its block count. Entries of dead nodes are ignored (lookups only count live ones) and
-removed by ``prune_dead``.
+removed by ``prune_dead`` (whose script appends the removal to the index's event stream).
+
+A router by default answers ``match`` from its own copy of the index instead
+(kv_index/local_index.py, fed by kv_index/event_feed.py): the same answer without the round
+trip. This reader remains the durable copy's, the copy's fallback until it has synced, and
+the ``--index-lookup redis`` path.
 """
 from __future__ import annotations
 

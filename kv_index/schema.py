@@ -15,6 +15,16 @@ Key schema (``ns`` defaults to ``pdserve``; several clusters can share one Redis
                                        chained hash in, a bitmask (1 device, 2 host, 4 disk: a
                                        node may hold a device copy and a host copy at once)
     {ns}:nodeblk:{node_id}      SET    hashes a node has published (cleanup and resync)
+                                       (blk keys: PEXPIRE INDEX_TTL_S, the keys Redis's
+                                       volatile-lfu evicts when full; see INDEX_TTL_S)
+    {ns}:kvevents               STREAM every change to the entries above, in the order applied:
+                                the scripts that change them append it (so the two never
+                                disagree), capped at EVENT_STREAM_MAXLEN; routers' local copies
+                                follow it (kv_index/local_index.py, event_feed.py). Fields: g
+                                (the event's number, from {ns}:kvevents:n), n node, k kind (a:
+                                batch applied, r: node resynced, d: node's entries dropped), s
+                                the node's seq, c cleared, e the batch's groups, t blocks held
+    {ns}:kvevents:n             STRING events ever appended (a jump in g: a reader missed some)
     {ns}:steps:{node_id}        STREAM the node's step reports (new_tokens, context_tokens,
                                        seconds), capped: the router fits its cost model on them
     {ns}:health, {ns}:health:{node_id}   a node's health record (kv_index/health.py): why it
@@ -35,6 +45,20 @@ LOAD_FIELDS = ("waiting", "running", "running_tokens", "free_blocks", "num_block
                "step_s", "decode_step_s", "decode_step_running", "decode_step_tokens", "onboard_host", "onboard_disk")
 TIER_DEVICE, TIER_HOST, TIER_DISK = 0, 1, 2
 STEP_STREAM_MAXLEN = 512  # step reports kept per node: enough for the router's fit window
+# Index events kept for routers' local copies, all nodes together (about: MAXLEN ~). A reader
+# further behind than this resyncs from the durable copy; at 1,000 batches/s, 4 s of slack.
+EVENT_STREAM_MAXLEN = 4096
+# The index's block keys carry this TTL (renewed whenever a node stores the block) so that they,
+# and among what grows only they, are "volatile": the Redis of `pdserve up` and of the chart runs
+# maxmemory-policy volatile-lfu (deploy/redis_server.py), which when full evicts the least
+# frequently used keys with a TTL and never one without (node ids, pool targets, role wishes, the
+# plan, Ray's GCS tables). Leases have a TTL too, but their owners touch them every heartbeat:
+# among the most used keys, evicted after every colder block. A node's SET has none: hot (each
+# batch adds to it) it would outrank the leases, and it stays as large as what the node holds
+# (a removal drops its member even where the block's entry was evicted). Long, as it is not meant
+# to expire: a block no node stored anew for 30 days loses its entry, a miss, as an eviction would.
+INDEX_TTL_S = 30 * 24 * 3600
+_INDEX_TTL = "local INDEX_TTL_MS = %d\n" % (INDEX_TTL_S * 1000)
 
 
 def node_key(ns: str, node_id: str) -> str:
@@ -57,6 +81,30 @@ def steps_key(ns: str, node_id: str) -> str:
     return f"{ns}:steps:{node_id}"
 
 
+def events_key(ns: str) -> str:
+    return f"{ns}:kvevents"
+
+
+def events_count_key(ns: str) -> str:
+    return f"{ns}:kvevents:n"
+
+
+def event_keys(ns: str) -> list[str]:
+    """KEYS[3], KEYS[4] of the scripts that change entries: where they append their event."""
+    return [events_key(ns), events_count_key(ns)]
+
+
+# Appends the script's event to the stream (KEYS[3]) with the next number (KEYS[4]), for node
+# ARGV[2]. Inside the script that changed the entries, so the stream and the index never
+# disagree and the stream's order is the order Redis applied the changes in.
+_APPEND_EVENT = """
+local function append_event(...)
+  local g = redis.call('INCR', KEYS[4])
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', %d, '*', 'g', g, 'n', ARGV[2], ...)
+end
+""" % EVENT_STREAM_MAXLEN
+
+
 def tier_bit(tier: int) -> int:
     """A tier's bit in a block's mask (``{ns}:blk:*`` values)."""
     return 1 << tier
@@ -71,7 +119,7 @@ def fastest_tier(mask: int) -> int | None:
 
 
 # Applies one event batch iff it follows the last applied one.
-#   KEYS: node HASH, node's block SET
+#   KEYS: node HASH, node's block SET, then event_keys(ns)
 #   ARGV: ns, node_id, seq, event_at, cleared (0/1),
 #         then groups "-" | "+", tier, count, hex x count  (removals first, then stores)
 #   -> {1, seq} applied; {0, last_seq or -1} gap (nothing applied)
@@ -79,7 +127,7 @@ def fastest_tier(mask: int) -> int | None:
 # becomes 0 leaves the node's entries. The node HASH missing (lease expired, Redis restarted)
 # is a gap too: whatever the index held for the node may have been pruned, so only a full
 # snapshot restores it.
-APPLY_EVENTS = """
+APPLY_EVENTS = _APPEND_EVENT + _INDEX_TTL + """
 local last = redis.call('HGET', KEYS[1], 'seq')
 local seq = tonumber(ARGV[3])
 if (not last) or tonumber(last) ~= seq - 1 then
@@ -102,6 +150,7 @@ while i <= #ARGV do
     if op == '+' then
       if not has then
         redis.call('HSET', key, nid, m + bit)
+        redis.call('PEXPIRE', key, INDEX_TTL_MS)
         if m == 0 then redis.call('SADD', KEYS[2], ARGV[j]) end
       end
     elseif has then
@@ -111,19 +160,23 @@ while i <= #ARGV do
       else
         redis.call('HSET', key, nid, m - bit)
       end
+    elseif m == 0 then
+      -- The entry is gone (evicted: see INDEX_TTL_S): keep the node's SET to what it holds.
+      redis.call('SREM', KEYS[2], ARGV[j])
     end
   end
   i = i + 3 + n
 end
 redis.call('HSET', KEYS[1], 'seq', seq, 'event_at', ARGV[4])
+append_event('k', 'a', 's', seq, 'c', ARGV[5], 'e', table.concat(ARGV, ' ', 6))
 return {1, seq}
 """
 
 # Replaces all of a node's entries with its snapshot and sets its sequence number.
-#   KEYS: node HASH, node's block SET
+#   KEYS: node HASH, node's block SET, then event_keys(ns)
 #   ARGV: ns, node_id, seq, event_at, then groups mask, count, hex x count
 #   -> the number of blocks now held
-RESYNC = """
+RESYNC = _APPEND_EVENT + _INDEX_TTL + """
 local ns, nid = ARGV[1], ARGV[2]
 for _, hx in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   redis.call('HDEL', ns .. ':blk:' .. hx, nid)
@@ -134,13 +187,29 @@ while i <= #ARGV do
   local mask, n = ARGV[i], tonumber(ARGV[i + 1])
   for j = i + 2, i + 1 + n do
     redis.call('HSET', ns .. ':blk:' .. ARGV[j], nid, mask)
+    redis.call('PEXPIRE', ns .. ':blk:' .. ARGV[j], INDEX_TTL_MS)
     redis.call('SADD', KEYS[2], ARGV[j])
   end
   total = total + n
   i = i + 2 + n
 end
 redis.call('HSET', KEYS[1], 'seq', ARGV[3], 'event_at', ARGV[4])
+-- Not the snapshot (a node's whole cache): a reader reads the entries themselves when t > 0.
+append_event('k', 'r', 's', ARGV[3], 't', total)
 return total
+"""
+
+# Removes every index entry of a node (pruned: its lease expired; or deregistered).
+#   KEYS: node's block SET, (unused: the event keys stay KEYS[3], KEYS[4]), then event_keys(ns)
+#   ARGV: ns, node_id  -> the number of entries removed
+DROP_NODE = _APPEND_EVENT + """
+local hs = redis.call('SMEMBERS', KEYS[1])
+for _, hx in ipairs(hs) do
+  redis.call('HDEL', ARGV[1] .. ':blk:' .. hx, ARGV[2])
+end
+redis.call('DEL', KEYS[1])
+append_event('k', 'd')
+return #hs
 """
 
 # Leading blocks held per candidate node, walking the chain in Redis, each block counted in
@@ -184,8 +253,7 @@ return out
 
 
 def drop_node_blocks(r, p, ns: str, node_id: str) -> None:
-    """Queue on pipeline ``p`` the removal of every index entry of ``node_id``."""
-    hashes = r.smembers(node_blocks_key(ns, node_id))
-    for hx in hashes:
-        p.hdel(f"{ns}:blk:{hx.decode()}", node_id)
-    p.delete(node_blocks_key(ns, node_id))
+    """Queue on pipeline ``p`` the removal of every index entry of ``node_id``: one script,
+    which appends its event for the routers' local copies."""
+    nb = node_blocks_key(ns, node_id)
+    r.register_script(DROP_NODE)(keys=[nb, nb, *event_keys(ns)], args=[ns, node_id], client=p)

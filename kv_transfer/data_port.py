@@ -92,15 +92,16 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
-def read_frame(sock: socket.socket) -> bytes | None:
+def read_frame(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES) -> bytes | None:
     """One frame's body; None on a clean close before it. KVValidationError for a length
-    over MAX_FRAME_BYTES (the peer is not speaking this protocol, or is out of step)."""
+    over ``max_bytes`` (the peer is not speaking this protocol, or is out of step), before
+    anything is allocated for it."""
     head = bytearray(_LEN.size)
     if not recv_exact(sock, memoryview(head)):
         return None
     (n,) = _LEN.unpack(head)
-    if n > MAX_FRAME_BYTES:
-        raise KVValidationError(f"frame length: got {n}, expected <= {MAX_FRAME_BYTES}")
+    if n > max_bytes:
+        raise KVValidationError(f"frame length: got {n} bytes, expected <= {max_bytes}")
     body = bytearray(n)
     if n and not recv_exact(sock, memoryview(body)):
         raise ConnectionError("peer closed inside a frame")

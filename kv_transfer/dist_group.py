@@ -7,12 +7,19 @@ the connection still carries the frames (header, chunk checksums, trailer, reply
     sender -> frame(KVBlockMessage dist_attach: request_id, token)   on the data connection
     receiver checks the reservation's token (HeaderGate.authenticate), draws a random key,
     sender <- frame(KVStreamReply dist: store_port, group_key, timeout_ms)
-    both:     ProcessGroupGloo(PrefixStore(group_key, TCPStore(host, store_port)), rank, 2)
+    both:     ProcessGroupGloo(SealedStore(TCPStore(host, store_port), group_key), rank, 2)
               receiver rank 0 (its ``DistRendezvous`` runs the TCPStore), sender rank 1
 
 so only a peer that holds a live reservation's token learns a key, and a key serves one group
-(vLLM's stateless process group for its NCCL communicator works the same way). The store
-listens on the data port's host only (its socket is bound here and handed to TCPStore).
+(vLLM's stateless process group for its NCCL communicator works the same way). The TCPStore
+has no authentication and anyone who reaches it can list and read its keys, so the key is
+never written into it: ``SealedStore`` names every entry by an HMAC of its name under the key
+and seals every value (encrypted and authenticated), so a stranger on the store port learns
+neither the key nor the gloo addresses, and a value it wrote fails the group's set-up instead
+of pointing a rank at the stranger. Each store listens only on the interface the data
+connection arrived on (loopback for a peer on loopback; its socket is bound here and handed
+to TCPStore, whose own listener takes every interface), and a group's entries are deleted
+once it formed.
 Every operation on a group, its set-up included, is bounded by the timeout the receiver
 named; a group that timed out or failed is aborted with its connection, never reused.
 
@@ -22,6 +29,8 @@ backend and device staging, not built here.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import secrets
 import select
@@ -34,7 +43,7 @@ from datetime import timedelta
 import grpc
 import numpy as np
 import torch
-from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+from torch.distributed import ProcessGroupGloo, Store, TCPStore
 
 from kv_transfer.data_port import frame, send_all
 from kv_transfer.validate import HeaderGate, KVValidationError, status_code
@@ -53,10 +62,78 @@ GROUP_TIMEOUT_S = 5.0
 JOIN_TIMEOUT_S = 2.0
 RECEIVER_RANK, SENDER_RANK = 0, 1
 _TAG = 0  # one stream of sends per group, in order
+_NONCE, _MAC = 16, 32  # bytes of a sealed value's nonce and tag
+
+
+class SealedStore(Store):
+    """``inner`` (a TCPStore anyone on its port may read and write) as seen through ``key``:
+    the names gloo uses become HMAC-SHA256(key, name), its values are XORed with a
+    SHAKE-256(key, fresh nonce) keystream and tagged with HMAC-SHA256 over (name, nonce,
+    ciphertext). A value that fails its tag raises RuntimeError, which fails the group's
+    set-up (a stranger can break a group it found, not join or redirect it). Only what gloo's
+    rendezvous calls is implemented: set, get, wait, check, delete_key."""
+
+    def __init__(self, inner: Store, key: str) -> None:
+        super().__init__()
+        root = hashlib.sha256(b"pdserve-kv-store\0" + key.encode()).digest()
+        self._k_name, self._k_enc, self._k_mac = (hmac.digest(root, label, "sha256")
+                                                  for label in (b"name", b"enc", b"mac"))
+        self._inner = inner
+        self.touched: set[str] = set()  # inner names this side wrote or read (``forget``)
+
+    def name(self, key: str) -> str:
+        return "pdserve-kv/" + hmac.digest(self._k_name, key.encode(), "sha256").hex()
+
+    def seal(self, key: str, value: bytes) -> bytes:
+        nonce = secrets.token_bytes(_NONCE)
+        body = _xor(value, hashlib.shake_256(self._k_enc + nonce).digest(len(value)))
+        return nonce + body + hmac.digest(self._k_mac, self.name(key).encode() + nonce + body, "sha256")
+
+    def open(self, key: str, sealed: bytes) -> bytes:
+        nonce, body, tag = sealed[:_NONCE], sealed[_NONCE:-_MAC], sealed[-_MAC:]
+        want = hmac.digest(self._k_mac, self.name(key).encode() + nonce + body, "sha256")
+        if len(sealed) < _NONCE + _MAC or not hmac.compare_digest(tag, want):
+            raise RuntimeError(f"rendezvous store: the value of {key!r} is not this group's (written by a stranger)")
+        return _xor(body, hashlib.shake_256(self._k_enc + nonce).digest(len(body)))
+
+    def set(self, key: str, value) -> None:
+        name = self.name(key)
+        self.touched.add(name)
+        self._inner.set(name, self.seal(key, bytes(value)))
+
+    def get(self, key: str) -> bytes:
+        name = self.name(key)
+        self.touched.add(name)
+        return self.open(key, self._inner.get(name))
+
+    def wait(self, keys, timeout: timedelta | None = None) -> None:
+        names = [self.name(k) for k in keys]
+        self._inner.wait(names) if timeout is None else self._inner.wait(names, timeout)
+
+    def check(self, keys) -> bool:
+        return self._inner.check([self.name(k) for k in keys])
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(self.name(key))
+
+    def forget(self) -> None:
+        """Delete every entry this side touched, once nobody reads them (best effort: a store
+        already stopped has nothing left to delete)."""
+        names, self.touched = self.touched, set()
+        for name in names:
+            try:
+                self._inner.delete_key(name)
+            except RuntimeError:
+                return
+
+
+def _xor(data: bytes, stream: bytes) -> bytes:
+    return (int.from_bytes(data, "little") ^ int.from_bytes(stream, "little")).to_bytes(len(data), "little")
 
 
 class PairGroup:
-    """One side of a two-rank gloo group: ``rank`` of 2, meeting under ``key`` in ``store``.
+    """One side of a two-rank gloo group: ``rank`` of 2, meeting under ``key`` in ``store``
+    (through a SealedStore: the key itself is never written there).
     The constructor blocks until the peer joined (at most ``join_s``, default ``timeout_s``;
     RuntimeError then). ``setup_s`` is how long that took. Every later wait takes its own bound
     (``wait``), at most ``timeout_s``."""
@@ -69,7 +146,12 @@ class PairGroup:
         opts._timeout = timedelta(seconds=timeout_s if join_s is None else join_s)
         # The interface the data connection uses: the peer reaches us where it reached the port.
         opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
-        self._pg: ProcessGroupGloo | None = ProcessGroupGloo(PrefixStore(key, store), rank, 2, opts)
+        self.store = SealedStore(store, key)
+        try:
+            self._pg: ProcessGroupGloo | None = ProcessGroupGloo(self.store, rank, 2, opts)
+        except BaseException:
+            self.store.forget()  # a group that did not form: nobody reads its entries
+            raise
         self._peer = 1 - rank
         self.setup_s = time.monotonic() - t0
 
@@ -139,6 +221,9 @@ class GroupInbox:
             slot = self._slot
             work = self.group.recv(self._buf(slot, n))
         self.group.wait(work)
+        # A chunk arrived, so the sender's group is built and read both entries: drop them
+        # from the store (a group that never moves a chunk drops them at close).
+        self.group.store.forget()
         if next_n > 0:
             other = 1 - slot
             self._posted = (self.group.recv(self._buf(other, next_n)), next_n, other)
@@ -152,6 +237,7 @@ class GroupInbox:
         return buf[:n]
 
     def close(self) -> None:
+        self.group.store.forget()
         self.group.close()
 
 
@@ -164,36 +250,47 @@ def sender_group(host: str, ready, local_host: str) -> PairGroup:
 
 
 class DistRendezvous:
-    """The receiver's meeting point for groups: a TCPStore server on ``host`` (port 0: a free
-    one), started on first use, and a fresh key per group."""
+    """The receiver's meeting points for groups: a TCPStore server per local interface a data
+    connection arrived on (port 0: a free one), started on first use, and a fresh key per
+    group. ``host`` is the data port's bind address, the interface used when none is named."""
 
     def __init__(self, host: str, timeout_s: float = GROUP_TIMEOUT_S) -> None:
         self._host = host
         self.timeout_s = timeout_s
         self._lock = threading.Lock()  # connections ask for keys from their own threads
-        self._port: int | None = None
-        self._store: TCPStore | None = None
+        self._stores: dict[str, tuple[int, TCPStore]] = {}  # local address -> (port, store)
         # Groups still open (their connections hold them), aborted on close.
         self._groups: weakref.WeakSet[PairGroup] = weakref.WeakSet()
         self.groups_made = 0
         self.setup_s_total = 0.0  # summed over the groups made (metrics: amortized set-up)
 
-    def offer(self) -> tuple[int, str]:
-        """(store port, a new group key) for one group."""
+    def offer(self, local_host: str | None = None) -> tuple[int, str]:
+        """(store port, a new group key) for one group on interface ``local_host``."""
         with self._lock:
-            if self._store is None:
-                # Bound here so the store listens on the data port's host only (TCPStore's own
-                # listener takes every interface); the store owns the socket from here on.
-                family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-                listener = socket.create_server((self._host, 0), family=family)
-                self._port = listener.getsockname()[1]
-                self._store = TCPStore(self._host, self._port, None, True, timedelta(seconds=self.timeout_s),
-                                       wait_for_workers=False, master_listen_fd=listener.detach())
-            return self._port, f"pdserve-kv-{secrets.token_hex(16)}"
+            return self._store(local_host)[0], f"pdserve-kv-{secrets.token_hex(16)}"
+
+    def _store(self, local_host: str | None) -> tuple[int, TCPStore]:
+        host = _plain_address(local_host or self._host)
+        if host not in self._stores:
+            # Bound here so the store listens on this interface only (TCPStore's own listener
+            # takes every one: a data port on 0.0.0.0 would expose it to every network for a
+            # peer on loopback); the store owns the socket from here on.
+            listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+            port = listener.getsockname()[1]
+            self._stores[host] = port, TCPStore(host, port, None, True, timedelta(seconds=self.timeout_s),
+                                                wait_for_workers=False, master_listen_fd=listener.detach())
+        return self._stores[host]
+
+    def port(self, local_host: str | None = None) -> int | None:
+        """The store port on ``local_host``, if one was started there."""
+        entry = self._stores.get(_plain_address(local_host or self._host))
+        return None if entry is None else entry[0]
 
     def join(self, key: str, local_host: str) -> PairGroup:
         """The receiver's side of the group under ``key`` (after the sender was told it)."""
-        group = PairGroup(self._store, key, RECEIVER_RANK, local_host, self.timeout_s,
+        with self._lock:
+            store = self._store(local_host)[1]
+        group = PairGroup(store, key, RECEIVER_RANK, local_host, self.timeout_s,
                           join_s=min(self.timeout_s, JOIN_TIMEOUT_S))
         with self._lock:
             self._groups.add(group)
@@ -207,7 +304,7 @@ class DistRendezvous:
         process ("terminate called without an active exception"). Call after the data
         connections were shut down (TcpKVServer.stop)."""
         with self._lock:
-            self._store = None  # the server stops with the last group that holds it
+            self._stores.clear()  # a server stops with the last group that holds it
             groups = list(self._groups)
         for group in groups:
             group.close()
@@ -232,7 +329,8 @@ def dist_attach(rendezvous: DistRendezvous | None, gate: HeaderGate, conn, attac
     if not 0 < attach.chunk_bytes <= max_chunk_bytes:
         return _error(grpc.StatusCode.INVALID_ARGUMENT,
                       f"dist attach chunk_bytes: got {attach.chunk_bytes}, expected (0, {max_chunk_bytes}]"), False
-    port, key = rendezvous.offer()
+    conn.prove()
+    port, key = rendezvous.offer(conn.sock.getsockname()[0])
     ready = kv_pb2.KVDistReady(store_port=port, group_key=key, timeout_ms=round(rendezvous.timeout_s * 1000))
     send_all(conn.sock, [frame(kv_pb2.KVStreamReply(dist=ready))])
     if _peer_left(conn.sock):  # it gave up waiting for the answer: nobody will join
@@ -246,6 +344,11 @@ def dist_attach(rendezvous: DistRendezvous | None, gate: HeaderGate, conn, attac
         log.info("KV dist group did not form: %s", err)
         return None, False
     return None, True
+
+
+def _plain_address(host: str) -> str:
+    """An IPv4 address seen through a dual-stack socket ("::ffff:10.0.0.5") as itself."""
+    return host[7:] if host.startswith("::ffff:") and "." in host else host
 
 
 def _peer_left(sock: socket.socket) -> bool:

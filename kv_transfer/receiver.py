@@ -9,7 +9,9 @@ copies it to the device; an shm chunk is checked in the sender's buffer, then sc
 
 Who may write: a transfer's header must carry its reservation's token, and a shared-memory
 attach must name a live reservation and its token before the receiver opens any file
-(validate.py's ``check_token``); a peer refused for its token loses the connection.
+(validate.py's ``check_token``); a peer refused for its token loses the connection. Until a
+token check passed on it, a connection is held to data_conn.py's bounds (few such connections,
+a deadline from accept, frames no larger than a header of this pool).
 
 Integrity: the header (request, token, reservation, block ids, shape, dtype, fingerprint) is
 validated (validate.py) before any chunk is read, and each chunk's size against it before
@@ -23,10 +25,7 @@ the reservation (ReleaseReservation, a recompute, or its lease).
 from __future__ import annotations
 
 import logging
-import mmap
-import os
 import socket
-import stat
 import threading
 import time
 from collections import deque
@@ -35,22 +34,29 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 import torch
-from google.protobuf.message import DecodeError
 
 from kv_transfer.checksum import new_checksum
+from kv_transfer.data_conn import (
+    MAX_CHUNK_BYTES,
+    MAX_UNPROVEN_CONNECTIONS,
+    PREAUTH_TIMEOUT_S,
+    Connection,
+    Desync,
+    UnprovenConnections,
+    error_reply,
+    frame_limit,
+    parse,
+)
 from kv_transfer.data_port import (
+    MAX_FRAME_BYTES,
     MAX_IOV,
-    MAX_SHM_BYTES,
-    SHM_DIR,
-    SHM_PREFIX,
     advance,
     frame,
     read_frame,
-    recv_exact,
     send_all,
     tune_socket,
 )
-from kv_transfer.dist_group import DistRendezvous, GroupInbox, dist_attach
+from kv_transfer.dist_group import DistRendezvous, dist_attach
 from kv_transfer.layout import PoolLayout
 from kv_transfer.validate import (
     HeaderGate,
@@ -63,13 +69,11 @@ from kv_transfer.validate import (
     check_payload_bytes,
     status_code,
 )
-from kv_transfer.wire import CHUNK_BYTES, unit_rows
+from kv_transfer.wire import unit_rows
 from protos.pdserve.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
 
-# A receiver refuses larger chunks (they would grow its buffer without bound).
-MAX_CHUNK_BYTES = 16 << 20
 # A transfer with no progress for this long fails (its reservation can be freed).
 STALL_TIMEOUT_S = 30.0
 # Connections served at once (a thread each); more are closed at once.
@@ -86,6 +90,8 @@ class TcpKVServer:
     blocks are not released while this server may write into them; ``on_received`` runs after
     a complete transfer is in the pool, before the sender is answered; ``on_outcome(ok,
     payload_bytes, seconds)`` once per transfer, refused ones included (metrics).
+    ``preauth_timeout_s`` and ``max_unproven``: data_conn.py's bounds on connections that have
+    not passed a token check yet.
     """
 
     def __init__(
@@ -96,11 +102,14 @@ class TcpKVServer:
         end_push: Callable[[str], None] = lambda rid: None,
         on_outcome: Callable[[bool, int, float], None] = lambda ok, nbytes, seconds: None,
         host: str = "127.0.0.1", port: int = 0, stall_timeout_s: float = STALL_TIMEOUT_S, dist: bool = False,
+        preauth_timeout_s: float = PREAUTH_TIMEOUT_S, max_unproven: int = MAX_UNPROVEN_CONNECTIONS,
     ) -> None:
         self._stall_timeout_s = stall_timeout_s
+        self.unproven = UnprovenConnections(max_unproven, preauth_timeout_s)
         # Process groups for dist senders (dist_group.py); None: a dist attach is refused.
         self.dist = DistRendezvous(host) if dist else None
         self._layout = PoolLayout.of(pool)
+        self._frame_limit = frame_limit(self._layout.num_blocks, MAX_FRAME_BYTES)
         self._gate = HeaderGate(self._layout, fingerprint, reservation_for)
         # [num_layers * num_blocks, block_bytes]: one block-layer ("unit") per row, unit (l, b)
         # at row l * num_blocks + b. numpy's indexed assignment for a CPU pool (torch's
@@ -147,6 +156,7 @@ class TcpKVServer:
                 pass
         if self._acceptor is not None and self._acceptor.is_alive():
             self._acceptor.join(5)
+        self.unproven.stop()
         if self.dist is not None:
             self.dist.close()
 
@@ -165,26 +175,37 @@ class TcpKVServer:
                                 len(self._conns))
                     conn.close()
                     continue
+                if not self.unproven.admit(conn):  # strangers hold at most a few
+                    log.warning("KV data port %s: %d connections without a valid token open, refusing another",
+                                self.port, self.unproven.max_unproven)
+                    conn.close()
+                    continue
                 self._conns.add(conn)
                 self.connections_accepted += 1
             tune_socket(conn)
             threading.Thread(target=self._serve, args=(conn,), name=f"kv-tcp-conn-{self.port}", daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
-        conn = _Connection(sock)
+        conn = Connection(sock, self._frame_limit, lambda: self.unproven.proven(sock))
         try:
             while True:
-                sock.settimeout(None)  # a kept connection may idle between transfers
-                body = read_frame(sock)
+                # A kept connection may idle between transfers (an unproven one: until the
+                # reaper shuts it down at its deadline).
+                sock.settimeout(None)
+                try:
+                    body = read_frame(sock, self._frame_limit)
+                except KVValidationError as err:  # refused from its length: nothing was allocated
+                    send_all(sock, [frame(error_reply(grpc.StatusCode.INVALID_ARGUMENT, str(err)))])
+                    return
                 if body is None:
                     return
                 # A sender that stalls mid-transfer must not pin its reservation (no release
                 # while a push is in flight): no progress for stall_timeout_s fails the transfer.
                 sock.settimeout(self._stall_timeout_s)
                 try:
-                    msg = _parse(body)
-                except _Desync as err:
-                    reply, keep = _error(grpc.StatusCode.INVALID_ARGUMENT, str(err)), False
+                    msg = parse(body)
+                except Desync as err:
+                    reply, keep = error_reply(grpc.StatusCode.INVALID_ARGUMENT, str(err)), False
                 else:
                     kind = msg.WhichOneof("kind")
                     if kind == "attach":
@@ -202,18 +223,20 @@ class TcpKVServer:
         finally:
             with self._lock:
                 self._conns.discard(sock)
+            self.unproven.proven(sock)  # gone: no longer counted
             conn.close()
 
-    def _attach(self, conn: _Connection, attach: kv_pb2.KVAttach) -> tuple[kv_pb2.KVStreamReply, bool]:
+    def _attach(self, conn: Connection, attach: kv_pb2.KVAttach) -> tuple[kv_pb2.KVStreamReply, bool]:
         """Map the sender's buffer, only for a peer that names a live reservation and its
         token: no file is opened for anyone else. -> (reply, keep the connection)."""
         try:
             self._gate.authenticate(attach.request_id, attach.token)
         except KVValidationError as err:
-            return _error(status_code(err), f"attach: {err}"), False
+            return error_reply(status_code(err), f"attach: {err}"), False
+        conn.prove()
         return conn.attach(attach), True
 
-    def _one(self, conn: _Connection, msg: kv_pb2.KVBlockMessage) -> tuple[kv_pb2.KVStreamReply, bool]:
+    def _one(self, conn: Connection, msg: kv_pb2.KVBlockMessage) -> tuple[kv_pb2.KVStreamReply, bool]:
         """One transfer whose first message is ``msg`` -> (reply, keep the connection). A
         refused transfer's remaining frames are read and dropped, so the sender gets its reply
         and the connection stays in step."""
@@ -225,6 +248,7 @@ class TcpKVServer:
                 raise HeaderGate.not_reserved(header.request_id)
             began = header.request_id
             self._gate.admit(header)
+            conn.prove()
             if conn.group is not None:  # its first chunk's receive, before its bytes come
                 conn.group.expect(header.payload_bytes, self._layout.block_bytes)
             self._receive(conn, header)
@@ -232,23 +256,23 @@ class TcpKVServer:
             try:
                 self._on_received(received)
             except Exception as err:  # the sender must learn the blocks were not taken
-                return _error(grpc.StatusCode.INTERNAL, f"on_received failed: {err!r}"), True
+                return error_reply(grpc.StatusCode.INTERNAL, f"on_received failed: {err!r}"), True
             ok, nbytes = True, header.payload_bytes
             written = kv_pb2.PushBlocksResponse(blocks_written=len(received.block_ids), bytes_written=nbytes)
             return kv_pb2.KVStreamReply(ok=written), True
         except KVValidationError as err:
             # Drained either way, so the sender reads its refusal rather than a reset; a peer
             # without the reservation's token is not served again on this connection.
-            keep = conn.drain() if not isinstance(err, _Desync) else False
+            keep = conn.drain() if not isinstance(err, Desync) else False
             if isinstance(err, (KVUnauthenticatedError, KVPermissionError)):
                 keep = False
-            return _error(status_code(err), str(err)), keep
+            return error_reply(status_code(err), str(err)), keep
         finally:
             if began is not None:
                 self._end_push(began)
             self._on_outcome(ok, nbytes, time.monotonic() - t0)
 
-    def _receive(self, conn: _Connection, header: kv_pb2.KVHeader) -> None:
+    def _receive(self, conn: Connection, header: kv_pb2.KVHeader) -> None:
         """Chunks and trailer of a validated header; each chunk checked, then scattered."""
         unit = self._layout.block_bytes
         # The pool row of every unit, once per transfer (bounded: the header was validated
@@ -256,21 +280,21 @@ class TcpKVServer:
         all_rows = unit_rows(header.layer_start, header.layer_count, header.dest_block_ids, self._layout.num_blocks)
         received, seq = 0, 0
         while True:
-            body = read_frame(conn.sock)
+            body = read_frame(conn.sock, conn.frame_limit)
             if body is None:
-                raise _Desync(f"stream ended without trailer after {received} of {header.payload_bytes} payload bytes")
-            msg = _parse(body)
+                raise Desync(f"stream ended without trailer after {received} of {header.payload_bytes} payload bytes")
+            msg = parse(body)
             kind = msg.WhichOneof("kind")
             if kind == "trailer":
                 check_payload_bytes(header, received)
                 return
             if kind != "chunk":
-                raise _Desync(f"message after header: got {kind}, expected chunk or trailer")
+                raise Desync(f"message after header: got {kind}, expected chunk or trailer")
             chunk, n = msg.chunk, msg.chunk.raw_bytes
             if chunk.seq != seq:
-                raise _Desync(f"chunk seq: got {chunk.seq}, expected {seq}")
+                raise Desync(f"chunk seq: got {chunk.seq}, expected {seq}")
             if n == 0 or n % unit or n > MAX_CHUNK_BYTES or received + n > header.payload_bytes:
-                raise _Desync(f"chunk {seq} raw_bytes: got {n}, expected a multiple of {unit} bytes, "
+                raise Desync(f"chunk {seq} raw_bytes: got {n}, expected a multiple of {unit} bytes, "
                               f"<= {MAX_CHUNK_BYTES}, within payload_bytes={header.payload_bytes} "
                               f"({received} received)")
             # Units [first, first + k) of the payload (wire.py's order).
@@ -324,120 +348,5 @@ def _recv_into_views(sock: socket.socket, views: list[memoryview]) -> None:
     while pending:
         n = sock.recvmsg_into([pending[i] for i in range(min(len(pending), MAX_IOV))])[0]
         if n == 0:
-            raise _Desync("stream ended inside a chunk")
+            raise Desync("stream ended inside a chunk")
         advance(pending, n)
-
-
-class _Connection:
-    """One data connection on the receiving side: its socket, the reused buffer chunks are
-    read into, and the sender's shared-memory buffer once attached (read-only)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._staging = bytearray(CHUNK_BYTES)
-        self._shm: mmap.mmap | None = None
-        self._shm_array: np.ndarray | None = None  # [size] uint8 over _shm
-        self.group: GroupInbox | None = None  # the sender's process group once attached (dist)
-
-    def attach(self, attach: kv_pb2.KVAttach) -> kv_pb2.KVStreamReply:
-        """Map the sender's buffer named in ``attach`` (replacing any earlier one)."""
-        path = attach.path
-        name = os.path.basename(path)
-        if os.path.dirname(path) != SHM_DIR or not name.startswith(SHM_PREFIX) or not name[len(SHM_PREFIX):].isalnum():
-            return _error(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"attach path: got {path!r}, expected {SHM_DIR}/{SHM_PREFIX}<alphanumeric>")
-        if not 0 < attach.size <= MAX_SHM_BYTES:
-            return _error(grpc.StatusCode.INVALID_ARGUMENT, f"attach size: got {attach.size}, expected (0, {MAX_SHM_BYTES}]")
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as err:  # another host, or another /dev/shm (container): use TCP
-            return _error(grpc.StatusCode.UNAVAILABLE, f"attach: cannot open {path!r}: {err.strerror}")
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != attach.size:
-                return _error(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"attach: {path!r} is not a regular file of {attach.size} bytes")
-            shm = mmap.mmap(fd, attach.size, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        self.close_shm()
-        self._shm, self._shm_array = shm, np.frombuffer(shm, dtype=np.uint8)
-        return kv_pb2.KVStreamReply(ok=kv_pb2.PushBlocksResponse())
-
-    def chunk_data(self, chunk: kv_pb2.KVChunk, next_n: int = 0) -> np.ndarray:
-        n = chunk.raw_bytes
-        if chunk.HasField("shm_offset"):
-            off = chunk.shm_offset
-            if self._shm_array is None or off + n > len(self._shm_array):
-                size = 0 if self._shm_array is None else len(self._shm_array)
-                raise _Desync(f"chunk {chunk.seq} shm_offset: [{off}, {off + n}) outside the attached "
-                              f"buffer of {size} bytes")
-            return self._shm_array[off : off + n]
-        if chunk.over_group:  # one receive from the sender's group
-            if self.group is None:
-                raise _Desync(f"chunk {chunk.seq} over_group on a connection without a process group")
-            return self.group.take(n, next_n)
-        if len(self._staging) < n:
-            self._staging = bytearray(n)
-        if not recv_exact(self.sock, memoryview(self._staging)[:n]):
-            raise _Desync("stream ended inside a chunk")
-        return np.frombuffer(self._staging, dtype=np.uint8, count=n)
-
-    def drain(self) -> bool:
-        """Read and drop the rest of a refused transfer up to its trailer; False when the
-        stream does not parse (then the connection is closed)."""
-        try:
-            while True:
-                body = read_frame(self.sock)
-                if body is None:
-                    return False
-                msg = _parse(body)
-                kind = msg.WhichOneof("kind")
-                if kind == "trailer":
-                    return True
-                if kind != "chunk" or msg.chunk.raw_bytes > MAX_CHUNK_BYTES:
-                    return False
-                if msg.chunk.HasField("shm_offset"):
-                    continue  # nothing on the socket
-                if msg.chunk.over_group:  # received and dropped, so the sender's send completes
-                    self.chunk_data(msg.chunk)
-                    continue
-                left = msg.chunk.raw_bytes
-                view = memoryview(self._staging)
-                while left:
-                    part = view[: min(left, len(view))]
-                    if not recv_exact(self.sock, part):
-                        return False
-                    left -= len(part)
-        except (OSError, KVValidationError):
-            return False
-
-    def close_shm(self) -> None:
-        if self._shm is not None:
-            self._shm_array = None  # the array's buffer export must go before the map closes
-            try:
-                self._shm.close()
-            except BufferError:  # a view still alive (a failed chunk's frame); the GC frees it
-                pass
-            self._shm = None
-
-    def close(self) -> None:
-        self.close_shm()
-        if self.group is not None:
-            self.group.close()
-        self.sock.close()
-
-
-class _Desync(KVValidationError):
-    """The stream broke its framing: its remaining bytes cannot be found, so the connection ends."""
-
-
-def _parse(body: bytes) -> kv_pb2.KVBlockMessage:
-    try:
-        return kv_pb2.KVBlockMessage.FromString(body)
-    except DecodeError as err:
-        raise _Desync(f"frame: not a KVBlockMessage ({err})") from None
-
-
-def _error(code: grpc.StatusCode, message: str) -> kv_pb2.KVStreamReply:
-    return kv_pb2.KVStreamReply(error=kv_pb2.KVStreamError(code=code.value[0], message=message))

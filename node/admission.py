@@ -11,23 +11,43 @@ kept for control calls, and a long RPC beyond the limit is answered at once::
     UNAVAILABLE         + retry-after-ms    the node is draining; the router's view drops it
 
 The interceptor also counts the long RPCs in flight: a draining node waits for that count to
-reach zero. No torch here: plain grpc.
+reach zero.
+
+PushBlocks is a client stream whose first message (the header) carries the reservation token
+it is checked by; until that message arrives the caller is nobody in particular, and without
+TLS anyone can open such streams. So streams still waiting for their first message hold at
+most ``first_message_limit`` of the gate's slots (the rest stay for Decode, Prefill and pushes
+under way): one more cancels the one that has waited longest, rather than being refused (real
+senders send the header with the call, so the one waiting longest is the likeliest stranger),
+and each is cancelled ``first_message_timeout_s`` after it started. No torch here: plain grpc.
 """
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 import grpc
 
 from protos.conventions import retry_after_metadata
+from protos.pdserve.v1 import kv_pb2
 
 # Told to a caller refused for load: about the time a few requests take to free their slots.
 BUSY_RETRY_AFTER_MS = 200
 # Told to a caller refused by a draining node: about one refresh of a router's node view,
 # after which it no longer places here.
 DRAINING_RETRY_AFTER_MS = 500
+# A PushBlocks stream whose header has not come within this long is cancelled.
+FIRST_MESSAGE_TIMEOUT_S = 5.0
+_PUSH = kv_pb2.DESCRIPTOR.services_by_name["KVTransfer"].methods_by_name["PushBlocks"]
+# Client streams checked by their first message: held to the first-message bounds.
+FIRST_MESSAGE_METHODS = (f"/{_PUSH.containing_service.full_name}/{_PUSH.name}",)
+
+
+def first_message_limit(limit: int) -> int:
+    """Of ``limit`` long-call slots, how many streams waiting for their first message may hold."""
+    return max(1, limit // 4)
 
 
 class InflightGate:
@@ -37,23 +57,46 @@ class InflightGate:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
+        self.first_message_limit = first_message_limit(limit)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._inflight = 0
+        # Of them, client streams whose first message has not come, oldest first -> its cancel.
+        self._awaiting: OrderedDict[object, Callable[[], None]] = OrderedDict()
         self.num_refused = 0
+        self.num_evicted = 0  # streams cancelled for a newer one while waiting for their first message
 
     @property
     def inflight(self) -> int:
         return self._inflight
 
-    def enter(self) -> str | None:
-        """Take a slot -> None, or the reason it was refused ("busy")."""
+    @property
+    def awaiting_first_message(self) -> int:
+        return len(self._awaiting)
+
+    def enter(self, waiting: object | None = None, cancel: Callable[[], None] = lambda: None) -> str | None:
+        """Take a slot -> None, or the reason it was refused ("busy"). ``waiting``: a client
+        stream (any key) that waits for its first message until ``first_message_seen(waiting)``;
+        when ``first_message_limit`` wait already, the oldest is cancelled (its ``cancel``) and
+        gives its slot back as its call ends."""
+        evicted = None
         with self._lock:
             if self._inflight >= self.limit:
                 self.num_refused += 1
                 return "busy"
+            if waiting is not None:
+                if len(self._awaiting) >= self.first_message_limit:
+                    _, evicted = self._awaiting.popitem(last=False)
+                    self.num_evicted += 1
+                self._awaiting[waiting] = cancel
             self._inflight += 1
-            return None
+        if evicted is not None:
+            evicted()
+        return None
+
+    def first_message_seen(self, waiting: object) -> None:
+        with self._lock:
+            self._awaiting.pop(waiting, None)
 
     def leave(self) -> None:
         with self._lock:
@@ -88,14 +131,51 @@ def refuse_draining(context: grpc.ServicerContext, node_id: str) -> None:
                   f"retry in {DRAINING_RETRY_AFTER_MS} ms")
 
 
+class FirstMessageWatch:
+    """A client stream's request iterator while it waits for its first message: counted by the
+    gate (``enter`` names it), and its call cancelled (``context.cancel``) when that message
+    has not come within ``timeout_s`` of ``start``. ``close`` (idempotent) ends the wait."""
+
+    def __init__(self, requests, context: grpc.ServicerContext, gate: InflightGate, timeout_s: float) -> None:
+        self._requests = requests
+        self._gate = gate
+        self.cancel = context.cancel
+        self._timer: threading.Timer | None = threading.Timer(timeout_s, context.cancel)
+        self._timer.daemon = True
+
+    def start(self) -> None:
+        self._timer.start()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._requests)
+        finally:
+            self.close()  # the first message came, or the stream ended or was cancelled
+
+    def close(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+            self._gate.first_message_seen(self)
+
+
 class LongRpcInterceptor(grpc.ServerInterceptor):
     """Puts the methods named in ``methods`` (full names, "/pkg.Service/Method") behind
-    ``gate``; every other method (control calls, health, reflection) passes untouched."""
+    ``gate``; every other method (control calls, health, reflection) passes untouched. Those
+    of them in ``first_message_methods`` (client streams) are also held to the first-message
+    bounds until their first message (see above)."""
 
-    def __init__(self, gate: InflightGate, methods: Iterable[str], node_id: str) -> None:
+    def __init__(self, gate: InflightGate, methods: Iterable[str], node_id: str,
+                 first_message_methods: Iterable[str] = FIRST_MESSAGE_METHODS,
+                 first_message_timeout_s: float = FIRST_MESSAGE_TIMEOUT_S) -> None:
         self.gate = gate
         self.methods = frozenset(methods)
         self.node_id = node_id
+        self.first_message_methods = frozenset(first_message_methods)
+        self.first_message_timeout_s = first_message_timeout_s
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -130,7 +210,26 @@ class LongRpcInterceptor(grpc.ServerInterceptor):
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream, handler.request_deserializer, handler.response_serializer)
+        if handler.stream_unary and handler_call_details.method in self.first_message_methods:
+            return grpc.stream_unary_rpc_method_handler(
+                self._first_message_gated(handler.stream_unary, what), handler.request_deserializer,
+                handler.response_serializer)
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
                 gated(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
         return handler  # stream-stream: none of ours
+
+    def _first_message_gated(self, inner, what: str):
+        gate, timeout_s = self.gate, self.first_message_timeout_s
+
+        def call(request_iterator, context):
+            watch = FirstMessageWatch(request_iterator, context, gate, timeout_s)
+            if gate.enter(watch, watch.cancel):
+                refuse_busy(context, what)
+            watch.start()
+            try:
+                return inner(watch, context)
+            finally:
+                watch.close()
+                gate.leave()
+        return call

@@ -119,6 +119,13 @@ class NodeConfig:
     # The name peers' certificates are verified against instead of the address dialled.
     tls_server_name: str | None = setting(None, flag="--tls-server-name", help="verify peers' certificates against "
                                           "this name instead of their address")
+    # The secret every node of the cluster shares (security/cluster_token.py): without TLS, a
+    # prefix fetch's holder and fetching node prove with it that both belong to the cluster
+    # (docs/security.md). Read where the server is built, like the TLS files. None: the fetch
+    # link trusts the registry alone.
+    cluster_token_file: str | None = setting(None, flag="--cluster-token-file", help="a file holding the secret "
+                                             "every node shares (at least 32 characters): authenticates prefix "
+                                             "fetches between nodes without TLS")
     # Ranks (CPU processes on a gloo group) this node's engine runs on, each with 1/N of the
     # attention and KV heads and of the MLP (engine/parallel/, docs/engine.md). It must divide
     # the model's heads (checked when the engine starts, the reason recorded by the node actor).

@@ -137,10 +137,11 @@ class AsyncEngine:
         hold_kv: bool = False,
         resumed_output_tokens: int = 0,
         stream_kv: bool = False,
+        cache_salt: bytes = b"",
     ) -> OutputStream:
         """Queue a request; raises InvalidRequestError right away when it can never run.
-        ``stream_kv``: see ``LLMEngine.add_request`` (the engine's kv_layer_listener hears of
-        its blocks layer by layer, on the loop thread)."""
+        ``stream_kv``, ``cache_salt``: see ``LLMEngine.add_request`` (the engine's
+        kv_layer_listener hears of its blocks layer by layer, on the loop thread)."""
 
         # A constraint compiles here, on the caller's thread: a slow compile never stalls a step.
         self.engine.structured.compile(params.structured)
@@ -148,7 +149,7 @@ class AsyncEngine:
         def add(eng: LLMEngine) -> OutputStream:
             rid = eng.add_request(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                   params=params, hold_kv=hold_kv, resumed_output_tokens=resumed_output_tokens,
-                                  stream_kv=stream_kv)
+                                  stream_kv=stream_kv, cache_salt=cache_salt)
             return self._open_stream(rid)
 
         return self.run(add)
@@ -161,6 +162,7 @@ class AsyncEngine:
         params: SamplingParams,
         num_cached_tokens: int = 0,
         resumed_output_tokens: int = 0,
+        cache_salt: bytes = b"",
     ) -> OutputStream:
         """Decode role: continue a request whose prompt KV sits in its reserved blocks."""
 
@@ -168,13 +170,15 @@ class AsyncEngine:
 
         def add(eng: LLMEngine) -> OutputStream:
             eng.add_prefilled_request(request_id, prompt_token_ids, output_token_ids, params,
-                                      num_cached_tokens=num_cached_tokens, resumed_output_tokens=resumed_output_tokens)
+                                      num_cached_tokens=num_cached_tokens, resumed_output_tokens=resumed_output_tokens,
+                                      cache_salt=cache_salt)
             return self._open_stream(request_id)
 
         return self.run(add)
 
-    def reserve_kv(self, request_id: str, prompt_token_ids: Sequence[int]) -> tuple[list[int], int] | None:
-        return self.run(lambda eng: eng.reserve_kv(request_id, prompt_token_ids))
+    def reserve_kv(self, request_id: str, prompt_token_ids: Sequence[int],
+                   cache_salt: bytes = b"") -> tuple[list[int], int] | None:
+        return self.run(lambda eng: eng.reserve_kv(request_id, prompt_token_ids, cache_salt))
 
     def release_kv(self, request_id: str) -> None:
         self.run(lambda eng: eng.release_kv(request_id))
@@ -187,21 +191,22 @@ class AsyncEngine:
         return self.run(lambda eng: eng.abort(request_id))
 
     # ---- prefix export and import (a peer fetches a prefix: node/ and the role servers)
-    def held_prefix(self, block_hashes: Sequence[int], token_ids: Sequence[int]) -> list[int]:
+    def held_prefix(self, block_hashes: Sequence[int], token_ids: Sequence[int], cache_salt: bytes = b"") -> list[int]:
         """``LLMEngine.held_prefix`` on the loop thread: the tier of each leading block held."""
-        return self.run(lambda eng: eng.held_prefix(block_hashes, token_ids))
+        return self.run(lambda eng: eng.held_prefix(block_hashes, token_ids, cache_salt))
 
-    def export_prefix(self, export_id: str, block_hashes: Sequence[int], token_ids: Sequence[int]) -> list[int]:
+    def export_prefix(self, export_id: str, block_hashes: Sequence[int], token_ids: Sequence[int],
+                      cache_salt: bytes = b"") -> list[int]:
         """``LLMEngine.export_prefix``: the block ids, held until ``release_export``; send them
         from ``engine.kv_cache`` with any transport. Always release, also after a failed send."""
-        return self.run(lambda eng: eng.export_prefix(export_id, block_hashes, token_ids))
+        return self.run(lambda eng: eng.export_prefix(export_id, block_hashes, token_ids, cache_salt))
 
     def release_export(self, export_id: str) -> None:
         self.run(lambda eng: eng.release_export(export_id))
 
-    def commit_kv(self, request_id: str, prompt_token_ids: Sequence[int]) -> int:
+    def commit_kv(self, request_id: str, prompt_token_ids: Sequence[int], cache_salt: bytes = b"") -> int:
         """``LLMEngine.commit_kv``: KV received into ``reserve_kv``'s blocks becomes cached."""
-        return self.run(lambda eng: eng.commit_kv(request_id, prompt_token_ids))
+        return self.run(lambda eng: eng.commit_kv(request_id, prompt_token_ids, cache_salt))
 
     @property
     def load(self) -> LoadSnapshot:

@@ -3,11 +3,16 @@
 The router asks for it (``PrefillRequest.fetch``) when its cost model says moving the blocks
 beats computing them. This node::
 
+    trust     the holder: a live node of this cluster's registry serving this model, else refused
+              before anything is reserved or dialled (node/peer_trust.py)
     reserve   blocks for the prefix's n leading blocks: those it caches itself are pinned, the
-              rest reserved under a fresh token in its KVInbox (node/kv_inbox.py)
+              rest reserved in its KVInbox (node/kv_inbox.py), for the whole bound
     ask       the holder's PushPrefix (node/prefix_holder.py) with the tokens, hashes, the
-              reserved ids and the token; the holder pushes them over the fastest transport,
-              into this node's data port or its PushBlocks, each checked on arrival
+              reserved ids and a nonce (with the cluster token's MAC when one is set); the
+              holder pushes them over the fastest transport, into this node's data port or its
+              PushBlocks, each checked on arrival against the token derived from the nonce
+              (security/cluster_token.py): only a cluster member can write here
+    close     the reservation, to every push at once, whatever the answer
     register  the leading blocks that landed in every layer, hashed from this node's own
               tokens, as cached blocks: the prefill's prefix lookup then hits them
     release   after the prefill (``done``); they stay cached
@@ -44,6 +49,9 @@ fetch_log = RateLimitedLog(log)
 MIN_TIMEOUT_S = 0.2
 MAX_TIMEOUT_S = 30.0
 DEFAULT_TIMEOUT_S = 5.0
+# A fetch's reservation lives this much past the fetch's bound: the fetch closes it itself by
+# then; the lease only frees it should the fetching thread never come back.
+FETCH_LEASE_MARGIN_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -102,6 +110,7 @@ class PrefixFetcher:
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self._held: set[str] = set()  # hold ids whose release is ours (done), not a push's end
+        self.trust = node.holder.trust  # the node's peer checks and cluster token (node/peer_trust.py)
 
     def close(self) -> None:
         with self._lock:
@@ -113,14 +122,15 @@ class PrefixFetcher:
     def hold_id(request_id: str) -> str:
         return f"{request_id}/fetch"
 
-    def fetch(self, request_id: str, prompt: list[int], spec: kv_pb2.KVFetch) -> FetchOutcome:
+    def fetch(self, request_id: str, prompt: list[int], spec: kv_pb2.KVFetch, cache_salt: bytes = b"") -> FetchOutcome:
         """Bring the prompt's leading ``spec.num_blocks`` blocks here from ``spec.holder_address``
-        (less what this node holds already). Never raises; call ``done(request_id)`` once the
-        prefill no longer needs the blocks, whatever the outcome."""
+        (less what this node holds already; blocks of the chain of ``cache_salt``, the request's).
+        Never raises; call ``done(request_id)`` once the prefill no longer needs the blocks,
+        whatever the outcome."""
         t0 = time.monotonic()
         bound = fetch_timeout(spec.timeout_s)
         try:
-            out = self._fetch(request_id, prompt, spec, t0 + bound)
+            out = self._fetch(request_id, prompt, spec, t0 + bound, cache_salt)
         except Exception:  # a fetch is an optimisation: anything unexpected computes instead
             log.exception("prefix fetch of %r from %s failed unexpectedly", request_id, spec.holder_address)
             out = FetchOutcome("failed")
@@ -137,18 +147,27 @@ class PrefixFetcher:
         if ours:
             self.node.aengine.release_kv(hold)
 
-    def _fetch(self, request_id: str, prompt: list[int], spec: kv_pb2.KVFetch, deadline: float) -> FetchOutcome:
+    def _fetch(self, request_id: str, prompt: list[int], spec: kv_pb2.KVFetch, deadline: float,
+               cache_salt: bytes = b"") -> FetchOutcome:
         node, eng = self.node, self.node.engine
         bs = eng.block_size
         n = min(spec.num_blocks, (len(prompt) - 1) // bs)  # one token is always computed
         if n <= 0 or not spec.holder_address:
             return FetchOutcome("held")
+        # Only from a live node of this cluster's registry, before anything is reserved or
+        # dialled: a Prefill call may name any address, and what lands here is served to every
+        # later request as cached KV, which no check of the bytes could tell from a forgery.
+        problem = self.trust.holder_problem(spec.holder_address, eng.fingerprint)
+        if problem:
+            fetch_log.warning("prefix fetch refused", "prefix fetch of %r refused: %s; computing it",
+                              request_id, problem)
+            return FetchOutcome("refused")
         tokens = prompt[: n * bs]
-        hashes = hash_prompt_blocks(tokens, bs, eng.fingerprint.encode())
+        hashes = hash_prompt_blocks(tokens, bs, eng.fingerprint.encode(), salt=cache_salt)
         hold = self.hold_id(request_id)
-        got = node.aengine.run(lambda e: reserve_prefix(e, hold, hashes, tokens))
-        if got is None:
-            return FetchOutcome("refused")  # no room for the blocks now: compute
+        got = self._reserve(hold, hashes, tokens, deadline)
+        if isinstance(got, str):
+            return FetchOutcome(got)  # no room for the blocks now, or no answer in time: compute
         held, dest = got
         if not dest:
             return FetchOutcome("held")
@@ -159,26 +178,48 @@ class PrefixFetcher:
         if wire is None:
             return FetchOutcome("refused")  # no landing room now: compute (``done`` releases the hold)
         dest = list(wire)
-        token = new_token()
-        inbox.reservations.add(hold, Reservation(held, tuple(dest), tuple(hashes[held:]), token), tuple(tokens))
+        # The holder gets a nonce; the reservation admits only the token derived from it with the
+        # cluster token (the nonce itself without one), so a holder that is no member cannot push.
+        nonce = new_token()
+        # Its lease covers the fetch's whole bound (up to MAX_TIMEOUT_S), not only the decode
+        # role's wait (reservation_lease_s): a slow but healthy holder still finds its blocks.
+        lease_s = max(inbox.reservations.lease_s, deadline - time.monotonic() + FETCH_LEASE_MARGIN_S)
+        inbox.reservations.add(hold, Reservation(held, tuple(dest), tuple(hashes[held:]), self.trust.push_token(nonce)),
+                               tuple(tokens), lease_s=lease_s)
         try:
             resp = self._ask(spec.holder_address, kv_pb2.PushPrefixRequest(
                 request_id=hold, model_fingerprint=eng.fingerprint, block_size=bs, token_ids=tokens,
                 block_hashes=hashes, first_block_index=held, dest_block_ids=dest,
-                dest_address=node.address, dest_kv_endpoints=inbox.kv_endpoints(), token=token), deadline)
-            landed = inbox.reservations.complete_prefix(hold) if isinstance(resp, kv_pb2.PushPrefixResponse) else 0
-            if landed:
-                node.aengine.run(lambda e: register_prefix(e, hold, tokens, held + landed))
+                dest_address=node.address, dest_kv_endpoints=inbox.kv_endpoints(), token=nonce,
+                cache_salt=cache_salt), deadline)
         finally:
-            self._forget(hold)
+            # Closed to every push at once, whatever the answer: a late (or a second) push must
+            # not write into blocks that are about to become shared cache.
+            landed = self._close(hold)
         if not isinstance(resp, kv_pb2.PushPrefixResponse):
             return FetchOutcome(resp)
         if not landed:
             return FetchOutcome("failed")
+        node.aengine.run(lambda e: register_prefix(e, hold, tokens, held + landed, cache_salt))
         block_bytes = resp.bytes_sent // max(1, resp.blocks_sent)
         return FetchOutcome("ok", landed, block_bytes * landed, transport=resp.transport, transfer_s=resp.transfer_s,
                             onboarded_host_blocks=resp.onboarded_host_blocks,
                             onboarded_disk_blocks=resp.onboarded_disk_blocks, onboard_s=resp.onboard_s)
+
+    def _reserve(self, hold: str, hashes: list[int], tokens: list[int], deadline: float):
+        """``reserve_prefix`` on the engine thread, waited for until ``deadline`` -> its result,
+        or the outcome label: "refused" (no room now), "timeout". A reservation must not outlive
+        a wait given up: a command not run yet is cancelled (the loop skips it), and one already
+        running is undone by a release queued right behind it (commands run in order)."""
+        aengine = self.node.aengine
+        future = aengine.call(lambda e: reserve_prefix(e, hold, hashes, tokens))
+        try:
+            got = future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            if not future.cancel():
+                aengine.call(lambda e: e.release_kv(hold))
+            return "timeout"
+        return "refused" if got is None else got
 
     def _ask(self, address: str, request: kv_pb2.PushPrefixRequest, deadline: float):
         """PushPrefix on the holder -> its response, or the outcome label of its failure."""
@@ -186,24 +227,29 @@ class PrefixFetcher:
         if left <= 0:
             return "timeout"
         stub = kv_pb2_grpc.KVHolderStub(self._channel(address))
+        # The MAC covers every field: the holder refuses a request changed on the way.
+        metadata = self.trust.sign(request.SerializeToString(deterministic=True))
         try:
-            return stub.PushPrefix(request, timeout=left)
+            return stub.PushPrefix(request, timeout=left, metadata=metadata)
         except grpc.RpcError as err:
             outcome = outcome_of(err.code())
             fetch_log.warning(f"prefix fetch {err.code().name}", "prefix fetch of %r from %s: %s (%s); computing it",
                               request.request_id, address, err.code().name, err.details())
             return outcome
 
-    def _forget(self, hold: str) -> None:
-        """Take the fetch's reservation off the table. Blocks a push may still write into are
-        released by that push's end (KVInbox), never here, and then not by ``done`` either."""
+    def _close(self, hold: str) -> int:
+        """Close the fetch's reservation to every push -> its leading blocks that landed in
+        every layer. Blocks a push is still writing into are released by that push's end
+        (KVInbox), never here, and then not by ``done`` either; nothing of them counts."""
         inbox = self.node.inbox
-        found, release_now = inbox.reservations.drop(hold)
-        if found and not release_now:
+        landed = inbox.reservations.close_prefix(hold)
+        if landed is None:
             with self._lock:
                 self._held.discard(hold)
-        elif inbox.landing is not None:  # no push writes into its landing slots any more
+            return 0
+        if inbox.landing is not None:  # no push writes into its landing slots any more
             inbox.landing.free(hold)
+        return landed
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:

@@ -2,6 +2,8 @@
 into a reservation another node made for it (the fetching side is node/prefix_fetch.py).
 
     fetching node --PushPrefix(tokens, hashes, its reservation + token)--> this node
+        trust       the caller's cluster-token MAC (when set); the node pushed to is a live
+                    registered node, its data endpoints on its host (node/peer_trust.py)
         verify      hashes are the chained hashes of the tokens (this node's model); each
                     cached block's stored tokens equal the ones asked for
         pin         the longest leading run it holds, referenced so that neither eviction nor
@@ -25,6 +27,7 @@ import grpc
 
 from kv_transfer.transport import TransferError
 from node.output_stream import EngineStoppedError
+from node.peer_trust import PeerTrust
 from node.prefix_kv import pin_prefix, unpin_prefix
 from node.rpc_trace import traced_rpc
 from node.tp_engine import send_view
@@ -47,12 +50,19 @@ class PrefixHolder(kv_pb2_grpc.KVHolderServicer):
         self.node = node
         self.num_pushes = 0
         self.num_failures = 0
+        # Who may ask and be pushed to (node/peer_trust.py); the fetching side uses it too.
+        self.trust = PeerTrust(node)
 
     @traced_rpc("node.PushPrefix", lambda r: {tracing.REQUEST_ID: r.request_id,
                                               "pdserve.fetch.blocks": len(r.block_hashes),
                                               "pdserve.dest_address": r.dest_address})
     def PushPrefix(self, request: kv_pb2.PushPrefixRequest, context: grpc.ServicerContext):
         node, eng = self.node, self.node.engine
+        # First of all: a caller without the cluster token (when one is set) learns nothing of
+        # this node's pool, pins nothing and makes it dial nobody.
+        refusal = self.trust.check_caller(context.invocation_metadata(), request.SerializeToString(deterministic=True))
+        if refusal is not None:
+            context.abort(*refusal)
         if request.model_fingerprint != eng.fingerprint or request.block_size != eng.block_size:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"this node serves model {eng.fingerprint!r} with block_size {eng.block_size}; "
@@ -60,12 +70,17 @@ class PrefixHolder(kv_pb2_grpc.KVHolderServicer):
         problem = push_prefix_problem(request, eng.fingerprint, eng.num_blocks)
         if problem:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        # Only into a node of this cluster's registry, over data endpoints on its host: a
+        # request must not turn this node into a dialler of any host:port.
+        problem = self.trust.dest_problem(request.dest_address, request.dest_kv_endpoints)
+        if problem:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
         node.admit(context, accepted=True)  # unhealthy: UNAVAILABLE; it adds no engine work
         tokens, hashes = list(request.token_ids), list(request.block_hashes)
         first = request.first_block_index
         pin_id = f"push-{uuid.uuid4().hex}"
         try:
-            pinned = node.aengine.run(lambda e: pin_prefix(e, pin_id, hashes, tokens))
+            pinned = node.aengine.run(lambda e: pin_prefix(e, pin_id, hashes, tokens, request.cache_salt))
         except Exception as err:  # the engine is gone or refused: nothing is pinned
             _unpin(node, pin_id)  # whatever the export took before it failed
             context.abort(grpc.StatusCode.UNAVAILABLE, f"could not pin the prefix: {err}")
@@ -95,7 +110,8 @@ class PrefixHolder(kv_pb2_grpc.KVHolderServicer):
             result = node.kv_sender.push(
                 request.dest_address, pool, request_id=request.request_id, fingerprint=eng.fingerprint,
                 src_block_ids=table, block_hashes=hashes[:m], num_tokens=m * eng.block_size,
-                dest_block_ids=list(request.dest_block_ids)[: m - first], token=request.token,
+                dest_block_ids=list(request.dest_block_ids)[: m - first],
+                token=self.trust.push_token(request.token),  # a nonce: the token is derived (cluster_token.py)
                 skip_leading_blocks=first, timeout=timeout, endpoints=tuple(request.dest_kv_endpoints))
         except TransferError as err:
             self.num_failures += 1
@@ -132,6 +148,7 @@ def push_prefix_problem(request: kv_pb2.PushPrefixRequest, fingerprint: str, poo
     if len(request.dest_block_ids) != n - request.first_block_index:
         return (f"dest_block_ids has {len(request.dest_block_ids)} ids, expected one per block after "
                 f"first_block_index: {n - request.first_block_index}")
-    if hash_prompt_blocks(list(request.token_ids), bs, fingerprint.encode()) != list(request.block_hashes):
+    salt = request.cache_salt  # the chain's: another salt's blocks are never sent
+    if hash_prompt_blocks(list(request.token_ids), bs, fingerprint.encode(), salt=salt) != list(request.block_hashes):
         return "block_hashes are not the chained hashes of token_ids for this model"
     return ""

@@ -71,13 +71,14 @@ class Pinned(NamedTuple):
     onboard_s: float = 0.0
 
 
-def pin_prefix(eng: LLMEngine, pin_id: str, hashes: Sequence[int], tokens: Sequence[int]) -> Pinned:
+def pin_prefix(eng: LLMEngine, pin_id: str, hashes: Sequence[int], tokens: Sequence[int],
+               cache_salt: bytes = b"") -> Pinned:
     """Holder: the longest leading run of ``hashes`` (tokens ``tokens``) this engine holds, in
     any tier, in device blocks pinned under ``pin_id`` (``LLMEngine.export_prefix``: host and
     disk blocks are copied back first); release with ``unpin_prefix``."""
-    where = eng.held_prefix(hashes, tokens)
+    where = eng.held_prefix(hashes, tokens, cache_salt)
     t0 = time.perf_counter()
-    table = eng.export_prefix(pin_id, hashes, tokens)
+    table = eng.export_prefix(pin_id, hashes, tokens, cache_salt)
     seconds = time.perf_counter() - t0
     lower = where[: len(table)]
     host, disk = lower.count(TIER_HOST), lower.count(TIER_DISK)
@@ -102,7 +103,9 @@ def reserve_prefix(eng: LLMEngine, hold_id: str, hashes: Sequence[int],
     return len(hit), table[len(hit):]
 
 
-def register_prefix(eng: LLMEngine, hold_id: str, tokens: Sequence[int], num_blocks: int) -> None:
+def register_prefix(eng: LLMEngine, hold_id: str, tokens: Sequence[int], num_blocks: int,
+                    cache_salt: bytes = b"") -> None:
     """Fetching node: blocks [0, num_blocks) of ``hold_id`` hold their final KV now; cache them
-    (hashed from ``tokens``, the prompt's own) so the prefill's lookup hits them."""
-    eng.kv.cache_computed_blocks(seq_id_of(hold_id, 0), list(tokens), num_blocks * eng.block_size)
+    (hashed from ``tokens``, the prompt's own, under the request's ``cache_salt``) so the
+    prefill's lookup hits them."""
+    eng.kv.cache_computed_blocks(seq_id_of(hold_id, 0), list(tokens), num_blocks * eng.block_size, cache_salt)

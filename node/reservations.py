@@ -9,13 +9,17 @@ Life of one reservation::
                        |                     \
                        |                      Decode -> take (every layer of every block in,
                        |                                      no push in flight)
-                       |                      a fetch -> complete_prefix (leading blocks in)
+                       |                      a fetch -> close_prefix (leading blocks in;
+                       |                                 closed to every later push at once)
                        '-- ReleaseReservation / AbortDecode / lease expiry -> drop
                        (RenewReservation restarts the lease while the prefill is queued)
 
 A reservation's blocks may only go back to the engine when no PushBlocks is writing into them:
 ``drop`` of a reservation with a push in flight only hides it (new pushes are refused), and
 the push's ``end_push`` then says the blocks can be released.
+
+Each reservation has its lease (``add``'s ``lease_s``; the table's by default): a fetch's
+covers the fetch's own bound, which may be longer than a decode node's wait for its prefill.
 
 A push carries a rectangle of the KV: a layer range x a contiguous run of the reserved blocks
 (one push of everything, or many as a prefill node streams layers of finished chunks). The table
@@ -37,6 +41,7 @@ class _Entry:
     reservation: Reservation
     prompt_token_ids: tuple[int, ...]
     deadline: float
+    lease_s: float  # how long it waits for its next push (or Decode) before it expires
     # Per layer: bit i set = reserved block i (block_ids[i]) received for that layer.
     received: list[int] = field(default_factory=list)
     in_flight: int = 0
@@ -64,12 +69,17 @@ class ReservationTable:
         with self._lock:
             return [rid for rid, e in self._entries.items() if not e.dropped]
 
-    def add(self, request_id: str, reservation: Reservation, prompt_token_ids: tuple[int, ...]) -> None:
+    def add(self, request_id: str, reservation: Reservation, prompt_token_ids: tuple[int, ...],
+            lease_s: float | None = None) -> None:
+        """``lease_s``: this reservation's lease (None: the table's)."""
+        lease = self.lease_s if lease_s is None else lease_s
+        if not lease > 0:
+            raise ValueError(f"a reservation's lease must be > 0 s, got {lease_s}")
         with self._lock:
             if request_id in self._entries:
                 raise KeyError(f"request {request_id!r} already has a reservation")
             # No reserved blocks (every block already cached here): nothing to receive.
-            self._entries[request_id] = _Entry(reservation, prompt_token_ids, self._clock() + self.lease_s,
+            self._entries[request_id] = _Entry(reservation, prompt_token_ids, self._clock() + lease, lease,
                                                [0] * self.num_layers)
 
     def get(self, request_id: str) -> Reservation | None:
@@ -105,7 +115,7 @@ class ReservationTable:
             mask = ((1 << n) - 1) << offset
             for layer in layers:
                 e.received[layer] |= mask
-            e.deadline = self._clock() + self.lease_s
+            e.deadline = self._clock() + e.lease_s
 
     def renew(self, request_id: str) -> bool:
         """Restart the lease of a live reservation (its request waits in a prefill queue)."""
@@ -113,7 +123,7 @@ class ReservationTable:
             e = self._entries.get(request_id)
             if e is None or e.dropped:
                 return False
-            e.deadline = max(e.deadline, self._clock() + self.lease_s)
+            e.deadline = max(e.deadline, self._clock() + e.lease_s)
             return True
 
     def end_push(self, request_id: str) -> bool:
@@ -157,10 +167,23 @@ class ReservationTable:
             e = self._entries.get(request_id)
             if e is None or e.dropped or e.in_flight:
                 return 0
-            every = (1 << len(e.reservation.block_ids)) - 1
-            for got in e.received:
-                every &= got
-            return (every ^ (every + 1)).bit_length() - 1  # its trailing one bits
+            return _leading_landed(e)
+
+    def close_prefix(self, request_id: str) -> int | None:
+        """For a fetch whose holder answered (or gave up): take the reservation off the table
+        at once -> its leading blocks received in every layer (0: none, or no reservation), so
+        that no push after this writes into blocks about to be registered as shared cache. With
+        a push still in flight: None, the reservation hidden (new pushes refused) and that
+        push's ``end_push`` reports its blocks free to release."""
+        with self._lock:
+            e = self._entries.get(request_id)
+            if e is None or e.dropped:
+                return 0
+            if e.in_flight:
+                e.dropped = True
+                return None
+            del self._entries[request_id]
+            return _leading_landed(e)
 
     def drop(self, request_id: str) -> tuple[bool, bool]:
         """Forget a reservation -> (found, release_now). With a push in flight, release_now
@@ -186,3 +209,11 @@ class ReservationTable:
             if now_:
                 release.append(rid)
         return release
+
+
+def _leading_landed(e: _Entry) -> int:
+    """Leading reserved blocks of ``e`` received in every layer."""
+    every = (1 << len(e.reservation.block_ids)) - 1
+    for got in e.received:
+        every &= got
+    return (every ^ (every + 1)).bit_length() - 1  # its trailing one bits

@@ -17,8 +17,22 @@ twice. A switch that cannot be done over this engine is refused before anything 
 the same engine; if that fails too the error propagates (the actor then restarts).
 
 Trigger: ``poll`` runs on the index publisher's thread after each heartbeat, reads the
-desired role (kv_index/roles.py RoleStore, one bounded Redis read) and starts the switch on a
-thread of its own, so heartbeats (the draining flag above all) go on during the drain.
+node's wish (kv_index/roles.py RoleStore: one bounded Redis read; a wish of an earlier cluster
+generation or past its expiry is none) and obeys it on a thread of its own, so heartbeats (the
+draining flag above all) go on during the drain. Obeying is not blind:
+
+- a wish its config rules out (``switch_refusal``) is refused for good: marked so in the store
+  (the pool controller then counts the node in the role it serves), counted once;
+- a switch that would leave the role it leaves with fewer serving nodes than the wish's floor
+  (never fewer than one decode node) is not started: ``RoleStore.claim`` decides that in one
+  script run, so two nodes never both leave the last pair;
+- while the node holds a request no router could move (n > 1 with output: its samples forked
+  here, router/migration.py ``refusal``), the drain is not started, since a timed-out drain
+  would lose it;
+- a switch that failed (the new role's server did not start) is tried again.
+
+Those three wait and try again, after ``retry_delay`` (doubling to ``RETRY_MAX_S``), until the
+wish is obeyed, replaced or expires.
 """
 from __future__ import annotations
 
@@ -30,7 +44,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from kv_index.nodes import Role
-from kv_index.roles import RoleStore
+from kv_index.roles import RoleStore, Wish
 from node.config import NodeConfig
 from telemetry.log_limit import RateLimitedLog
 from telemetry.role_switch_metrics import RoleSwitchMetrics
@@ -43,6 +57,35 @@ log = logging.getLogger(__name__)
 # ``build_server(config, engine=...)``: the role's server over an engine already loaded
 # (deploy/node_servers.py build_any_role). Its ``roles`` attribute says which roles it builds.
 ServerFactory = Callable[..., "NodeServer"]
+
+# A wish not obeyed yet (a floor, a request that cannot move, a failed start) is tried again
+# after RETRY_BASE_S, doubling per try up to RETRY_MAX_S: soon enough for a node that registers
+# a moment later, rare enough that a wish that cannot be obeyed costs a Redis call a minute.
+RETRY_BASE_S = 2.0
+RETRY_MAX_S = 60.0
+# The claim outlives the switch's drain by this much (a start, the first heartbeat), then lapses
+# by itself should the node die mid-switch.
+CLAIM_SLACK_S = 30.0
+
+
+def retry_delay(tries: int) -> float:
+    """Seconds before the next try of a wish tried ``tries`` times already."""
+    return min(RETRY_MAX_S, RETRY_BASE_S * 2 ** max(0, tries - 1))
+
+
+def held_unmovable(engine) -> int:
+    """Requests ``engine`` holds that no router could move elsewhere: n > 1 once it produced
+    output (router/migration.py ``refusal``; its samples forked here). Runs on the engine loop."""
+    sched = engine.scheduler
+    return len({s.request_id for s in (*sched.waiting, *sched.running)
+                if s.params.n > 1 and (s.forked or s.num_output_tokens > 0)})
+
+
+@dataclass(slots=True)
+class _Attempt:
+    wish_id: str
+    tries: int
+    retry_at: float = float("inf")  # monotonic; inf: in progress, or nothing left to retry
 
 
 def switch_refusal(config: NodeConfig, to_role: Role, buildable: Iterable[Role]) -> str | None:
@@ -92,7 +135,7 @@ class RoleSwitcher:
         self.switching: Role | None = None  # the role being switched to, while a switch runs
         self.lock = threading.Lock()  # one switch at a time; a drain waits for it (``close``)
         self.closed = False
-        self._acted: Role | None = None  # the wish a switch was started for: never started twice
+        self._attempt: _Attempt | None = None  # the wish being obeyed, and when to try it again
         self._poll_log = RateLimitedLog(log)
         server.metrics.registry.register(metrics)
 
@@ -150,29 +193,82 @@ class RoleSwitcher:
         return server
 
     def poll(self, roles: RoleStore) -> None:
-        """After a heartbeat (the publisher's thread): switch, on a thread of its own, when the
-        desired role differs from the one served. Never raises; never waits but for one read."""
+        """After a heartbeat (the publisher's thread): obey the node's wish, on a thread of its
+        own, when it asks for another role than the one served. Never raises; never waits but
+        for one read."""
         try:
             node_id = self.server.config.node_id
-            want = roles.desired(node_id)
+            wish = roles.wish(node_id)
         except Exception as err:  # never into the index thread: the next heartbeat reads again
             self._poll_log.warning("roles", "reading the desired role failed: %s", err)
             return
-        if want is None or want is self.server.role:
-            self._acted = None  # served as wished: a later wish is new
+        if wish is None or wish.role is self.server.role:
+            self._attempt = None  # served as wished: a later wish is new
             return
-        if self.closed or self.lock.locked() or want is self._acted:
-            return  # a switch runs, or this wish was refused or failed: a new wish (or a restart) retries
-        self._acted = want
-        threading.Thread(target=self._switch_to, args=(want,), name=f"role-switch-{node_id}", daemon=True).start()
+        a = self._attempt
+        if wish.refused or self.closed or self.lock.locked():
+            return
+        if a is not None and a.wish_id == wish.wish_id and time.monotonic() < a.retry_at:
+            return  # in progress, refused for good, or not yet time to try again
+        tries = a.tries + 1 if a is not None and a.wish_id == wish.wish_id else 1
+        self._attempt = _Attempt(wish.wish_id, tries)
+        threading.Thread(target=self._obey, args=(roles, wish, tries), name=f"role-switch-{node_id}",
+                         daemon=True).start()
 
-    def _switch_to(self, want: Role) -> None:
+    def _obey(self, roles: RoleStore, wish: Wish, tries: int) -> None:
+        server = self.server
+        cfg, frm, to = server.config, server.role, wish.role
+        why = switch_refusal(cfg, to, self.buildable)
+        if why is not None:  # its config rules the role out: no retry, the store says why
+            log.warning("%s refuses to switch %s -> %s: %s", cfg.node_id, frm.value, to.value, why)
+            self.metrics.switched(frm.value, to.value, "refused")
+            try:
+                roles.refuse(cfg.node_id, wish, why)
+            except Exception as err:
+                self._poll_log.warning("refuse", "recording the refusal failed: %s", err)
+            return
         try:
-            self.switch(want)
+            held = self._unmovable()
+            if held:
+                return self._later(wish, tries, f"{held} request(s) held here could not move to another node "
+                                                f"(n > 1 after output)")
+            floor = wish.floor(frm)
+            claimed, others = roles.claim(cfg.node_id, frm, floor, cfg.drain_timeout_s + CLAIM_SLACK_S)
+        except Exception as err:  # Redis, or the engine loop not answering: try again later
+            return self._later(wish, tries, f"{type(err).__name__}: {err}")
+        if not claimed:
+            if tries == 1:  # counted once per wish, however often it is tried again
+                self.metrics.switched(frm.value, to.value, "refused")
+            return self._later(wish, tries, f"{others} other {frm.value} node(s) serve, the floor is {floor}")
+        try:
+            result = self._switch_to(to)
+        finally:
+            try:
+                roles.release(cfg.node_id)
+            except Exception:  # it lapses by itself (CLAIM_SLACK_S past the drain)
+                pass
+        if result is not None and result.outcome in ("failed", "refused"):
+            self._later(wish, tries, result.reason)
+
+    def _later(self, wish: Wish, tries: int, why: str) -> None:
+        delay = retry_delay(tries)
+        self._attempt = _Attempt(wish.wish_id, tries, time.monotonic() + delay)
+        self._poll_log.warning(f"later:{wish.wish_id}", "%s does not switch %s -> %s yet (try %d): %s; trying "
+                               "again in %.0f s", self.server.config.node_id, self.server.role.value, wish.role.value,
+                               tries, why, delay)
+
+    def _unmovable(self) -> int:
+        aengine = getattr(self.server, "aengine", None)
+        return 0 if aengine is None else int(aengine.run(held_unmovable, timeout=5.0))
+
+    def _switch_to(self, want: Role) -> SwitchResult | None:
+        try:
+            return self.switch(want)
         except Exception as err:
             log.exception("role switch to %s failed", want.value)
             if self.on_fatal is not None:
                 self.on_fatal(err)
+            return None
 
     def close(self) -> NodeServer:
         """No switch from now on (the node is stopping); waits for one in progress. Returns

@@ -60,7 +60,7 @@ from node.publisher import IndexPublisherThread
 from node.request_parsing import ParseRequestsInterceptor
 from protos.conventions import keepalive_ping_options
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
-from security.tls import add_port
+from security.tls import add_port, members_only
 from telemetry import tracing
 from telemetry.metrics import MetricsServer, NodeMetrics
 
@@ -127,8 +127,9 @@ class NodeServer:
             # them too (a frozen router's streams are cancelled here and their KV freed;
             # protos/conventions.py keepalive_server_options).
             options=KV_GRPC_OPTIONS + keepalive_ping_options(),
-            # Outermost: a request it cannot parse is INVALID_ARGUMENT before it takes a slot.
-            interceptors=(ParseRequestsInterceptor(),
+            # Outermost, under TLS: only members' certificates, not API clients' (security/tls.py);
+            # then a request it cannot parse is INVALID_ARGUMENT before it takes a slot.
+            interceptors=(*members_only(config.tls), ParseRequestsInterceptor(),
                           LongRpcInterceptor(self.gate, (*self.long_methods, PUSH_PREFIX_PATH), config.node_id)),
             maximum_concurrent_rpcs=config.rpc_limit,
         )

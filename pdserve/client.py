@@ -93,8 +93,8 @@ class Client(ClientCore):
         """Stream the output: ``for chunk in client.generate("Hi", max_tokens=32): ...``.
 
         ``prompt``: text, chat messages (list of {"role", "content"}) or token ids; or pass
-        ``messages=`` / ``token_ids=``. Other keywords: model, request_id, slo_class, session_id
-        and the sampling fields (max_tokens, temperature, top_p, top_k, min_p, seed, stop,
+        ``messages=`` / ``token_ids=``. Other keywords: model, request_id, slo_class, session_id,
+        cache_salt and the sampling fields (max_tokens, temperature, top_p, top_k, min_p, seed, stop,
         stop_token_ids, n, logprobs, min_tokens, the penalties, ignore_eos); structured output
         (``response_format=`` OpenAI's, or ``structured=`` vLLM's structured_outputs object) and
         tools (``tools=``, ``tool_choice=``, ``parallel_tool_calls=``): see ``build_request``.

@@ -86,7 +86,7 @@ def _pem(value: bytes | str | Path | None) -> bytes | None:
 def build_request(prompt: Any = None, *, messages: Sequence[Mapping[str, Any]] | None = None,
                   token_ids: Sequence[int] | None = None, model: str = "",
                   request_id: str | None = None, slo_class: str | None = None,
-                  session_id: str = "", response_format: Mapping[str, Any] | None = None,
+                  session_id: str = "", cache_salt: str = "", response_format: Mapping[str, Any] | None = None,
                   structured: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
                   tool_choice: str | Mapping[str, Any] | None = None, parallel_tool_calls: bool | None = None,
                   **sampling: Any) -> pb.GenerateRequest:
@@ -101,6 +101,8 @@ def build_request(prompt: Any = None, *, messages: Sequence[Mapping[str, Any]] |
     Tools (chat prompts only): ``tools=`` OpenAI's function list, ``tool_choice=`` ("none",
     "auto", "required" or ``{"type": "function", "function": {"name": ...}}``),
     ``parallel_tool_calls=``; the calls come back parsed in ``Completion.tool_calls``.
+    ``cache_salt=`` (vLLM's): cached prompt blocks are reused only among requests with the same
+    salt (and, with API keys on, by default only among requests of the same key).
     Raises InvalidRequestError naming the argument for what the wire cannot carry
     (pdserve/checks.py)."""
     if prompt is not None:
@@ -120,6 +122,7 @@ def build_request(prompt: Any = None, *, messages: Sequence[Mapping[str, Any]] |
     req = pb.GenerateRequest(
         model=checks.check_str("model", model), request_id=checks.check_str("request_id", request_id or uuid.uuid4().hex),
         session_id=checks.check_str("session_id", session_id),
+        cache_salt=checks.check_str("cache_salt", cache_salt),
         slo_class=pb.SloClass.Value(f"SLO_CLASS_{slo_class.upper()}") if slo_class else pb.SLO_CLASS_UNSPECIFIED,
         sampling=sampling_message(**sampling))
     constraint = checks.structured_message(response_format, structured)

@@ -233,7 +233,7 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
         rec = RequestRecorder(node.metrics.requests, arrival=t0)
         res = request.reservation
         # The prefix another node holds, first (node/prefix_fetch.py): a failed fetch is computed.
-        fetched = node.fetcher.fetch(rid, prompt, request.fetch) if request.HasField("fetch") else None
+        fetched = node.fetcher.fetch(rid, prompt, request.fetch, request.cache_salt) if request.HasField("fetch") else None
         try:
             # Layer-wise streaming: the KV leaves while the prefill computes (prefill_node/kv_streamer.py).
             streamer = self._streamer(rid, prompt, request, context) if res.block_ids and node.kv_streaming else None
@@ -267,7 +267,7 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
             resumed = request.resumed_output_tokens
             stream = self.node.aengine.add_request(prompt, first_token_params(params, resumed), request_id=rid,
                                                    hold_kv=True, resumed_output_tokens=resumed,
-                                                   stream_kv=streamer is not None)
+                                                   stream_kv=streamer is not None, cache_salt=request.cache_salt)
         except (InvalidRequestError, EngineStoppedError) as err:
             if streamer is not None:
                 self._stop_streamer(rid, streamer)
@@ -341,7 +341,7 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"reservation: {num_blocks - cached} blocks to send after skipping {cached}, "
                           f"but {len(res.block_ids)} dest_block_ids")
-        hashes = hash_prompt_blocks(prompt, bs, eng.fingerprint.encode())  # full blocks only
+        hashes = hash_prompt_blocks(prompt, bs, eng.fingerprint.encode(), salt=request.cache_salt)  # full blocks
         dest = list(res.block_ids)
 
         def push(layers: range, a: int, b: int, table: tuple[int, ...]) -> PushResult:
@@ -401,7 +401,7 @@ class _PrefillService(kv_pb2_grpc.PrefillNodeServicer):
             return node.kv_sender.push(
                 request.decode_address, pool,
                 request_id=rid, fingerprint=eng.fingerprint, src_block_ids=src,
-                block_hashes=hash_prompt_blocks(prompt, bs, eng.fingerprint.encode()),
+                block_hashes=hash_prompt_blocks(prompt, bs, eng.fingerprint.encode(), salt=request.cache_salt),
                 num_tokens=len(prompt), dest_block_ids=list(res.block_ids), token=res.token,
                 skip_leading_blocks=res.num_cached_blocks, timeout=PUSH_TIMEOUT_S,
                 endpoints=tuple(res.kv_endpoints),

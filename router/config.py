@@ -15,6 +15,9 @@ from settings.flags import add_arguments, negative_is_none, setting
 from settings.shared import drain_timeout
 
 POLICIES = ("ttft", "prefix_load")
+INDEX_LOOKUPS = ("local", "redis")
+# Whose cached prompt blocks a request may reuse (router/prepare.py, docs/security.md "Tenants").
+CACHE_SALT_SCOPES = ("key", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +108,22 @@ class RouterConfig:
                                            "send a request's headers (else 408, closed)")
     http_body_timeout_s: float = setting(30.0, flag="--http-body-timeout", help="seconds a request may take to send "
                                          "its body after its headers (else 408)")
+    # Open HTTP connections (idle ones too: each holds a descriptor and a read buffer); past it
+    # a new one gets 429 + Retry-After before a byte is read (frontend/http_conn.py).
+    http_max_connections: int = setting(1024, flag="--http-max-connections", help="open HTTP connections kept at "
+                                        "once; past it a new one is answered 429 and closed")
+    # A response its client has read nothing of for this long is dropped and its request
+    # aborted (a client that stops reading would hold its slot and its decode stream forever).
+    http_send_timeout_s: float = setting(30.0, flag="--http-send-timeout", help="seconds a response may wait on a "
+                                         "client that reads none of it (then dropped, the request aborted)")
+    # Structured-output compiles the router runs at once (router/structured.py); one more
+    # waits at most compile_wait_s for a slot, then 429 + Retry-After. The compiled-grammar
+    # cache keeps at most grammar_cache_bytes of constraint text (tokens/grammar.py).
+    max_concurrent_compiles: int = setting(2, flag="--max-concurrent-compiles", help="grammar compiles the router "
+                                           "runs at once; past them 429 after --compile-wait")
+    compile_wait_s: float = setting(0.5, flag="--compile-wait", help="seconds a constraint waits for a compile slot")
+    grammar_cache_bytes: int = setting(64 << 20, flag="--grammar-cache-bytes", help="bytes of constraint text the "
+                                       "compiled-grammar cache keeps (refused ones too)")
     # Token ids accepted in token prompts and stop_token_ids; None = the tokenizer's vocab.
     vocab_size: int | None = None
     # EOS ids that end a request on its first token; None = from the tokenizer dir
@@ -165,6 +184,13 @@ class RouterConfig:
     index_lookup_timeout_s: float = setting(0.5, flag="--index-lookup-timeout", help="most seconds a request waits "
                                             "for its prefix lookup in Redis; after a failure lookups are skipped "
                                             "(placement by load) until Redis answers again")
+    # Where the prefix lookup reads the index: "local", this router's in-memory copy, fed by the
+    # index's event stream (kv_index/local_index.py, event_feed.py): the same answer as Redis,
+    # in process, a few milliseconds behind it at most (a stale entry costs a cache miss, never
+    # a wrong answer), Redis asked until the copy has synced; "redis": one script call per lookup.
+    index_lookup: str = setting("local", flag="--index-lookup", choices=INDEX_LOOKUPS,
+                                help="local: look prefixes up in this router's copy of the index, fed by its "
+                                "event stream (no round trip); redis: one Redis call per lookup")
     # TLS (docs/security.md). cert/key: what the client-facing gRPC and HTTP ports serve, and
     # what the router presents to nodes (mutual TLS); ca: the CA that signs the cluster's
     # members, trusted for nodes' certificates. All None: plaintext.
@@ -184,6 +210,13 @@ class RouterConfig:
     api_keys: tuple[str, ...] = setting((), repr=False, flag="--api-key", flag_default=None, action="append", type=None,
                                         metavar="KEY", help="a key clients must send (repeatable); default "
                                         "$PDSERVE_API_KEY (comma-separated), which keeps it out of process listings")
+    # "key": with API keys on, every request's blocks are salted by its key, so two keys never
+    # share cached blocks nor learn (cached_prompt_tokens, timing) what the other's prompts were;
+    # "none": keys share the cache, only a request's own cache_salt separates it. Without API
+    # keys there is no tenant to tell apart: "key" salts nothing more.
+    cache_salt_scope: str = setting("key", flag="--cache-salt-scope", choices=CACHE_SALT_SCOPES,
+                                    help="key: each API key's requests reuse only that key's cached prompt blocks "
+                                    "(default); none: keys share them (a request's cache_salt still separates)")
     # The planner (router/planner/): roles, the short-prompt threshold and pool sizes from the
     # measured load; one router leads (a lease in Redis), the others follow its plan.
     planner: PlannerConfig = PlannerConfig()
@@ -201,6 +234,8 @@ class RouterConfig:
         if self.local_prefill_uncached_tokens < 0:
             raise ValueError(f"local_prefill_uncached_tokens must be >= 0 (0: off), got "
                              f"{self.local_prefill_uncached_tokens}")
+        if self.index_lookup not in INDEX_LOOKUPS:
+            raise ValueError(f"index_lookup must be 'local' or 'redis', got {self.index_lookup!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be 'ttft' or 'prefix_load', got {self.policy!r}")
         if self.default_slo_class not in SLO_CLASSES:
@@ -214,8 +249,12 @@ class RouterConfig:
         if self.max_body_bytes is not None and self.max_buffered_bytes < self.max_body_bytes:
             raise ValueError(f"max_buffered_bytes ({self.max_buffered_bytes}) must hold one body of max_body_bytes "
                              f"({self.max_body_bytes})")
-        if not (self.http_header_timeout_s > 0 and self.http_body_timeout_s > 0):
-            raise ValueError("http_header_timeout_s and http_body_timeout_s must be > 0")
+        if not (self.http_header_timeout_s > 0 and self.http_body_timeout_s > 0 and self.http_send_timeout_s > 0):
+            raise ValueError("http_header_timeout_s, http_body_timeout_s and http_send_timeout_s must be > 0")
+        if self.http_max_connections < 1 or self.max_concurrent_compiles < 1 or self.grammar_cache_bytes < 1:
+            raise ValueError("http_max_connections, max_concurrent_compiles and grammar_cache_bytes must be >= 1")
+        if not self.compile_wait_s >= 0:  # NaN fails too
+            raise ValueError(f"compile_wait_s must be >= 0, got {self.compile_wait_s}")
         if self.node_refresh_s <= 0:
             raise ValueError(f"node_refresh_s must be > 0, got {self.node_refresh_s}")
         self._check_deadlines()
@@ -232,6 +271,8 @@ class RouterConfig:
             raise ValueError("tls_client_auth needs tls_ca_file (the CA client certificates are checked against)")
         if any(not k or k != k.strip() for k in self.api_keys):
             raise ValueError("api_keys must be non-empty strings without surrounding whitespace")
+        if self.cache_salt_scope not in CACHE_SALT_SCOPES:
+            raise ValueError(f"cache_salt_scope must be one of {list(CACHE_SALT_SCOPES)}, got {self.cache_salt_scope!r}")
 
     def _check_deadlines(self) -> None:
         check_deadlines(self.decode_progress_factor, self.decode_progress_floor_s, self.decode_progress_ceiling_s,

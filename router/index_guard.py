@@ -18,7 +18,11 @@ fails right after a probe closed the breaker doubles the wait before the next pr
 ``max_s``); a lookup that succeeds resets it.
 
 ``LookupBreaker`` is the decision alone (plain data, a clock passed in); ``GuardedLookup``
-puts it around ``IndexReader.match``.
+puts it around ``IndexReader.match``, or around the router's local copy of the index
+(``local``: kv_index/event_feed.py, ``--index-lookup local``): the copy answers the same, in
+process, without a round trip or a lock, once it has synced (Redis answers until then). The
+breaker gates both alike: while Redis is unreadable the copy is not fed either, so requests
+are placed by load, as with a Redis lookup.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 
 import redis
 
+from kv_index.event_feed import EventFeed
 from kv_index.nodes import PrefixMatch
 from kv_index.reader import IndexReader
 
@@ -94,8 +99,9 @@ class GuardedLookup:
     request waits for it)."""
 
     def __init__(self, reader: IndexReader, breaker: LookupBreaker | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, local: EventFeed | None = None) -> None:
         self.reader = reader
+        self.local = local  # the router's copy of the index; None: every lookup asks Redis
         self._breaker = breaker if breaker is not None else LookupBreaker()
         self._clock = clock
         self._lock = threading.Lock()
@@ -103,12 +109,24 @@ class GuardedLookup:
         self.skipped = 0  # lookups not made because the breaker was open
 
     def match(self, block_hashes: Sequence[int], node_ids: Sequence[str]) -> dict[str, PrefixMatch]:
+        local = self.local
+        if local is not None and local.ready.is_set():
+            b = self._breaker
+            # Lock-free while closed and settled: one attribute read decides, as a lookup of
+            # the copy takes no lock (a request racing the breaker's change is placed either way).
+            if b.open_since is None and not (b.unverified or b.flaps):
+                return local.index.match(block_hashes, node_ids)
         with self._lock:
             allowed = self._breaker.allow()
             if not allowed:
                 self.skipped += 1
         if not allowed:
             return {}
+        if local is not None and local.ready.is_set():
+            got = local.index.match(block_hashes, node_ids)
+            with self._lock:
+                self._breaker.lookup_succeeded()
+            return got
         try:
             got = self.reader.match(block_hashes, node_ids)
         except redis.RedisError as e:
@@ -147,11 +165,26 @@ class GuardedLookup:
             log.info("Redis answers again: index lookups resume")
         return ok
 
+    def start(self, timeout_s: float = 5.0) -> None:
+        """Start the local copy's feed, if any, waiting up to ``timeout_s`` for its first sync
+        (lookups ask Redis until it has synced)."""
+        if self.local is not None and not self.local.start(timeout_s):
+            log.warning("the local index copy has not synced within %.1f s; lookups ask Redis until it has",
+                        timeout_s)
+
+    def close(self) -> None:
+        if self.local is not None:
+            self.local.stop()
+
     @property
     def degraded(self) -> str | None:
-        """Why lookups are skipped, or None while they go to Redis."""
+        """Why lookups are skipped or answered from a copy no longer fed, or None."""
         with self._lock:
             b = self._breaker
-            if not b.is_open:
-                return None
-            return f"{b.reason}; placing by load without the index (since {self._clock() - b.open_since:.1f} s)"
+            if b.is_open:
+                return f"{b.reason}; placing by load without the index (since {self._clock() - b.open_since:.1f} s)"
+        local = self.local
+        since = local.error_since if local is not None else None
+        if since is not None and local.ready.is_set():
+            return f"{local.error}; lookups answered from the local index copy as of {time.monotonic() - since:.1f} s ago"
+        return None

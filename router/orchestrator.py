@@ -133,11 +133,12 @@ class Orchestrator:
             finally:
                 rt.end()
 
-    async def _generate(self, req: pb.GenerateRequest, rt: RequestTrace, *,
-                        max_tokens_to_context: bool = False) -> AsyncIterator[pb.GenerateResponse]:
+    async def _generate(self, req: pb.GenerateRequest, rt: RequestTrace, *, max_tokens_to_context: bool = False,
+                        authorization: str | None = None) -> AsyncIterator[pb.GenerateResponse]:
         """Yield the client's responses. Raises RouterError before the first one.
         ``max_tokens_to_context``: ignore the request's max_tokens and let it use the rest of the
-        context (the HTTP API's chat default)."""
+        context (the HTTP API's chat default). ``authorization``: the request's Authorization
+        value, whose API key salts its cache blocks (router/prepare.py)."""
         arrival = time.monotonic()
         metrics = self.metrics
         if self.draining:
@@ -163,7 +164,7 @@ class Orchestrator:
         try:
             # to_thread runs it in a copy of this task's context: router.place is current there
             prep = await asyncio.to_thread(rt.place, self.preparer.prepare, req, client_id, max_tokens_to_context,
-                                           self.exclusions.active(time.monotonic()))
+                                           self.exclusions.active(time.monotonic()), authorization)
             metrics.decision(prep.placement.kind)
             self.window.started(client_id, in_flight_sample(prep))
             async for resp in self._attempts(prep, run):
@@ -292,7 +293,7 @@ class Orchestrator:
                 yield resp
             return
         dreq = kv_pb2.DecodeRequest(request_id=prep.node_id, prompt_token_ids=prep.prompt, sampling=prep.sampling,
-                                    resumed_output_tokens=prep.resumed)
+                                    resumed_output_tokens=prep.resumed, cache_salt=prep.cache_salt)
         if first is not None:
             dreq.first_token_ids.extend(first.first_token_ids)
             dreq.cached_prompt_tokens = first.cached_tokens
@@ -310,7 +311,8 @@ class Orchestrator:
         try:
             reservation = await self.nodes.reserve(decode.grpc_address, kv_pb2.ReserveBlocksRequest(
                 request_id=prep.node_id, model_fingerprint=prep.fingerprint, block_size=prep.block_size,
-                num_tokens=len(prep.prompt), block_hashes=prep.block_hashes, prompt_token_ids=prep.prompt), md)
+                num_tokens=len(prep.prompt), block_hashes=prep.block_hashes, prompt_token_ids=prep.prompt,
+                cache_salt=prep.cache_salt), md)
         except grpc.aio.AioRpcError as e:
             node_call_log.warning(f"ReserveBlocks {e.code().name}",
                                   "request %s: ReserveBlocks on %s failed (%s: %s); prefilling on the decode node",
@@ -328,7 +330,7 @@ class Orchestrator:
         call = run.prefill_call = self.nodes.prefill(prefill.grpc_address, kv_pb2.PrefillRequest(
             request_id=prep.node_id, prompt_token_ids=prep.prompt, sampling=prep.sampling,
             decode_address=decode.grpc_address, reservation=reservation, resumed_output_tokens=prep.resumed,
-            fetch=fetch), md, timeout_s=deadline_s)
+            fetch=fetch, cache_salt=prep.cache_salt), md, timeout_s=deadline_s)
         self.ledger.add(prefill.node_id, prep.node_id, est.prefill_s if est is not None else 0.0)
         try:
             resp = await self.nodes.prefilled(call, decode.grpc_address, prep.node_id, reservation.lease_s)

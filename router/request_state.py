@@ -44,6 +44,9 @@ class Prepared:
     slo_class: str = "relaxed"
     # A migrated attempt: the last ``resumed`` tokens of ``prompt`` are output already streamed.
     resumed: int = 0
+    # The salt of the prompt's block hashes (router/prepare.py, cache_salt): every node call
+    # of every attempt carries it, so the nodes hash the prompt as block_hashes was.
+    cache_salt: bytes = b""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,7 +5,9 @@ grammar text, parser limits, compile-time bound and caches; llguidance, which ne
 against its own copy of the model's tokenizer, so a schema with an unsupported construct, a
 syntax error, or one that compiles too slowly is refused with INVALID_ARGUMENT / HTTP 400
 naming it, before any node sees it. Nodes compile again (engine/structured/), from their own
-cache: the router's check is the early answer, not the only guard.
+cache: the router's check is the early answer, not the only guard. The cache bounds how many
+compiles run at once (RequestValidator gives it RouterConfig's max_concurrent_compiles and
+compile_wait_s: past them GrammarBusy, a 429) and how many bytes of specs it keeps.
 """
 from __future__ import annotations
 

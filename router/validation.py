@@ -9,7 +9,9 @@ the model's format always parses. One constraint per request: a response_format 
 choice that constrains is refused naming both.
 
 Runs on the orchestrator's worker thread (tokenizing blocks), before the node view is read:
-a request that could never run is refused without looking at the cluster.
+a request that could never run is refused without looking at the cluster. A constraint that
+finds no compile slot in time (``max_concurrent_compiles``, ``compile_wait_s``) is not judged:
+RESOURCE_EXHAUSTED / HTTP 429 with a retry hint, not a 400.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from router.config import RouterConfig
 from router.structured import StructuredChecker, check_structured
 from router.tokenizer import ChatTemplateError, PromptTokenizer
 from telemetry import tracing
+from tokens.grammar import GrammarBusy, GrammarCache
 from tokens.sampling_params import SamplingParams
 from tool_calling import requests as tool_requests
 
@@ -70,7 +73,11 @@ class RequestValidator:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = config.vocab_size or tokenizer.vocab_size
-        self.structured = StructuredChecker(tokenizer, self.vocab_size)
+        # Compiles bounded in number at once and the cache in bytes (tokens/grammar.py): 50 slow
+        # constraints at once must not hold every worker thread the router prepares requests on.
+        cache = GrammarCache(max_concurrent=config.max_concurrent_compiles, wait_s=config.compile_wait_s,
+                             max_bytes=config.grammar_cache_bytes)
+        self.structured = StructuredChecker(tokenizer, self.vocab_size, cache=cache)
 
     def validate(self, req: pb.GenerateRequest, max_tokens_to_context: bool = False) -> ValidRequest:
         """``max_tokens_to_context``: ignore the request's max_tokens and let it use the rest
@@ -97,6 +104,9 @@ class RequestValidator:
             # A constraint compiles here as on the nodes: an unsupported construct, a syntax
             # error or a compile over the time bound is a 400 naming it (GrammarError).
             check_structured(params.structured, self.structured)
+        except GrammarBusy as e:  # not judged: no compile slot in time, a retry may pass
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), retry_after_ms=e.retry_after_ms,
+                              reason="compile_busy", param="structured") from None
         except ValueError as e:  # SamplingParamError and GrammarError name the field
             raise invalid(str(e), getattr(e, "field", None)) from None
         n = len(prompt)

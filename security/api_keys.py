@@ -7,6 +7,10 @@ nor on the key's length. Keys never appear in a log line, an error message or a 
 
 gRPC: ``ApiKeyInterceptor`` answers UNAUTHENTICATED before the servicer runs. The standard
 health service stays open (probes carry no credentials, and it tells nothing but SERVING).
+
+``ApiKeys.identity`` names the tenant a request came from (the accepted key's digest, never the
+key): the router salts each tenant's KV-cache blocks by it (router/prepare.py), so one key
+cannot reuse or probe the prompts another key's requests left in the cache.
 """
 from __future__ import annotations
 
@@ -49,6 +53,20 @@ class ApiKeys:
             ok |= hmac.compare_digest(d, known)
         return ok
 
+    def identity(self, header: str | None) -> bytes | None:
+        """The accepted key's SHA-256 digest for ``header`` (an Authorization value): a stable,
+        one-way name of the tenant; None when it carries no accepted key. Every configured key
+        is compared, as in ``accepts``."""
+        key = bearer_token(header)
+        if key is None:
+            return None
+        d = _digest(key)
+        found = None
+        for known in self._digests:
+            if hmac.compare_digest(d, known):
+                found = known
+        return found
+
     def check_authorization(self, header: str | None) -> str | None:
         """None when ``header`` (an Authorization value) carries an accepted key, else why not."""
         key = bearer_token(header)
@@ -72,6 +90,11 @@ def keys_from(flag_values: Iterable[str] | None, env: Mapping[str, str]) -> tupl
     if not keys and env.get(API_KEY_ENV):
         keys = tuple(k.strip() for k in env[API_KEY_ENV].split(",") if k.strip())
     return keys
+
+
+def authorization_of(metadata) -> str | None:
+    """The ``authorization`` value of gRPC invocation metadata (None: absent)."""
+    return _metadata_value(metadata, "authorization")
 
 
 def _metadata_value(metadata, name: str) -> str | None:
@@ -111,5 +134,5 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(OPEN_METHOD_PREFIXES):
             return handler
-        why = self.keys.check_authorization(_metadata_value(handler_call_details.invocation_metadata, "authorization"))
+        why = self.keys.check_authorization(authorization_of(handler_call_details.invocation_metadata))
         return handler if why is None else _refusal(handler, why)

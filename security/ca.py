@@ -1,13 +1,24 @@
 """A throwaway CA for a cluster on one machine (``pdserve up --tls``), for the Helm chart's
-generated certificate (deploy/k8s_secrets.py, valid ``valid_days``) and for tests.
+generated certificates (deploy/k8s_secrets.py, valid ``valid_days``) and for tests.
 
     ThrowawayCA(dir)  ->  dir/ca.pem            the CA certificate (give it to clients)
-                          dir/member.pem, .key  one certificate for every cluster member:
+      .issue(name)        dir/name.pem, .key    a member's certificate (the router, the nodes):
                                                 serverAuth + clientAuth, for localhost,
-                                                127.0.0.1, ::1 and MEMBER_NAME
+                                                127.0.0.1, ::1 and MEMBER_NAME, and the URI
+                                                MEMBER_URI that nodes admit callers by
+      .issue_client(name) dir/name.pem, .key    an API client's certificate, for a router that
+                                                asks for one (tls_client_auth): clientAuth only,
+                                                no host name, the URI CLIENT_URI; nodes refuse it
+
+Two kinds because the router's clients and the cluster's members trust the same CA: a member
+certificate handed to a client would let it call nodes directly, past the router's API keys
+and limits (security/tls.py, ``MembersOnlyInterceptor``). A client certificate names no host, so
+it cannot serve as a node to the router either.
 
 The CA's key lives only in memory and dies with the object: nothing more can be signed once the
-cluster is up. Private keys are written 0600 in a directory made 0700 (``private_dir``).
+cluster is up. Certificates expire with the CA, ``valid_days`` after it was made; `pdserve up`
+makes new ones at every start. Private keys are written 0600 in a directory made 0700
+(``private_dir``).
 """
 from __future__ import annotations
 
@@ -22,7 +33,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from security.tls import TlsFiles
+from security.tls import CLIENT_URI, MEMBER_URI, TlsFiles
 
 # The name every member's certificate carries besides its loopback addresses: a peer dialling
 # an address the certificate does not name verifies against this (``TlsFiles.server_name``).
@@ -48,10 +59,12 @@ def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
 
 
 class ThrowawayCA:
-    def __init__(self, directory: Path, common_name: str = "pdserve throwaway CA", valid_days: int = VALID_DAYS) -> None:
+    def __init__(self, directory: Path, common_name: str = "pdserve throwaway CA", valid_days: int = VALID_DAYS,
+                 now: datetime.datetime | None = None) -> None:
+        """``now``: when validity starts (default: now; tests back-date to make expired files)."""
         self.dir = Path(directory)
         self._key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = now or datetime.datetime.now(datetime.timezone.utc)
         self._not_before = now - datetime.timedelta(minutes=5)  # tolerate a little clock skew
         self._not_after = now + datetime.timedelta(days=valid_days)
         self.cert = (x509.CertificateBuilder()
@@ -67,24 +80,37 @@ class ThrowawayCA:
         self.ca_file = self.dir / "ca.pem"
         self.ca_file.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
+    @property
+    def not_after(self):
+        """When the CA and every certificate it issued expire (UTC)."""
+        return self._not_after
+
     def issue(self, name: str, hosts: tuple[str, ...] = ("localhost", "127.0.0.1", "::1", MEMBER_NAME)) -> TlsFiles:
-        """A certificate for ``hosts`` (DNS names or IP addresses), good for serving and for
-        presenting as a client; files ``name.pem`` and ``name.key``."""
-        key = ec.generate_private_key(ec.SECP256R1())
+        """A member's certificate for ``hosts`` (DNS names or IP addresses), good for serving
+        and for presenting as a client; files ``name.pem`` and ``name.key``."""
         sans: list[x509.GeneralName] = []
         for h in hosts:
             try:
                 sans.append(x509.IPAddress(ipaddress.ip_address(h)))
             except ValueError:
                 sans.append(x509.DNSName(h))
+        sans.append(x509.UniformResourceIdentifier(MEMBER_URI))
+        return self._write(name, sans, [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
+
+    def issue_client(self, name: str = "client") -> TlsFiles:
+        """An API client's certificate: the router admits it where it asks clients for one,
+        nodes refuse it. Files ``name.pem`` and ``name.key``."""
+        return self._write(name, [x509.UniformResourceIdentifier(CLIENT_URI)], [ExtendedKeyUsageOID.CLIENT_AUTH])
+
+    def _write(self, name: str, sans: list[x509.GeneralName], usages: list) -> TlsFiles:
+        key = ec.generate_private_key(ec.SECP256R1())
         cert = (x509.CertificateBuilder()
                 .subject_name(_name(name)).issuer_name(self.cert.subject)
                 .public_key(key.public_key()).serial_number(x509.random_serial_number())
                 .not_valid_before(self._not_before).not_valid_after(self._not_after)
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                 .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
                 .sign(self._key, hashes.SHA256()))
         cert_file, key_file = self.dir / f"{name}.pem", self.dir / f"{name}.key"
         cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))

@@ -985,7 +985,8 @@ def test_the_secrets_hook_makes_exactly_what_the_pods_use():
 
     role = one(docs, "Role", "-secrets")
     get_rule, create_rule = role["rules"]
-    assert set(get_rule["resourceNames"]) == {args.redis_password_secret, args.api_key_secret, args.tls_secret}
+    assert set(get_rule["resourceNames"]) == {args.redis_password_secret, args.api_key_secret, args.tls_secret,
+                                              args.cluster_token_secret}
     assert get_rule["verbs"] == ["get"] and create_rule["verbs"] == ["create"]
     for kind in ("ServiceAccount", "Role", "RoleBinding", "Job"):
         hook = one(docs, kind, "-secrets")["metadata"]["annotations"]
@@ -997,7 +998,7 @@ def test_the_secrets_hook_makes_exactly_what_the_pods_use():
 
 def test_an_operators_existing_secret_always_wins():
     docs = render({"redis": {"builtin": {"existingSecret": "my-redis"}}, "apiKey": {"name": "my-keys", "key": "k"},
-                   "tls": {"secretName": "my-tls"}})
+                   "tls": {"secretName": "my-tls"}, "nodes": {"clusterToken": {"name": "my-token"}}})
     assert not [d for d in docs if d["kind"] in ("Job", "Role", "Secret", "Certificate")]  # nothing generated
     refs = secret_refs(docs)
     assert refs["PDSERVE_REDIS_PASSWORD"] == ("my-redis", "password") and refs["PDSERVE_API_KEY"] == ("my-keys", "k")
@@ -1156,14 +1157,14 @@ def test_the_secrets_hook_creates_only_what_is_missing_and_its_certificate_works
         api = KubeApi(api_server.url, "serving", "sa-token")
         assert main(argv, api=api) == 0
         first = {name: s["data"] for name, s in api_server.secrets.items()}
-        assert set(first) == {"pd-pdserve-redis", "pd-pdserve-api-key", "pd-pdserve-tls"}
+        assert set(first) == {"pd-pdserve-redis", "pd-pdserve-api-key", "pd-pdserve-tls", "pd-pdserve-cluster-token"}
         assert all(s["metadata"]["labels"]["app.kubernetes.io/instance"] == "pd" for s in api_server.secrets.values())
         posts = [c for c in api_server.calls if c[0] == "POST"]
         assert main(argv, api=api) == 0  # the next upgrade
         assert [c for c in api_server.calls if c[0] == "POST"] == posts  # nothing created again
         assert {name: s["data"] for name, s in api_server.secrets.items()} == first
         out = capsys.readouterr().out
-        assert out.count("created") == 3 and out.count("kept") == 3
+        assert out.count("created") == 4 and out.count("kept") == 4
         assert all(base64.b64decode(v).decode(errors="ignore") not in out for d in first.values() for v in d.values())
     finally:
         api_server.close()

@@ -72,6 +72,12 @@ def named_actors() -> list[str]:
     return sorted(ray.util.list_named_actors())
 
 
+def next_id(targets) -> str:
+    """The id the pool controller gives the next decode node: above every one it made or
+    removed before, and not decode-0's (the launcher's)."""
+    return f"decode-{max(targets.issued()[D] + 1, 1)}"
+
+
 def changes_since(targets, n: int) -> list:
     """The pool controller's actions after the first ``n`` of its log, oldest first."""
     return list(reversed(targets.changes(limit=50)))[n:]
@@ -93,14 +99,15 @@ def test_up_adds_a_node_through_ray_and_removes_it_when_the_target_drops(cluster
 
     reader, targets = stores
     before = len(targets.changes(limit=50))
+    new = next_id(targets)
     t0 = time.monotonic()
     targets.set({D: 2}, "test: more decode", by="planner@test")
-    assert wait_for(lambda: set(reader.live_nodes()) == {"decode-0", "decode-1"}, START_TIMEOUT_S + SLACK_S,
+    assert wait_for(lambda: set(reader.live_nodes()) == {"decode-0", new}, START_TIMEOUT_S + SLACK_S,
                     every=0.1)
     added_s = time.monotonic() - t0
-    assert named_actors() == ["decode-0", "decode-1"] and set(cluster.actors) == {"decode-0", "decode-1"}
-    pid = ray.get(cluster.actors["decode-1"].stats.remote(), timeout=30)["pid"]
-    assert reader.live_nodes()["decode-1"].role is D
+    assert named_actors() == ["decode-0", new] and set(cluster.actors) == {"decode-0", new}
+    pid = ray.get(cluster.actors[new].stats.remote(), timeout=30)["pid"]
+    assert reader.live_nodes()[new].role is D
     assert pool_section(targets, reader.live_nodes(), time.time())["nodes"] == {"prefill": 0, "decode": 2}
 
     t1 = time.monotonic()
@@ -111,7 +118,7 @@ def test_up_adds_a_node_through_ray_and_removes_it_when_the_target_drops(cluster
     removed_s = time.monotonic() - t1
     # The controller notes the change in Redis after the removal returns: the process can be
     # gone a moment before the note is written (CI saw the list with the add alone).
-    assert wait_for(lambda: actions_since(targets, before) == [(ADD, "decode-1"), (REMOVE, "decode-1")], SLACK_S,
+    assert wait_for(lambda: actions_since(targets, before) == [(ADD, new), (REMOVE, new)], SLACK_S,
                     every=0.1), actions_since(targets, before)
     assert "test: fewer decode" in changes_since(targets, before)[1].reason
     print(f"pdserve up pool change: add {added_s:.1f} s (target set -> registered), "
@@ -130,41 +137,43 @@ def test_a_node_that_never_registers_is_given_up_on_killed_and_replaced(cluster,
     reader, targets = stores
     before = len(targets.changes(limit=50))
     frozen, conn, registered = None, None, set()
+    hung = next_id(targets)  # node ids are never made twice: its replacement takes the next one
+    fresh = f"decode-{int(hung.split('-')[1]) + 1}"
 
     def given_up() -> bool:
         registered.update(reader.live_nodes())
-        return actions_since(targets, before)[:2] == [(ADD, "decode-1"), (REMOVE, "decode-1")]
+        return actions_since(targets, before)[:2] == [(ADD, hung), (REMOVE, hung)]
 
-    # A Redis that accepts and never answers: the next decode-1 blocks in its first Redis call
+    # A Redis that accepts and never answers: the next decode node blocks in its first Redis call
     # (its health record, before the model loads), so it cannot register before the freeze.
     with socket.create_server(("127.0.0.1", 0)) as hole:
         hole.settimeout(START_TIMEOUT_S)
-        cluster.node_fields["decode-1"] = {"redis_url": f"redis://127.0.0.1:{hole.getsockname()[1]}/0",
-                                           "redis_timeout_s": 600.0}
+        cluster.node_fields[hung] = {"redis_url": f"redis://127.0.0.1:{hole.getsockname()[1]}/0",
+                                     "redis_timeout_s": 600.0}
         try:
             t0 = time.monotonic()
             targets.set({D: 2}, "test: a node that hangs", by="planner@test")
             conn, peer = hole.accept()
             frozen = socket_owner(peer[1])
             os.kill(frozen, signal.SIGSTOP)
-            del cluster.node_fields["decode-1"]  # its replacement starts clean
-            assert named_actors() == ["decode-0", "decode-1"]
+            del cluster.node_fields[hung]  # its replacement starts clean
+            assert named_actors() == ["decode-0", hung]
             # Given up on after the start bound, not before: removed (never registered, no
             # second node added while it counted as starting), its actor and process ended.
             assert wait_for(given_up, START_TIMEOUT_S + KILL_GRACE_S + SLACK_S, every=0.1)
             given_up_s = time.monotonic() - t0
             assert given_up_s >= START_TIMEOUT_S - 1.0 and registered == {"decode-0"}
-            assert "decode-1 did not register within 30 s" in changes_since(targets, before)[1].reason
+            assert f"{hung} did not register within 30 s" in changes_since(targets, before)[1].reason
             assert wait_for(lambda: gone(frozen), SLACK_S, every=0.1), "the frozen process outlived its removal"
             killed_s = time.monotonic() - t0
-            # ... and a fresh decode-1 takes its place and registers.
-            assert wait_for(lambda: set(reader.live_nodes()) == {"decode-0", "decode-1"}, START_TIMEOUT_S + SLACK_S,
+            # ... and a fresh node, under a fresh id, takes its place and registers.
+            assert wait_for(lambda: set(reader.live_nodes()) == {"decode-0", fresh}, START_TIMEOUT_S + SLACK_S,
                             every=0.1)
             replaced_s = time.monotonic() - t0
-            assert ray.get(cluster.actors["decode-1"].stats.remote(), timeout=30)["pid"] != frozen
-            assert actions_since(targets, before) == [(ADD, "decode-1"), (REMOVE, "decode-1"), (ADD, "decode-1")]
+            assert ray.get(cluster.actors[fresh].stats.remote(), timeout=30)["pid"] != frozen
+            assert actions_since(targets, before) == [(ADD, hung), (REMOVE, hung), (ADD, fresh)]
         finally:
-            cluster.node_fields.pop("decode-1", None)
+            cluster.node_fields.pop(hung, None)
             if frozen is not None and not gone(frozen):
                 os.kill(frozen, signal.SIGCONT)
             if conn is not None:

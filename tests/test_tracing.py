@@ -312,7 +312,7 @@ def test_failed_transfer_falls_back_to_recompute(traced, monkeypatch):
 
 
 def test_failed_reservation_falls_back_to_recompute(traced, monkeypatch):
-    monkeypatch.setattr(traced["nodes"]["decode"].aengine, "reserve_kv", lambda rid, prompt: None)  # pool full
+    monkeypatch.setattr(traced["nodes"]["decode"].aengine, "reserve_kv", lambda rid, prompt, salt=b"": None)  # pool full
     prefills = traced["nodes"]["prefill"].num_prefills
     result, spans = _request(traced, prompt(6, 90), max_tokens=2, ignore_eos=True)
     assert len(result.token_ids) == 2 and traced["nodes"]["prefill"].num_prefills == prefills

@@ -34,6 +34,7 @@ COMPILE_TIMEOUT_S = 2.0  # wall-clock bound on one compile (grammar build + firs
 CACHE_SIZE = 128  # compiled grammars kept per tokenizer (LRU)
 NEGATIVE_CACHE_SIZE = 256  # refused specs remembered, so a slow one is never compiled twice
 MAX_ABANDONED = 4  # compiles past the bound still running (native code cannot be stopped)
+CACHE_BYTES = 64 << 20  # constraint text both caches keep (a key holds the whole spec)
 
 
 class GrammarError(ValueError):
@@ -41,6 +42,21 @@ class GrammarError(ValueError):
     a compile over ``COMPILE_TIMEOUT_S``. The message names it; the router answers 400."""
 
     field = "structured"
+
+
+class GrammarBusy(GrammarError):
+    """No compile slot came free in time (or too many compiles past the bound still run): the
+    constraint was not judged, a retry after ``retry_after_ms`` may pass (429, not 400)."""
+
+    def __init__(self, message: str, retry_after_ms: int) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+
+def _key_bytes(key) -> int:
+    # The text a key holds: (kind, spec, strict) tuples, or a plain string.
+    parts = key if isinstance(key, tuple) else (key,)
+    return 64 + sum(len(p) for p in parts if isinstance(p, str | bytes))
 
 
 def to_llguidance(so: StructuredOutput, gbnf_to_lark: Callable[[str], str]) -> str:
@@ -151,16 +167,30 @@ class GrammarCache(Generic[K, V]):
     at once next time. A compile past the bound keeps running in native code (it cannot be
     stopped; llguidance's fuel limits bound it); while ``max_abandoned`` of them run, new
     compiles are refused instead of piling up threads. Thread-safe.
+
+    ``max_concurrent``: compiles running at once, past the bound too (a slot is held until the
+    native compile returns, so slow compiles cannot pile up on the caller's threads); one more
+    waits ``wait_s`` for a slot, then GrammarBusy. Hits never wait. ``max_bytes`` bounds what
+    both caches hold, least recent out first: each key's text, plus ``value_bytes(value)`` of
+    a compiled value when given (a node's matcher: engine/structured/compiler.py measures it).
     """
 
     def __init__(self, size: int = CACHE_SIZE, timeout_s: float = COMPILE_TIMEOUT_S,
-                 negative_size: int = NEGATIVE_CACHE_SIZE, max_abandoned: int = MAX_ABANDONED) -> None:
+                 negative_size: int = NEGATIVE_CACHE_SIZE, max_abandoned: int = MAX_ABANDONED,
+                 max_concurrent: int | None = None, wait_s: float = 0.0, max_bytes: int = CACHE_BYTES,
+                 value_bytes: Callable[[V], int] | None = None) -> None:
         self.size, self.timeout_s = size, timeout_s
         self.negative_size, self.max_abandoned = negative_size, max_abandoned
+        self.wait_s, self.max_bytes, self.max_concurrent = wait_s, max_bytes, max_concurrent
+        self.value_bytes = value_bytes
+        self._sizes: dict[K, int] = {}  # what each compiled entry counts in ``bytes``
+        self._slots = threading.BoundedSemaphore(max_concurrent) if max_concurrent else None
         self._lock = threading.Lock()
         self._hits: OrderedDict[K, V] = OrderedDict()
         self._refused: OrderedDict[K, str] = OrderedDict()
         self._abandoned = 0
+        self.bytes = 0  # what both caches hold (keys' text, compiled values' measured size)
+        self.running = self.peak_running = self.busy = 0
         self.compile_ms: list[float] = []  # every successful compile's time (benchmarks read it)
 
     def __len__(self) -> int:
@@ -174,15 +204,37 @@ class GrammarCache(Generic[K, V]):
             if key in self._refused:
                 raise GrammarError(self._refused[key])
             if self._abandoned >= self.max_abandoned:
-                raise GrammarError(f"the grammar compiler is busy: {self._abandoned} compiles past the "
-                                   f"{self.timeout_s:g} s bound are still running; retry later")
+                raise GrammarBusy(f"the grammar compiler is busy: {self._abandoned} compiles past the "
+                                  f"{self.timeout_s:g} s bound are still running; retry later", self._retry_ms())
+        if self._slots is not None and not self._slots.acquire(timeout=self.wait_s):
+            with self._lock:
+                self.busy += 1
+                retry = self._retry_ms()
+            raise GrammarBusy(f"the router is compiling {self.max_concurrent} structured-output constraints, the most "
+                              f"it compiles at once (max_concurrent_compiles), and none finished within "
+                              f"{self.wait_s:g} s (compile_wait_s); retry after {retry} ms", retry)
         value = self._compile(key, compile_fn)
+        size = _key_bytes(key) + (self.value_bytes(value) if self.value_bytes is not None else 0)
         with self._lock:
+            self.bytes += size - self._sizes.get(key, 0)  # a key two callers compiled counts once
+            self._sizes[key] = size
             self._hits[key] = value
             self._hits.move_to_end(key)
-            while len(self._hits) > self.size:
-                self._hits.popitem(last=False)
+            self._evict()
         return value
+
+    def _retry_ms(self) -> int:
+        # About one typical compile (the median of the last few), within [200 ms, the bound].
+        recent = sorted(self.compile_ms[-16:])
+        typical = recent[len(recent) // 2] if recent else 1000 * self.timeout_s
+        return int(max(200.0, min(1000 * self.timeout_s, typical)))
+
+    def _evict(self) -> None:
+        """Least recent out, positive and negative entries alike, past the count or the bytes."""
+        while len(self._hits) > self.size or (self.bytes > self.max_bytes and len(self._hits) > 1):
+            self.bytes -= self._sizes.pop(self._hits.popitem(last=False)[0])
+        while len(self._refused) > self.negative_size or (self.bytes > self.max_bytes and self._refused):
+            self.bytes -= _key_bytes(self._refused.popitem(last=False)[0])
 
     def _compile(self, key: K, compile_fn: Callable[[], V]) -> V:
         box: dict = {}
@@ -198,10 +250,23 @@ class GrammarCache(Generic[K, V]):
             finally:
                 done.set()
                 with self._lock:
+                    self.running -= 1
                     if box.get("abandoned"):
                         self._abandoned -= 1
+                if self._slots is not None:  # only now: the compile's CPU is free
+                    self._slots.release()
 
-        threading.Thread(target=work, name="grammar-compile", daemon=True).start()
+        with self._lock:
+            self.running += 1
+            self.peak_running = max(self.peak_running, self.running)
+        try:
+            threading.Thread(target=work, name="grammar-compile", daemon=True).start()
+        except BaseException:
+            with self._lock:
+                self.running -= 1
+            if self._slots is not None:
+                self._slots.release()
+            raise
         finished = done.wait(self.timeout_s)
         with self._lock:
             if not finished and not done.is_set():
@@ -220,6 +285,7 @@ class GrammarCache(Generic[K, V]):
         return box["value"]
 
     def _refuse(self, key: K, message: str) -> None:
+        if key not in self._refused:
+            self.bytes += _key_bytes(key)
         self._refused[key] = message
-        while len(self._refused) > self.negative_size:
-            self._refused.popitem(last=False)
+        self._evict()

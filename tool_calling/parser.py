@@ -16,6 +16,13 @@ whole. Text that may still be the start of a tag is held back, and whitespace ne
 dropped (OpenAI's content is the text around the calls). A tag body that is not a call is given
 back as text. An unfinished call at the end (max_tokens cut it) keeps what it streamed: the
 finish reason says "length".
+
+Parsing is linear in the text: every character is scanned once (a call held whole keeps one
+scanner across feeds instead of rescanning what it holds, and a head is looked for in at most
+``MAX_HEAD_CHARS``), so a 32 KB call costs what four 8 KB calls do. The router parses on its
+event loop, chunk by chunk as the text streams; a whole answer is parsed on a worker thread
+(frontend/http_routes.py). A call object nested deeper than ``MAX_JSON_DEPTH`` is given back as
+text, never handed to ``json.loads`` (which would raise RecursionError).
 """
 from __future__ import annotations
 
@@ -24,8 +31,11 @@ import uuid
 from dataclasses import dataclass, field
 
 from tool_calling.formats import ToolFormat
+from tool_calling.json_limits import MAX_JSON_DEPTH
+from tool_calling.scan import MAX_HEAD_CHARS, NEED, WS, Depth, head, literal, skip_ws
 
 PYTHON_TAG = "<|python_tag|>"  # Llama 3's call marker, should it reach the text
+FEED_PIECE = 512  # characters of new text handed to the steps at a time
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,127 +74,17 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-# -- small scanners over a buffer ------------------------------------------------------------
-_NEED = "need"  # the buffer ends before the answer is known
-
-
-_WS = " \t\r\n"
-
-
-def _skip_ws(buf: str, i: int) -> int:
-    while i < len(buf) and buf[i] in _WS:
-        i += 1
-    return i
-
-
-def _literal(buf: str, i: int, lit: str) -> int | str | None:
-    """Index after ``lit`` at ``i``; _NEED if the buffer ends inside a match; None if not."""
-    end = i + len(lit)
-    if buf.startswith(lit, i):
-        return end
-    return _NEED if lit.startswith(buf[i:]) else None
-
-
-def _string_end(buf: str, i: int) -> int | str | None:
-    """``buf[i]`` opens a JSON string: the index after its closing quote, or _NEED."""
-    if i >= len(buf):
-        return _NEED
-    if buf[i] != '"':
-        return None
-    j = i + 1
-    while j < len(buf):
-        c = buf[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        j += 1
-    return _NEED
-
-
-def _head(buf: str, i: int, args_keys: tuple[str, ...]) -> tuple[str, str, int] | str | None:
-    """``{"name": "f", "arguments":`` at ``i`` (whitespace allowed between the tokens):
-    (name, key, index after the colon), _NEED, or None when the object does not start so."""
-    steps: list = ["{", '"name"', ":"]
-    j = i
-    for lit in steps:
-        j = _skip_ws(buf, j)
-        j = _literal(buf, j, lit)
-        if not isinstance(j, int):
-            return j
-    j = _skip_ws(buf, j)
-    end = _string_end(buf, j)
-    if not isinstance(end, int):
-        return end
-    try:
-        name = json.loads(buf[j:end])
-    except ValueError:
-        return None
-    j = _skip_ws(buf, end)
-    j = _literal(buf, j, ",")
-    if not isinstance(j, int):
-        return j
-    j = _skip_ws(buf, j)
-    for key in args_keys:
-        k = _literal(buf, j, f'"{key}"')
-        if k == _NEED:
-            return _NEED
-        if isinstance(k, int):
-            k = _skip_ws(buf, k)
-            k = _literal(buf, k, ":")
-            if not isinstance(k, int):
-                return k
-            k = _skip_ws(buf, k)
-            if k >= len(buf):
-                return _NEED
-            # Arguments streamed as they come only when they are JSON (not a string of it).
-            return (name, key, k) if buf[k] in "{[" else None
-    return None
-
-
-class _Depth:
-    """Bracket depth of a JSON value read piece by piece, strings and escapes respected."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.in_string = False
-        self.escaped = False
-        self.started = False
-
-    def scan(self, text: str) -> int | None:
-        """Feed ``text``; the index just past the value's end if it ends in ``text``."""
-        for k, c in enumerate(text):
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif c == "\\":
-                    self.escaped = True
-                elif c == '"':
-                    self.in_string = False
-                    if self.depth == 0:
-                        return k + 1
-                continue
-            if c == '"':
-                self.in_string, self.started = True, True
-            elif c in "{[":
-                self.depth += 1
-                self.started = True
-            elif c in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    return k + 1
-        return None
-
-
 # -- the parser ------------------------------------------------------------------------------
 class ToolCallParser:
     """Feed a sample's text as it comes (``feed``), then ``finish``; each returns the events
-    the new text settled. ``calls`` and ``content`` are the answer so far."""
+    the new text settled. ``calls`` and ``content`` are the answer so far. ``examined`` counts
+    the characters of buffered text the steps looked at: it stays within a small multiple of
+    the text's length (each character is looked at a bounded number of times)."""
 
     def __init__(self, fmt: ToolFormat, call_id=new_call_id) -> None:
         self.fmt = fmt
         self.calls: list[ParsedCall] = []
+        self.examined = 0
         self._text: list[str] = []
         self._new_id = call_id
         self._buf = ""
@@ -193,8 +93,13 @@ class ToolCallParser:
         self._block_start = ""  # the raw text of the current tag, given back if it is no call
         self._block_calls = 0
         self._call: ParsedCall | None = None
-        self._depth: _Depth | None = None
-        self._held_ws = ""  # whitespace that is content only if text follows
+        self._depth: Depth | None = None  # a call's arguments, as they stream
+        self._closing: Depth | None = None  # the rest of a call's object, after its arguments
+        self._obj: Depth | None = None  # a call object in another key order, held until it closes
+        self._obj_parts: list[str] = []  # ... and the text of it seen so far
+        self._held_ws: list[str] = []  # whitespace that is content only if text follows
+        self._lead_ws: list[str] = []  # bare JSON: the blank start of the answer (and its python tag)
+        self._tagged = False  # bare JSON: Llama's python tag was read
         self._after_call = False  # text now would follow a call: its leading whitespace goes
         self._keys = (fmt.args_key, "arguments", "parameters")
 
@@ -203,10 +108,13 @@ class ToolCallParser:
         return "".join(self._text)
 
     def feed(self, text: str) -> list[Event]:
-        self._buf += text
         events: list[Event] = []
-        while self._step(events, final=False):
-            pass
+        # In pieces: each step may copy what is left of the buffer, so the buffer is kept short
+        # (a whole answer fed at once stays linear in its length, however many calls it holds).
+        for at in range(0, len(text), FEED_PIECE):
+            self._buf += text[at:at + FEED_PIECE]
+            while self._step(events, final=False):
+                pass
         return events
 
     def finish(self) -> list[Event]:
@@ -220,13 +128,15 @@ class ToolCallParser:
             self._emit_text(events, self._buf)
         self._buf = ""
         if self._held_ws and not self.calls:  # no call: the text is the whole answer, as it came
-            self._text.append(self._held_ws)
-            events.append(TextDelta(self._held_ws))
-        self._held_ws = ""
+            ws = "".join(self._held_ws)
+            self._text.append(ws)
+            events.append(TextDelta(ws))
+        self._held_ws = []
         return events
 
     # Each step consumes what it can and says whether to go on.
     def _step(self, events: list[Event], final: bool) -> bool:
+        self.examined += len(self._buf)
         if self._state == "plain":
             if self._buf:
                 self._emit_text(events, self._buf)
@@ -234,6 +144,8 @@ class ToolCallParser:
             return False
         if self._state == "text":
             return self._text_step(events, final)
+        if self._obj is not None:
+            return self._object_step(events, final)
         if self._call is not None:
             return self._args_step(events)
         return self._body_step(events, final)
@@ -242,32 +154,24 @@ class ToolCallParser:
         """Content, less the whitespace next to a call: trailing whitespace waits until text
         follows it (a call may come first), leading whitespace after a call is dropped."""
         if self._after_call:
-            text = text.lstrip(_WS)
+            text = text.lstrip(WS)
             if not text:
                 return
-            self._after_call, self._held_ws = False, ""
-        body = text.rstrip(_WS)
+            self._after_call, self._held_ws = False, []
+        body = text.rstrip(WS)
         if not body:
-            self._held_ws += text
+            if text:
+                self._held_ws.append(text)
             return
-        out = self._held_ws + body
-        self._held_ws = text[len(body):]
+        out = "".join(self._held_ws) + body
+        self._held_ws = [text[len(body):]] if len(body) < len(text) else []
         self._text.append(out)
         events.append(TextDelta(out))
 
     def _text_step(self, events: list[Event], final: bool) -> bool:
         fmt, buf = self.fmt, self._buf
-        if not fmt.open:  # bare JSON: a call only if the answer starts with one
-            lead = buf.lstrip(_WS)
-            if lead.startswith(PYTHON_TAG):
-                lead = lead[len(PYTHON_TAG):].lstrip(_WS)
-            elif PYTHON_TAG.startswith(lead) and not final:
-                return False
-            if not lead:
-                return False
-            self._buf = lead if lead[0] == "{" else buf
-            self._state = "body" if lead[0] == "{" else "plain"
-            return True
+        if not fmt.open:
+            return self._bare_start(final)
         at = buf.find(fmt.open)
         if at >= 0:
             self._emit_text(events, buf[:at])
@@ -279,12 +183,36 @@ class ToolCallParser:
         self._buf = buf[len(buf) - keep:]
         return False
 
+    def _bare_start(self, final: bool) -> bool:
+        """Bare JSON: a call only if the answer starts with one (after blanks and Llama's
+        python tag). A blank start is set aside, not rescanned on every feed."""
+        buf = self._buf
+        lead = buf.lstrip(WS)
+        if not self._tagged and lead.startswith(PYTHON_TAG):
+            self._tagged = True
+            lead = lead[len(PYTHON_TAG):].lstrip(WS)
+        elif not self._tagged and lead and PYTHON_TAG.startswith(lead) and not final:
+            return False  # the tag may be arriving: at most its length is held
+        if not lead:
+            if final:  # no call: the blank answer is the text, as it came
+                self._buf, self._lead_ws = "".join(self._lead_ws) + buf, []
+            else:
+                self._lead_ws.append(buf)
+                self._buf = ""
+            return False
+        if lead[0] == "{":
+            self._buf, self._state = lead, "body"
+        else:
+            self._buf, self._state = "".join(self._lead_ws) + buf, "plain"
+        self._lead_ws = []
+        return True
+
     def _body_step(self, events: list[Event], final: bool) -> bool:
         """Between calls inside a tag (or in a bare-JSON answer)."""
         fmt, buf = self.fmt, self._buf
-        i = _skip_ws(buf, 0)
+        i = skip_ws(buf, 0)
         if fmt.open:
-            j = _literal(buf, i, fmt.close)
+            j = literal(buf, i, fmt.close)
             if isinstance(j, int):
                 self._buf = buf[j:]
                 self._state = "text"
@@ -303,44 +231,57 @@ class ToolCallParser:
             return True
         if c == "{":
             return self._call_step(events, buf[i:], final)
-        if fmt.open and _literal(buf, i, fmt.close) == _NEED and not final:
+        if fmt.open and literal(buf, i, fmt.close) == NEED and not final:
             return False
         return self._not_a_call(events)
 
     def _call_step(self, events: list[Event], buf: str, final: bool) -> bool:
-        head = _head(buf, 0, self._keys)
-        if head == _NEED and not final:
+        found = head(buf, 0, self._keys)
+        if found == NEED and not final and len(buf) <= MAX_HEAD_CHARS:
             self._buf = buf
             return False
-        if isinstance(head, tuple):
-            name, _, after = head
+        if isinstance(found, tuple):
+            name, _, after = found
             self._start_call(events, name)
-            self._depth = _Depth()
+            self._depth = Depth()
             self._buf = buf[after:]
             return True
-        # Another key order (or no head): the whole object, once it closes.
-        end = _Depth().scan(buf)
+        # Another key order (no head, or none within MAX_HEAD_CHARS): the whole object, once
+        # it closes, scanned as it comes.
+        self._obj, self._obj_parts, self._buf = Depth(), [], buf
+        return True
+
+    def _object_step(self, events: list[Event], final: bool) -> bool:
+        obj, buf = self._obj, self._buf
+        end = obj.scan(buf)
         if end is None:
-            if final:
-                return self._not_a_call(events)
-            self._buf = buf
-            return False
-        try:
-            obj = json.loads(buf[:end])
-        except ValueError:
-            obj = None
-        key = next((k for k in self._keys if isinstance(obj, dict) and k in obj), None)
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or key is None:
+            self._obj_parts.append(buf)
+            self._buf = ""
+            if not final:
+                return False
+            self._obj, self._buf = None, "".join(self._obj_parts)
             return self._not_a_call(events)
-        self._start_call(events, obj["name"])
-        args = obj[key]
+        text, rest = "".join(self._obj_parts) + buf[:end], buf[end:]
+        self._obj, self._obj_parts = None, []
+        value = None
+        if obj.max_depth <= MAX_JSON_DEPTH:  # deeper would make json.loads raise RecursionError
+            try:
+                value = json.loads(text)
+            except ValueError:
+                pass
+        key = next((k for k in self._keys if isinstance(value, dict) and k in value), None)
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or key is None:
+            self._buf = text + rest
+            return self._not_a_call(events)
+        self._start_call(events, value["name"])
+        args = value[key]
         self._add_args(events, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
         self._call, self._after_call = None, True
-        self._buf = buf[end:]
+        self._buf = rest
         return True
 
     def _start_call(self, events: list[Event], name: str) -> None:
-        self._held_ws = ""  # whitespace before a call is not content
+        self._held_ws = []  # whitespace before a call is not content
         call = ParsedCall(self._new_id(), name)
         self.calls.append(call)
         self._call = call
@@ -366,13 +307,15 @@ class ToolCallParser:
             self._add_args(events, buf[:end])
             self._depth, self._buf = None, buf[end:]
             buf = self._buf
-        # The rest of the call object: its closing brace (other keys after the arguments skipped).
-        closing = _Depth()
-        closing.depth = 1
-        end = closing.scan(buf)
+        # The rest of the call object: its closing brace (other keys after the arguments are
+        # skipped, so what was scanned is dropped and the scanner kept across feeds).
+        if self._closing is None:
+            self._closing = Depth(depth=1)
+        end = self._closing.scan(buf)
         if end is None:
+            self._buf = ""
             return False
-        self._call, self._buf = None, buf[end:]
+        self._call, self._closing, self._buf = None, None, buf[end:]
         self._after_call = True
         return True
 

@@ -2,7 +2,8 @@
 the template's input (messages with their tool calls and results, the tool list), the
 constraint ``tool_choice`` asks for in the model's tool format, whether the answer is read
 for calls, and the calls of a gRPC answer (``CallCollector``). Every refusal is a ValueError naming the field; router/validation.py makes it an
-INVALID_ARGUMENT / HTTP 400.
+INVALID_ARGUMENT / HTTP 400. JSON nested deeper than tool_calling/json_limits.py's
+``MAX_JSON_DEPTH`` (arguments, parameter schemas) is refused naming the limit before it is parsed.
 
 The SDK and the HTTP API already checked the OpenAI shapes (protos/openai_shapes.py); a raw
 gRPC client did not, so what the template and the constraint rely on is checked again here.
@@ -16,6 +17,7 @@ from protos.openai_shapes import FUNCTION_NAME
 from protos.pdserve.v1 import serving_pb2 as pb
 from tokens.sampling_params import StructuredOutput
 from tool_calling.formats import ToolFormat, call_constraint, unsupported_message
+from tool_calling.json_limits import JsonDepthError, check_depth
 from tool_calling.parser import ToolCallParser
 
 
@@ -35,7 +37,10 @@ def parses_calls(req: pb.GenerateRequest) -> bool:
 
 def _json(field: str, text: str) -> Any:
     try:
+        check_depth(field, text)  # before json.loads, which would raise RecursionError
         return json.loads(text)
+    except JsonDepthError as e:
+        raise ToolRequestError(field, str(e)) from None
     except ValueError as e:
         raise ToolRequestError(field, f"{field} is not valid JSON: {e}") from None
 

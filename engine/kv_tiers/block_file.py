@@ -37,8 +37,9 @@ MAX_HEADER_BYTES = 64 * 1024
 
 
 class BlockFileError(ValueError):
-    """A file that is not a valid block file of this format; ``reason`` names the metric
-    label: ``format`` (not ours or truncated) or ``checksum`` (a byte changed)."""
+    """A file that is not a valid block file of this format; ``reason``: ``format`` (not ours),
+    ``torn`` (ours, cut short: a write a crash or power cut interrupted, which no engine can
+    use) or ``checksum`` (a byte changed)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -98,7 +99,9 @@ def read_header(f, element_size_of) -> BlockHeader:
     a ``format`` error). Raises ``BlockFileError``."""
     first = f.read(_FIXED.size)
     if len(first) < _FIXED.size:
-        raise BlockFileError("format", "shorter than a block file header")
+        # Empty or cut inside the fixed fields: ours if what is there is our magic's start.
+        torn = first[:4] == MAGIC[:len(first)]
+        raise BlockFileError("torn" if torn else "format", "shorter than a block file header")
     (magic, version, header_len, flags, block_size, layers, heads, head_dim, n_tokens, block_hash, parent,
      payload_len, checksum, fp_len, dt_len) = _FIXED.unpack(first)
     if magic != MAGIC:
@@ -110,7 +113,7 @@ def read_header(f, element_size_of) -> BlockHeader:
         raise BlockFileError("checksum", f"header length {header_len} does not match its fields ({expected})")
     rest = f.read(header_len - _FIXED.size)
     if len(rest) < header_len - _FIXED.size:
-        raise BlockFileError("format", "truncated block file header")
+        raise BlockFileError("torn", "truncated block file header")
     body, (stored,) = first + rest[:-_CHECKSUM.size], _CHECKSUM.unpack(rest[-_CHECKSUM.size:])
     if xxhash.xxh3_64_intdigest(body) != stored:
         raise BlockFileError("checksum", "block file header checksum mismatch")

@@ -126,8 +126,7 @@ class KVTiers:
             self._readers.shutdown()
         self._to_offload.clear()
         if self.disk is not None:
-            self.disk.admitting = False
-            self.disk.close()
+            self.disk.close()  # takes no more blocks
 
     def _emit(self, ev) -> None:
         self.pool.emit(ev)
@@ -141,13 +140,15 @@ class KVTiers:
         for entry in res.kept:
             self._emit(BlockStored((entry.block_hash,), entry.parent_hash, (entry.token_ids,), TIER_DISK))
         for reason, n in res.refused.items():
-            self.stats[TIER_DISK].errors[reason] = self.stats[TIER_DISK].errors.get(reason, 0) + n
+            label = "foreign" if reason == "symlink" else reason  # a link is no file of ours either
+            self.stats[TIER_DISK].errors[label] = self.stats[TIER_DISK].errors.get(label, 0) + n
         if res.refused:
-            log.warning("disk KV cache %s: refused %s (left in place; another model, block size, shape or dtype "
-                        "wrote them)", self.disk.directory, ", ".join(f"{n} {r}" for r, n in sorted(res.refused.items())))
+            log.warning("disk KV cache %s: refused %s (another model, block size, shape or dtype wrote them: kept in "
+                        "the budget, evicted first; symlinks are never followed)", self.disk.directory,
+                        ", ".join(f"{n} {r}" for r, n in sorted(res.refused.items())))
         if res.kept or res.removed or res.evicted:
-            log.info("disk KV cache %s: %d blocks re-registered, %d damaged or stray files removed, %d over the "
-                     "budget removed", self.disk.directory, len(res.kept), res.removed, res.evicted)
+            log.info("disk KV cache %s: %d blocks re-registered, %d damaged, torn (%d) or stray files removed, %d over "
+                     "the budget removed", self.disk.directory, len(res.kept), res.removed, res.torn, res.evicted)
 
     # ---- moving down
     def on_cached(self, block: KVBlock, parent_hash: BlockHash | None) -> None:
@@ -276,11 +277,11 @@ class KVTiers:
             return
         reason = error_reason(result)
         st.error(reason)
-        disk.stop_admitting(reason, f"writing a block file failed: {result!r}")
+        disk.write_failed(reason, f"writing a block file failed: {result!r}")
 
     def _drop_disk_files(self, entries: Sequence[DiskEntry]) -> None:
         for e in entries:
-            if e.ready:
+            if e.ready and not e.foreign:  # another layout's file was never announced
                 self._emit(BlockRemoved((e.block_hash,), TIER_DISK))
             self._delete(self.disk.path(e.block_hash))
 
@@ -367,7 +368,7 @@ class KVTiers:
         if err is not None:
             self.host.cancel(entry.slot)
             reason = err.reason if isinstance(err, BlockFileError) else error_reason(err)
-            st.error("checksum" if reason == "format" else reason)
+            st.error("checksum" if reason in ("format", "torn") else reason)
             log.warning("disk KV cache: block %016x unusable (%s), recomputing it: %s", h, reason, err)
             self.disk.remove(found)
             self._drop_disk_files([found])

@@ -19,14 +19,19 @@ expires. A reservation that finds too few free slots is refused like a full pool
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import math
 import os
+import re
 import tempfile
 import threading
 import uuid
 from collections.abc import Sequence
 
 import torch
+
+from engine.parallel.plan import TensorParallelError
 
 
 def _shm_dir() -> str:
@@ -40,26 +45,88 @@ def map_pool(path: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tenso
     return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(*shape)
 
 
+_PREFIX = "pdserve-tp-"
+# pdserve-tp-<pid of rank 0>-<8 hex>-rank<r>: the creator's pid and a lock say whether it lives.
+_NAME = re.compile(rf"{_PREFIX}(\d+)-[0-9a-f]{{8}}-rank\d+")
+
+
+def shm_room_error(directory: str, free_bytes: int, pool_bytes: int, ranks: int) -> str | None:
+    """Why ``ranks - 1`` pools of ``pool_bytes`` each do not fit ``free_bytes`` in
+    ``directory`` (None when they do). A tmpfs pool file is sparse: without this check (and the
+    allocation that follows it) a /dev/shm smaller than the pools is found out under load, when a
+    page is first touched and there is none (SIGBUS)."""
+    need = (ranks - 1) * pool_bytes
+    if need <= free_bytes:
+        return None
+    return (f"tensor-parallel KV pools need {need} bytes ({ranks - 1} ranks x {pool_bytes} bytes, "
+            f"{need / 2**30:.2f} GiB) in {directory}, which has {free_bytes} bytes ({free_bytes / 2**30:.2f} GiB) "
+            f"free: make it larger (the chart's shmSize) or the KV cache smaller (--kv-cache-mib, num_blocks)")
+
+
+def remove_leftovers(directory: str) -> list[str]:
+    """Remove the pool files an earlier rank 0 left in ``directory`` when it was killed before it
+    removed their names (a SIGKILL while loading): files whose creator is not running and whose
+    lock nobody holds. -> the paths removed."""
+    removed = []
+    for name in os.listdir(directory):
+        m = _NAME.fullmatch(name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone meanwhile, or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by a live creator in another pid namespace
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
 class SharedPools:
     """The worker ranks' pool files, created (zeroed, sized) by rank 0 before the workers start,
     mapped by each worker and by rank 0. Once every rank has mapped its file the names are
-    removed (``unlink``): the memory then lives exactly as long as the processes that map it, so
-    a crash of any process leaves nothing behind."""
+    removed (``unlink``): the memory then lives exactly as long as the processes that map it.
+    Until then each file is locked by its creator, and a start removes what a killed creator
+    left (``remove_leftovers``). The pools' pages are allocated at start, so a directory too
+    small for them is refused then, by name and sizes (TensorParallelError), not found out by a
+    SIGBUS under load."""
 
-    def __init__(self, ranks: int, shape: Sequence[int], dtype: torch.dtype) -> None:
+    def __init__(self, ranks: int, shape: Sequence[int], dtype: torch.dtype, directory: str | None = None) -> None:
         self.shape = tuple(shape)  # one rank's pool: [L, N, 2, bs, H_kv/TP, D]
         self.dtype = dtype
+        directory = directory or _shm_dir()
         nbytes = math.prod(self.shape) * dtype.itemsize
-        tag = f"pdserve-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.paths = [os.path.join(_shm_dir(), f"{tag}-rank{r}") for r in range(1, ranks)]
+        remove_leftovers(directory)
+        st = os.statvfs(directory)
+        why = shm_room_error(directory, st.f_bavail * st.f_frsize, nbytes, ranks)
+        if why:
+            raise TensorParallelError(why)
+        tag = f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.paths = [os.path.join(directory, f"{tag}-rank{r}") for r in range(1, ranks)]
         self.pools: list[torch.Tensor] = []  # ranks 1 .. TP-1, in rank order
+        self._locks: list[int] = []  # open, flocked fds of the files, until unlink
         try:
             for path in self.paths:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                try:
-                    os.ftruncate(fd, nbytes)  # zeros, as allocate_kv_cache's pools
-                finally:
-                    os.close(fd)
+                self._locks.append(fd)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                _allocate(fd, nbytes, directory, ranks)  # zeros, as allocate_kv_cache's pools
                 self.pools.append(map_pool(path, self.shape, dtype))
         except BaseException:
             self.unlink()
@@ -72,6 +139,25 @@ class SharedPools:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+        locks, self._locks = self._locks, []
+        for fd in locks:
+            os.close(fd)
+
+
+def _allocate(fd: int, nbytes: int, directory: str, ranks: int) -> None:
+    """Every page of the file now (a tmpfs file is otherwise sparse: another process may fill
+    the room meanwhile); ENOSPC is the same refusal as the size check's."""
+    if not hasattr(os, "posix_fallocate"):  # macOS: sparse, as before
+        os.ftruncate(fd, nbytes)
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        raise TensorParallelError(f"tensor-parallel KV pools need {(ranks - 1) * nbytes} bytes ({ranks - 1} ranks x "
+                                  f"{nbytes} bytes) in {directory}, which filled up while they were allocated "
+                                  f"(another process took the room): make it larger or the KV cache smaller") from None
 
 
 def gather_blocks(pools: Sequence[torch.Tensor], block_ids: Sequence[int]) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import threading
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ STORE_HOST = "127.0.0.1"
 class WorkerSpec:
     rank: int
     size: int
-    store_port: int  # rank 0's TCPStore on loopback
+    store_port: int  # rank 0's TCPStore, on loopback only
     model_dir: str  # the resolved local HF directory (same checkpoint as rank 0)
     dtype: str
     num_blocks: int
@@ -63,8 +64,15 @@ def open_store(port: int, size: int, is_master: bool, start_timeout_s: float):
     it; where the ranks find each other."""
     import torch.distributed as dist
 
+    fd = None
+    if is_master:
+        # TCPStore's own listener takes every interface whatever host it is given, and the store
+        # has no authentication: anyone on the network could rewrite where the ranks meet. Bound
+        # here to loopback only (all ranks are processes of this host); the store owns the socket.
+        listener = socket.create_server((STORE_HOST, port))
+        port, fd = listener.getsockname()[1], listener.detach()
     return dist.TCPStore(STORE_HOST, port, size, is_master, timeout=timedelta(seconds=start_timeout_s),
-                         wait_for_workers=False)
+                         wait_for_workers=False, **({} if fd is None else {"master_listen_fd": fd}))
 
 
 def make_group(store, rank: int, size: int, join_timeout_s: float):

@@ -1,7 +1,17 @@
 """Constraints compiled for one engine's tokenizer: llguidance behind tokens.grammar's cache
-and bounds (the router compiles the same grammar with the same limits: router/structured.py)."""
+and bounds (the router compiles the same grammar with the same limits: router/structured.py).
+
+The cache is bounded by bytes as well as by count: a compiled matcher lives in llguidance's
+native memory, from a few KB for a small schema to ~20 MB for one with hundreds of integer
+ranges (its lexer's first states), so 128 of them could hold gigabytes. Python cannot see that
+memory, so each compile's is measured as the growth of glibc's allocated bytes across it
+(``mallinfo2``: allocated, not resident, so freed memory reused does not hide it). Other threads
+allocating meanwhile make it an estimate; lexer states built later, as the matcher is used,
+are not counted.
+"""
 from __future__ import annotations
 
+import ctypes
 import json
 import threading
 from collections.abc import Sequence
@@ -11,6 +21,41 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from tokens.grammar import PARSER_LIMITS, GrammarCache, GrammarError, to_llguidance
 from tokens.sampling_params import StructuredOutput
+
+ENGINE_CACHE_BYTES = 1 << 30  # compiled matchers one engine keeps, by their measured native size
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _mallinfo2():
+    try:
+        fn = ctypes.CDLL(None).mallinfo2  # glibc >= 2.33
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def allocated_bytes() -> int | None:
+    """Bytes the C allocator has handed out (heap and mmapped), or None where unknown."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return info.uordblks + info.hblkhd
+
+
+def measured_matcher(tokenizer: llguidance.LLTokenizer, grammar: str) -> tuple[llguidance.LLMatcher, int]:
+    """``new_matcher`` and the native bytes it took (the grammar's length where unknown)."""
+    before = allocated_bytes()
+    m = new_matcher(tokenizer, grammar)
+    after = allocated_bytes()
+    return m, len(grammar) if before is None or after is None else max(len(grammar), after - before)
 
 
 def new_matcher(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
@@ -27,11 +72,13 @@ def new_matcher(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.L
 
 class GrammarCompiler:
     """``matcher(so)``: a fresh matcher for a constraint, compiled once per (kind, spec,
-    strict) for this tokenizer and copied after that (copies share the compiled lexer)."""
+    strict) for this tokenizer and copied after that (copies share the compiled lexer). The
+    cache holds (matcher, native bytes) and counts the bytes against its ``max_bytes``."""
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, cache: GrammarCache | None = None) -> None:
         self.tokenizer = tokenizer
-        self.cache: GrammarCache = cache if cache is not None else GrammarCache()
+        self.cache: GrammarCache = cache if cache is not None else GrammarCache(max_bytes=ENGINE_CACHE_BYTES)
+        self.cache.value_bytes = _entry_bytes
 
     @classmethod
     def from_hf(cls, hf_tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
@@ -55,10 +102,15 @@ class GrammarCompiler:
         """The template matcher (never advance it: take ``matcher``); GrammarError when the
         constraint is refused or over a bound."""
         tok = self.tokenizer
-        return self.cache.get((so.kind, so.spec, so.strict), lambda: new_matcher(tok, to_llguidance(so, any_to_lark)))
+        key = (so.kind, so.spec, so.strict)
+        return self.cache.get(key, lambda: measured_matcher(tok, to_llguidance(so, any_to_lark)))[0]
 
     def matcher(self, so: StructuredOutput) -> llguidance.LLMatcher:
         return self.compile(so).deep_copy()
+
+
+def _entry_bytes(entry: tuple[llguidance.LLMatcher, int]) -> int:
+    return entry[1]
 
 
 class LazyCompiler:

@@ -42,6 +42,11 @@ class PlannerConfig:
     # after the leader stops renewing. More than two rounds, so one slow round keeps it. (Not a
     # node's registry lease, NodeConfig.lease_s.) No flag: three rounds (``lease_for``).
     leader_lease_s: float = 15.0
+    # How long the role wishes and pool targets it writes stand (kv_index/roles.py): a node
+    # restarted past it keeps its configured role, a pool keeps its size, until the planner acts
+    # again. Longer than a switch with its retries; short enough that the wishes of a planner
+    # gone (its router stopped, a reinstall that kept Redis) stop steering the cluster. No flag.
+    wish_ttl_s: float = 600.0
     # Pool bounds per role, for the role mix and (with resize) the pool sizes. max None: up to
     # the nodes now running.
     min_prefill_nodes: int = setting(0, flag="--min-prefill-nodes", help=_bound_help("prefill", "min"))
@@ -113,7 +118,7 @@ class PlannerConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"planner mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        for name in ("interval_s", "leader_lease_s", "window_s", "ttft_slo_factor", "tpot_slo_factor"):
+        for name in ("interval_s", "leader_lease_s", "window_s", "ttft_slo_factor", "tpot_slo_factor", "wish_ttl_s"):
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):  # NaN fails too
                 raise ValueError(f"planner {name} must be a finite number > 0, got {v}")

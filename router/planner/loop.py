@@ -34,11 +34,13 @@ log = logging.getLogger(__name__)
 
 
 class RoleRequests(Protocol):
-    def request(self, node_id: str, role: Role, reason: str = "") -> None: ...
+    def request(self, node_id: str, role: Role, reason: str = "", *, ttl_s: float = ...,
+                floors: Mapping[Role, int] | None = None) -> None: ...
 
 
 class TargetSetter(Protocol):
-    def set(self, targets: Mapping[Role, int], reason: str = "") -> None: ...
+    def set(self, targets: Mapping[Role, int], reason: str = "", *, ttl_s: float = ...,
+            wishes: Mapping[str, Role] | None = None, floors: Mapping[Role, int] | None = None) -> None: ...
 
 
 def plan_record(d: Decision, holder: str, mode: str, applied: bool, at: float) -> dict:
@@ -133,11 +135,7 @@ class PlannerLoop:
                                  "planner.applied": applied, "planner.detail": d.detail,
                                  **{f"planner.{k}": float(v) for k, v in d.figures.items() if math.isfinite(v)}})
             if applied:
-                for node_id, role in sorted(d.roles.items()):
-                    self.roles.request(node_id, role, d.detail)
-                if d.pool_targets is not None:
-                    self.targets.set(d.pool_targets, d.detail)
-                self.apply_threshold(d.threshold)
+                self._act(d)
             self.plans.publish(plan_record(d, self.holder, cfg.mode, applied, self.clock()))
         self.state = d.state
         same = self.last is not None and (self.last.action, self.last.reason) == (d.action, d.reason)
@@ -149,6 +147,22 @@ class PlannerLoop:
         log.log(level, "planner %s%s (%s): %s [%s]", d.action, "" if applied or not d.acts else " (advisory: not applied)",
                 d.reason, d.detail, figures)
         return d
+
+
+    def _act(self, d: Decision) -> None:
+        """The decision's wishes, for ``wish_ttl_s``, each leaving at least the bounds' minima in
+        the role a node leaves. With pool targets, the wishes go in the same transaction: the
+        pool controller counts a node wished to another role in that role (deploy/pool_controller.py),
+        so targets seen without the switch they count on (or the switch without its targets) made
+        it add a node and remove it again a cool-down later."""
+        cfg = self.config
+        floors = {Role.PREFILL: cfg.min_prefill_nodes, Role.DECODE: cfg.min_decode_nodes}
+        if d.pool_targets is not None:
+            self.targets.set(d.pool_targets, d.detail, ttl_s=cfg.wish_ttl_s, wishes=dict(d.roles), floors=floors)
+        else:
+            for node_id, role in sorted(d.roles.items()):
+                self.roles.request(node_id, role, d.detail, ttl_s=cfg.wish_ttl_s, floors=floors)
+        self.apply_threshold(d.threshold)
 
 
 def threshold_setter(policy) -> Callable[[int], None]:

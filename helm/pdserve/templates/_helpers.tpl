@@ -403,6 +403,40 @@ against, the router's Service (in-cluster clients) and loopback (port-forward, p
 {{- end }}
 {{- end }}
 
+{{/* The cluster token (docs/security.md, "Prefix fetch"): the secret every node signs its
+node-to-node prefix fetches with, so a peer that is not a member can neither serve KV to a
+node nor make a holder probe, pin or dial. Mounted on the supervisor and every worker pod at
+one path; the operator's Secret (nodes.clusterToken.name and .key) or the hook's. */}}
+{{- define "pdserve.clusterTokenSecretName" -}}
+{{- default (printf "%s-cluster-token" (include "pdserve.fullname" .)) .Values.nodes.clusterToken.name }}
+{{- end }}
+
+{{- define "pdserve.clusterTokenDir" -}}/etc/pdserve/cluster-token{{- end }}
+
+{{- define "pdserve.clusterTokenArgs" -}}
+{{- if .Values.nodes.clusterToken.enabled }}
+- --cluster-token-file
+- {{ printf "%s/%s" (include "pdserve.clusterTokenDir" .) (ternary .Values.nodes.clusterToken.key "token" (ne .Values.nodes.clusterToken.name "")) | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.clusterTokenVolumes" -}}
+{{- if .Values.nodes.clusterToken.enabled }}
+- name: pdserve-cluster-token
+  secret:
+    secretName: {{ include "pdserve.clusterTokenSecretName" . }}
+    defaultMode: 0440  # group-readable: fsGroup makes the pod user its group
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.clusterTokenMounts" -}}
+{{- if .Values.nodes.clusterToken.enabled }}
+- name: pdserve-cluster-token
+  mountPath: {{ include "pdserve.clusterTokenDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
 {{/* The Secret holding the router's API keys: the operator's (apiKey.name), else the one the
 secrets hook makes at install. */}}
 {{- define "pdserve.apiKeySecretName" -}}
@@ -432,6 +466,9 @@ apiKey: {{ include "pdserve.apiKeySecretName" . }}
 {{- end }}
 {{- if eq (include "pdserve.tlsProvider" .) "generated" }}
 tls: {{ include "pdserve.tlsSecretName" . }}
+{{- end }}
+{{- if and .Values.nodes.clusterToken.enabled (not .Values.nodes.clusterToken.name) }}
+clusterToken: {{ include "pdserve.clusterTokenSecretName" . }}
 {{- end }}
 {{- end }}
 

@@ -29,7 +29,7 @@ CHECKSUM_ALGORITHM_CRC32: ChecksumAlgorithm
 CHECKSUM_ALGORITHM_XXH3_64: ChecksumAlgorithm
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token_ids", "cached_prompt_tokens", "resumed_output_tokens", "heartbeat_s")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token_ids", "cached_prompt_tokens", "resumed_output_tokens", "heartbeat_s", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class DecodeRequest(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _serving_pb2.SamplingParams
@@ -44,10 +45,11 @@ class DecodeRequest(_message.Message):
     cached_prompt_tokens: int
     resumed_output_tokens: int
     heartbeat_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., cached_prompt_tokens: _Optional[int] = ..., resumed_output_tokens: _Optional[int] = ..., heartbeat_s: _Optional[float] = ...) -> None: ...
+    cache_salt: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., cached_prompt_tokens: _Optional[int] = ..., resumed_output_tokens: _Optional[int] = ..., heartbeat_s: _Optional[float] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class PushPrefixRequest(_message.Message):
-    __slots__ = ("request_id", "model_fingerprint", "block_size", "token_ids", "block_hashes", "first_block_index", "dest_block_ids", "dest_address", "dest_kv_endpoints", "token")
+    __slots__ = ("request_id", "model_fingerprint", "block_size", "token_ids", "block_hashes", "first_block_index", "dest_block_ids", "dest_address", "dest_kv_endpoints", "token", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +60,7 @@ class PushPrefixRequest(_message.Message):
     DEST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEST_KV_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_fingerprint: str
     block_size: int
@@ -68,7 +71,8 @@ class PushPrefixRequest(_message.Message):
     dest_address: str
     dest_kv_endpoints: _containers.RepeatedScalarFieldContainer[str]
     token: bytes
-    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., first_block_index: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., dest_address: _Optional[str] = ..., dest_kv_endpoints: _Optional[_Iterable[str]] = ..., token: _Optional[bytes] = ...) -> None: ...
+    cache_salt: bytes
+    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., first_block_index: _Optional[int] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., dest_address: _Optional[str] = ..., dest_kv_endpoints: _Optional[_Iterable[str]] = ..., token: _Optional[bytes] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class PushPrefixResponse(_message.Message):
     __slots__ = ("blocks_sent", "bytes_sent", "transport", "transfer_s", "onboarded_host_blocks", "onboarded_disk_blocks", "onboard_s")
@@ -217,20 +221,22 @@ class KVStreamError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ReserveBlocksRequest(_message.Message):
-    __slots__ = ("request_id", "model_fingerprint", "block_size", "num_tokens", "block_hashes", "prompt_token_ids")
+    __slots__ = ("request_id", "model_fingerprint", "block_size", "num_tokens", "block_hashes", "prompt_token_ids", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_fingerprint: str
     block_size: int
     num_tokens: int
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_salt: bytes
+    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class ReserveBlocksResponse(_message.Message):
     __slots__ = ("num_cached_blocks", "block_ids", "lease_s", "kv_endpoints", "token")
@@ -273,7 +279,7 @@ class RenewReservationResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "reservation", "resumed_output_tokens", "fetch")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "reservation", "resumed_output_tokens", "fetch", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +287,7 @@ class PrefillRequest(_message.Message):
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FETCH_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _serving_pb2.SamplingParams
@@ -288,7 +295,8 @@ class PrefillRequest(_message.Message):
     reservation: ReserveBlocksResponse
     resumed_output_tokens: int
     fetch: KVFetch
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation: _Optional[_Union[ReserveBlocksResponse, _Mapping]] = ..., resumed_output_tokens: _Optional[int] = ..., fetch: _Optional[_Union[KVFetch, _Mapping]] = ...) -> None: ...
+    cache_salt: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation: _Optional[_Union[ReserveBlocksResponse, _Mapping]] = ..., resumed_output_tokens: _Optional[int] = ..., fetch: _Optional[_Union[KVFetch, _Mapping]] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class KVFetch(_message.Message):
     __slots__ = ("holder_address", "num_blocks", "timeout_s")

@@ -64,7 +64,7 @@ FINISH_REASON_ERROR: FinishReason
 FINISH_REASON_TOOL_CALLS: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "request_id", "text", "chat", "tokens", "sampling", "slo_class", "session_id")
+    __slots__ = ("model", "request_id", "text", "chat", "tokens", "sampling", "slo_class", "session_id", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SLO_CLASS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     request_id: str
     text: str
@@ -81,7 +82,8 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     slo_class: SloClass
     session_id: str
-    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., tokens: _Optional[_Union[TokenPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., slo_class: _Optional[_Union[SloClass, str]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., tokens: _Optional[_Union[TokenPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., slo_class: _Optional[_Union[SloClass, str]] = ..., session_id: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ChatPrompt(_message.Message):
     __slots__ = ("messages", "tools", "tool_choice", "parallel_tool_calls")
