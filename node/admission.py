@@ -40,6 +40,11 @@ BUSY_RETRY_AFTER_MS = 200
 DRAINING_RETRY_AFTER_MS = 500
 # A PushBlocks stream whose header has not come within this long is cancelled.
 FIRST_MESSAGE_TIMEOUT_S = 5.0
+# A waiting stream younger than this is never evicted for a newer one: a real sender's header
+# follows its stream's start at once, and under concurrent pushes (several requests, a fallback
+# after shm/tcp) evicting the youngest would cancel real transfers (seen in
+# test_fault_migration). A stranger's streams are evicted once they are this old.
+FIRST_MESSAGE_GRACE_S = 0.5
 _PUSH = kv_pb2.DESCRIPTOR.services_by_name["KVTransfer"].methods_by_name["PushBlocks"]
 # Client streams checked by their first message: held to the first-message bounds.
 FIRST_MESSAGE_METHODS = (f"/{_PUSH.containing_service.full_name}/{_PUSH.name}",)
@@ -55,14 +60,16 @@ class InflightGate:
     still lets in is the role's call (node/server.py ``admit``): only work that finishes a
     request it already accepted."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.limit = limit
+        self._clock = clock
         self.first_message_limit = first_message_limit(limit)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._inflight = 0
-        # Of them, client streams whose first message has not come, oldest first -> its cancel.
-        self._awaiting: OrderedDict[object, Callable[[], None]] = OrderedDict()
+        # Of them, client streams whose first message has not come, oldest first -> (its cancel,
+        # when it started).
+        self._awaiting: OrderedDict[object, tuple[Callable[[], None], float]] = OrderedDict()
         self.num_refused = 0
         self.num_evicted = 0  # streams cancelled for a newer one while waiting for their first message
 
@@ -78,17 +85,20 @@ class InflightGate:
         """Take a slot -> None, or the reason it was refused ("busy"). ``waiting``: a client
         stream (any key) that waits for its first message until ``first_message_seen(waiting)``;
         when ``first_message_limit`` wait already, the oldest is cancelled (its ``cancel``) and
-        gives its slot back as its call ends."""
+        gives its slot back as its call ends, unless it started under FIRST_MESSAGE_GRACE_S ago."""
         evicted = None
         with self._lock:
             if self._inflight >= self.limit:
                 self.num_refused += 1
                 return "busy"
             if waiting is not None:
+                now = self._clock()
                 if len(self._awaiting) >= self.first_message_limit:
-                    _, evicted = self._awaiting.popitem(last=False)
-                    self.num_evicted += 1
-                self._awaiting[waiting] = cancel
+                    oldest = next(iter(self._awaiting))
+                    if now - self._awaiting[oldest][1] >= FIRST_MESSAGE_GRACE_S:
+                        evicted = self._awaiting.pop(oldest)[0]
+                        self.num_evicted += 1
+                self._awaiting[waiting] = (cancel, now)
             self._inflight += 1
         if evicted is not None:
             evicted()
