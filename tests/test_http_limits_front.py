@@ -18,6 +18,7 @@ from frontend.http_budget import MAX_BODY_DEPTH, PARSED_VALUE_BYTES, body_shape
 from frontend.http_server import HttpServer, build_app
 from protos.pdserve.v1 import serving_pb2 as pb
 from router.config import RouterConfig
+from tests.test_http_limits import read_response, until
 
 
 def run(coro):
@@ -41,21 +42,6 @@ async def with_server(fn, orch_fields=None, **fields):
 def head(length: int, path: str = "/v1/chat/completions") -> bytes:
     return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Content-Length: {length}\r\n\r\n").encode()
-
-
-async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict, dict]:
-    raw = await reader.readuntil(b"\r\n\r\n")
-    lines = raw.decode().split("\r\n")
-    headers = dict(line.lower().split(": ", 1) for line in lines[1:] if line)
-    body = await reader.readexactly(int(headers["content-length"]))
-    return int(lines[0].split(" ", 2)[1]), headers, json.loads(body)
-
-
-async def until(cond, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 def test_connections_past_the_cap_are_refused_and_stalled_requests_give_theirs_back():
