@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from chaos import faults, scenario_infra, scenario_nodes
+from chaos import faults, scenario_host, scenario_infra, scenario_nodes
 from chaos.cluster import FirstIncrease
 from chaos.context import Options, Outcome, Run
 from chaos.history import Expect, Figure, checks, figures, problems, recovery_s
@@ -84,11 +84,17 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
                                *_served_after_restart(o))),
     Scenario("restart-router", scenario_infra.restart_router, http_every=2,
              expect=lambda o: (Expect("interrupted", ">=", 1), Expect("retried_before_start", ">=", 1))),
+    # The node's own process among the host's dead, the loss seen (a migration: none happens
+    # unless streams were on the lost host) within the frozen-node bound.
+    # Fault first: prompts no node has cached, so placement spreads them by load instead of
+    # sending them all to the node that cached them in the reference run.
+    Scenario("host-loss", scenario_host.host_loss, needs_decode=2, fault_first=True,
+             expect=lambda o: (*_detected(o), Expect("victim_pid_killed", "==", True), *_restarted(o))),
 )}
 # `--scenario all` runs them in this order: the ones that restart nodes come after those that
 # need every node measured (slow-node first: both decode nodes have step times then).
-ORDER = ("slow-node", "corrupt-kv", "freeze-decode", "partition", "step-error", "kill-decode", "freeze-prefill",
-         "kill-prefill", "redis-hang", "redis-restart", "all-decode-down", "restart-router")
+ORDER = ("slow-node", "corrupt-kv", "freeze-decode", "partition", "step-error", "kill-decode", "host-loss",
+         "freeze-prefill", "kill-prefill", "redis-hang", "redis-restart", "all-decode-down", "restart-router")
 assert sorted(ORDER) == sorted(SCENARIOS)
 
 

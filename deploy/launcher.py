@@ -77,6 +77,7 @@ class LocalCluster:
         self.redis_url: str | None = config.redis_url
         self.router = None
         self.actors: dict[str, object] = {}
+        self.node_configs: dict[str, object] = {}  # node id -> the NodeConfig it was spawned with
         self.node_addresses: dict[str, str] = {}
         self.dashboard_url: str | None = None
         self.model_dir: Path | None = None
@@ -182,6 +183,22 @@ class LocalCluster:
                     **self.node_fields.get(node_id(role, i), {}))
                 # Nodes ask for no CPU slot: on a small machine the pools, not cores, place them.
                 self.actors[node.node_id] = spawn_node(node, server_builder(role), num_cpus=0)
+                self.node_configs[node.node_id] = node
+
+    def respawn(self, nid: str, extra_resources: Mapping[str, float] | None = None):
+        """End node ``nid``'s actor for good and start it again with the same config, asking
+        Ray for ``extra_resources`` too (a host's own resource moves it there: chaos host-loss).
+        Returns the new handle; the caller waits for it to register."""
+        import ray
+
+        from node.actor import spawn_node
+
+        old = self.actors.pop(nid)
+        ray.kill(old, no_restart=True)
+        node = self.node_configs[nid]
+        self.actors[nid] = spawn_node(node, server_builder(node.role), num_cpus=0,
+                                      extra_resources=dict(extra_resources or {}))
+        return self.actors[nid]
 
     def _forget_node_health(self) -> None:
         """A new cluster: failures that nodes of an earlier one recorded under this namespace

@@ -126,6 +126,16 @@ class PoolResources:
     gpu: bool = False
     accelerator_type: str | None = None
     num_cpus: float = 0  # the pool unit, not CPU slots, places a node
+    # A custom resource the pool's hosts offer (`ray start --resources '{"zone_a": 1}'`): each
+    # node asks for a sliver of it, a label rather than a count, so the pool's units still
+    # say how many fit while only those hosts are eligible.
+    ray_resource: str | None = None
+
+    def extra_resources(self) -> dict[str, float] | None:
+        return {self.ray_resource: RESOURCE_LABEL_UNITS} if self.ray_resource else None
+
+
+RESOURCE_LABEL_UNITS = 0.001
 
 
 class Plan(NamedTuple):
@@ -271,7 +281,8 @@ class NodeSupervisor:
         log.info("spawning %s", name)
         res = self.resources.get(role, PoolResources())
         return spawn_node(self.template.config(role, node_index(name, role)), self.build_server(role), gpu=res.gpu,
-                          accelerator_type=res.accelerator_type, num_cpus=res.num_cpus, detached=True)
+                          accelerator_type=res.accelerator_type, num_cpus=res.num_cpus, detached=True,
+                          extra_resources=res.extra_resources())
 
     def run(self, stop: threading.Event, interval_s: float) -> None:
         while True:
@@ -299,6 +310,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{role.value}-gpu", action="store_true", help=f"each {role.value} node takes one GPU")
         p.add_argument(f"--{role.value}-accelerator-type", default=None,
                        help=f"Ray accelerator type {role.value} nodes need (e.g. H100)")
+        p.add_argument(f"--{role.value}-ray-resource", default=None, metavar="NAME",
+                       help=f"a custom resource the hosts that may run {role.value} nodes offer (pins the pool to them)")
     # The nodes' own settings (NodeConfig's declarations, by way of NodeTemplate).
     add_setting_arguments(p, NodeTemplate, defaults={"redis_url": os.environ.get("PDSERVE_REDIS_URL"),
                                                      "host": "0.0.0.0"})
@@ -407,7 +420,8 @@ def run(a: argparse.Namespace, engine: EngineConfig) -> int:
         log.warning("--insecure-bind: %s", problem)
     counts = {role: getattr(a, f"{role.value}_nodes") for role in Role}
     resources = {role: PoolResources(gpu=getattr(a, f"{role.value}_gpu"),
-                                     accelerator_type=getattr(a, f"{role.value}_accelerator_type")) for role in Role}
+                                     accelerator_type=getattr(a, f"{role.value}_accelerator_type"),
+                                     ray_resource=getattr(a, f"{role.value}_ray_resource")) for role in Role}
     _connect(a.ray_address, a.namespace, a.connect_timeout_s)
     supervisor = NodeSupervisor(template, counts, resources)
     from deploy.pool_runners import begin_generation

@@ -246,8 +246,9 @@ def _exit_for_restart() -> None:
 
 
 def spawn_node(config: NodeConfig, build_server: ServerFactory, *, gpu: bool = False,
-               accelerator_type: str | None = None, num_cpus: float = 1, detached: bool = False):
+               accelerator_type: str | None = None, num_cpus: float = 1, detached: bool = False,
+               extra_resources: dict[str, float] | None = None):
     """Start a node actor named ``config.node_id`` in its role's pool; returns its handle."""
     opts = ray_actor_options(config, gpu=gpu, accelerator_type=accelerator_type, num_cpus=num_cpus,
-                             detached=detached)
+                             detached=detached, extra_resources=extra_resources)
     return NodeActor.options(**opts).remote(config, build_server)

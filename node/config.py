@@ -6,6 +6,7 @@ engine's own settings stay in the nested ``EngineConfig``.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -255,7 +256,7 @@ def pool_resource(role: Role) -> str:
 
 def ray_actor_options(
     config: NodeConfig, *, gpu: bool = False, accelerator_type: str | None = None, num_cpus: float = 1,
-    detached: bool = False,
+    detached: bool = False, extra_resources: Mapping[str, float] | None = None,
 ) -> dict:
     """``.options(...)`` for a node actor (plain dict, so this module stays Ray-free).
 
@@ -268,10 +269,12 @@ def ray_actor_options(
     (node/start_guard.py): ``max_start_failures`` failed lives in a row, with a back-off. ``detached``: the actor
     outlives the driver that made it (``pdserve nodes`` on a long-lived Ray cluster). A
     tensor-parallel node (``config.tensor_parallel`` N > 1) asks for N GPUs, or at least N CPUs.
+    ``extra_resources``: custom resources it needs besides its pool's unit (a host's own resource
+    pins a pool, or one node, to that host: `pdserve nodes --decode-ray-resource`).
     """
     options: dict = {
         "name": config.node_id,
-        "resources": {pool_resource(config.role): 1},
+        "resources": {**(extra_resources or {}), pool_resource(config.role): 1},
         "max_restarts": -1,
         "max_task_retries": 3,
         "num_cpus": num_cpus,

@@ -317,6 +317,15 @@ def test_corrupt_kv_on_every_transport(cluster):
     assert min(result["damaged_shm"], result["damaged_tcp"], result["damaged_grpc"]) >= 1, result
 
 
+def test_host_loss(cluster):
+    """A second raylet joins the cluster's Ray as another host; a decode node moves onto it and the
+    whole host (raylet, agents, the node's worker) is SIGKILLed mid-stream."""
+    result = run_scenario(cluster, "host-loss", Options(**SUITE))
+    check(result, "host-loss")
+    assert result["requests"] == result["completed"] and result["killed_processes"] >= 2, result
+    assert result["migrations"]["gave_up"] == 0
+
+
 def test_restart_router(cluster):
     result = run_scenario(cluster, "restart-router", Options(**SUITE))
     check(result, "restart-router")

@@ -3,6 +3,7 @@ cluster (its plan, and a real run on a local Ray), nodes that bind every interfa
 the address peers can dial, a Redis password from the environment, and `pdserve prepare-model`."""
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import uuid
@@ -73,6 +74,19 @@ def test_detached_actor_options():
                     "max_task_retries": 3, "num_cpus": 0, "lifetime": "detached", "num_gpus": 1,
                     "accelerator_type": "H100"}
     assert "lifetime" not in ray_actor_options(cfg)
+
+
+def test_a_pool_pinned_to_hosts_asks_for_a_sliver_of_their_resource():
+    from deploy.nodes import RESOURCE_LABEL_UNITS, PoolResources, add_arguments
+
+    cfg = NodeConfig(node_id="decode-2", role="decode", redis_url="redis://r")
+    pinned = PoolResources(ray_resource="zone_b").extra_resources()
+    assert pinned == {"zone_b": RESOURCE_LABEL_UNITS} and PoolResources().extra_resources() is None
+    assert ray_actor_options(cfg, extra_resources=pinned)["resources"] == {"zone_b": 0.001, "decode_pool": 1}
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    a = p.parse_args(["--decode-ray-resource", "zone_b"])
+    assert (a.decode_ray_resource, a.prefill_ray_resource) == ("zone_b", None)
 
 
 # ---------------------------------------------------------------------- bind vs advertise

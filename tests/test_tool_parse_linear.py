@@ -11,14 +11,17 @@ as a JSON string."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from protos.pdserve.v1 import serving_pb2 as pb
 from tool_calling import requests as tool_requests
 from tool_calling.formats import HERMES, LLAMA3_JSON
-from tool_calling.json_limits import MAX_JSON_DEPTH, JsonDepthError, check_depth, nesting_depth
+from tool_calling.json_limits import MAX_JSON_DEPTH, JsonDepthError, check_depth, nesting_depth, structure
 from tool_calling.parser import ToolCallParser, parse_all
 
 
@@ -99,6 +102,35 @@ def test_the_depth_is_measured_outside_strings():
     check_depth("f", "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH)  # at the limit: accepted
     with pytest.raises(JsonDepthError, match=f"f nests JSON {MAX_JSON_DEPTH + 1} levels deep; at most {MAX_JSON_DEPTH}"):
         check_depth("f", "{\"a\": " * (MAX_JSON_DEPTH + 1) + "1" + "}" * (MAX_JSON_DEPTH + 1))
+
+
+# A JSON string, escapes included: the scan structure() replaced (slower on large bodies).
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+
+
+def _depth(value) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(alphabet='ab"\\[]{},:\n\u00e9'),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(alphabet='k"\\[{'), inner,
+                                                                                  max_size=4), max_leaves=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON, st.booleans())
+def test_the_depth_and_the_values_outside_strings_match_a_parse(value, ascii_only):
+    """The split scan against what parsing says: quotes, backslashes and brackets inside keys and
+    strings (escaped as json.dumps escapes them) never count, whatever the escaping."""
+    text = json.dumps(value, ensure_ascii=ascii_only)
+    assert nesting_depth(text) == _depth(value)
+    rest = structure(text)
+    assert b'"' not in rest and b"\\" not in rest
+    assert rest == _STRING.sub(b"", text.encode())  # what the old scan (a regex over the strings) left
 
 
 @pytest.mark.parametrize("where", ["arguments", "parameters"])
