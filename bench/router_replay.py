@@ -54,7 +54,7 @@ import uuid
 import redis
 
 from bench.plotting import figure
-from bench.router_replicas import compare_replicas, router_counts
+from bench.router_replicas import compare_replicas, router_counts, spread_arrivals
 from bench.router_report import FETCH, FETCH_PEERS, SECTIONS, print_section, section
 from bench.router_tuning import TUNED_ON, TUNING_SEEDS, check_all, constants, knobs, sweep
 from deploy.redis_server import RedisServer
@@ -133,6 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and not at all (bench/router_replicas.py); replaces the policy comparison")
     parser.add_argument("--share-s", type=float, default=RouterConfig.__dataclass_fields__["node_refresh_s"].default,
                         help="--routers: how often replicas see each other's load (the node view's refresh)")
+    parser.add_argument("--spread-arrivals", type=float, default=0.0, metavar="S",
+                        help="--routers: move each arrival by a uniform draw within S seconds of trace time "
+                             "(the Mooncake traces stamp arrivals in 3 s buckets; 0: as recorded)")
     parser.add_argument("--redis-url", help="use this Redis instead of starting one")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the TTFT CDF per policy (first seed, first mode)")
 
@@ -227,6 +230,8 @@ def run(args: argparse.Namespace, report) -> dict:
     modes = ["none"] if args.no_admission else [m for m in ADMISSION_MODES if m in args.admission]
     seeds, role = choose_seeds(args)
     requests = split_requests(load_trace(args.trace, args.max_requests), args.split)
+    if args.routers and args.spread_arrivals > 0:
+        requests = spread_arrivals(requests, args.spread_arrivals)
     scale = time_scale(requests, cfg)
     report.progress(f"{len(requests)} requests from {os.path.basename(args.trace)}:{args.split}; arrivals "
                     f"x{scale:.3f} for load {cfg.load}; admission {' '.join(modes)}; seeds {seeds} ({role})")
@@ -253,6 +258,7 @@ def run(args: argparse.Namespace, report) -> dict:
             server.stop()
     out.update({"trace": args.trace, "split": args.split, "requests": len(requests), "time_scale": scale,
                 "admission": modes, "seeds": list(seeds), "seed_role": role, "tuned_on": TUNED_ON,
+                "spread_arrivals_s": args.spread_arrivals if args.routers else 0.0,
                 "config": {"prefill_nodes": cfg.prefill_nodes, "decode_nodes": cfg.decode_nodes,
                            "cache_tokens": cfg.cache_tokens, "host_cache_tokens": cfg.host_cache_tokens,
                            "disk_cache_tokens": cfg.disk_cache_tokens, "host_gbs": cfg.tiers.host_bandwidth / 1e9,

@@ -333,6 +333,8 @@ def test_router_replicas_see_each_others_ledgers_only_when_shared(share_s, sees_
         assert 0 < seen < 8 * predicted - predicted / 2
     with pytest.raises(ValueError, match="routers must be >= 1"):
         simulate("rec", reqs, cfg, pol, costs, None, routers=0)
+    with pytest.raises(ValueError, match="share_s must be > 0"):
+        simulate("rec", reqs, cfg, pol, costs, None, routers=2, share_s=0.0)
 
 
 @needs_traces
@@ -344,3 +346,14 @@ def test_replay_with_router_replicas_reports_ratios_and_its_check(redis_url):
     assert "shared_beats_unshared_at_3" in rep["check"] and isinstance(out["passed"], bool)
     with pytest.raises(SystemExit):
         _run(redis_url, CONV, 10, "--routers", "1")
+
+
+def test_spread_arrivals_moves_each_within_its_bucket_the_same_way_every_time():
+    from bench.router_replicas import spread_arrivals
+
+    reqs = [TraceRequest(t, 100 + i, 10) for i, t in enumerate([0.0] * 5 + [3.0] * 5)]
+    a, b = spread_arrivals(reqs, 3.0), spread_arrivals(reqs, 3.0)
+    assert a == b and [r.arrival_s for r in a] == sorted(r.arrival_s for r in a)
+    by_tokens = {r.input_tokens: r.arrival_s for r in a}
+    assert all(0.0 <= by_tokens[r.input_tokens] - r.arrival_s < 3.0 for r in reqs)
+    assert len({r.arrival_s for r in a}) == 10 and spread_arrivals(reqs, 0.0) == reqs

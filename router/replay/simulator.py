@@ -373,6 +373,8 @@ def simulate(name: str, requests: Sequence[TraceRequest], cfg: SimConfig, policy
     docstring)."""
     if routers < 1:
         raise ValueError(f"routers must be >= 1, got {routers}")
+    if share_s is not None and not share_s > 0:  # NaN fails too
+        raise ValueError(f"share_s must be > 0 seconds (None: no sharing), got {share_s}")
     if admission not in ADMISSION_MODES:
         raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {admission!r}")
     rng = random.Random(cfg.seed)  # one draw per request in trace order: the same noise for every policy
