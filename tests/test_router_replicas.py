@@ -182,3 +182,11 @@ def test_http_front_doors_share_a_port_only_with_reuse_port():
         _listen(port, reuse=False)
     for s in (first, second):
         s.close()
+
+
+def test_pdserve_up_refuses_routers_with_tls_by_name(capsys):
+    from deploy.cli import main
+
+    assert main(["up", "--routers", "2", "--tls"]) == 2
+    err = capsys.readouterr().err
+    assert "--routers 2 cannot be combined with --tls" in err and "Helm chart" in err
