@@ -54,6 +54,7 @@ import uuid
 import redis
 
 from bench.plotting import figure
+from bench.router_replicas import compare_replicas, router_counts, spread_arrivals
 from bench.router_report import FETCH, FETCH_PEERS, SECTIONS, print_section, section
 from bench.router_tuning import TUNED_ON, TUNING_SEEDS, check_all, constants, knobs, sweep
 from deploy.redis_server import RedisServer
@@ -62,6 +63,7 @@ from kv_index.nodes import NodeInfo
 from kv_index.publisher import NodePublisher
 from kv_index.reader import IndexReader
 from router.admission import SLO_CLASSES
+from router.config import RouterConfig
 from router.cost_model import CostBook
 from router.placement import PlacementPolicy, TtftPolicy
 from router.replay.baselines import BASELINES, LLMD_TIER_WEIGHTS, LlmdWeighted, SglangCacheAware
@@ -126,6 +128,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"pdserve's TtftPolicy.compute_weight (default: the value tuned on {TUNED_ON})")
     parser.add_argument("--tune", action="store_true",
                         help="sweep each tunable policy's grid on this trace/split (the first admission mode)")
+    parser.add_argument("--routers", type=router_counts, metavar="N[,N...]",
+                        help="pdserve with N router replicas against one, their ledgers shared every --share-s "
+                             "and not at all (bench/router_replicas.py); replaces the policy comparison")
+    parser.add_argument("--share-s", type=float, default=RouterConfig.__dataclass_fields__["node_refresh_s"].default,
+                        help="--routers: how often replicas see each other's load (the node view's refresh)")
+    parser.add_argument("--spread-arrivals", type=float, default=0.0, metavar="S",
+                        help="--routers: move each arrival by a uniform draw within S seconds of trace time "
+                             "(the Mooncake traces stamp arrivals in 3 s buckets; 0: as recorded)")
     parser.add_argument("--redis-url", help="use this Redis instead of starting one")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the TTFT CDF per policy (first seed, first mode)")
 
@@ -191,7 +201,8 @@ class Replayer:
                  report) -> None:
         self.client, self.cfg, self.requests, self.scale, self.report = client, cfg, requests, scale, report
 
-    def __call__(self, name: str, admission: str, seed: int, override: dict | None = None) -> PolicyResult:
+    def __call__(self, name: str, admission: str, seed: int, override: dict | None = None, *, routers: int = 1,
+                 share_s: float | None = None) -> PolicyResult:
         t0 = time.perf_counter()
         cfg = dataclasses.replace(self.cfg, seed=seed)
         costs = CostBook()  # the generic prior, as a router starts; fitted from step reports
@@ -199,12 +210,15 @@ class Replayer:
         index = _index(self.client, cfg) if name != "global_pool" else None
         try:
             res = simulate(name, self.requests, cfg, policy, costs, index, scale=self.scale, admission=admission,
-                           global_pool=name == "global_pool", shared_fetch=name.endswith(FETCH))
+                           global_pool=name == "global_pool", shared_fetch=name.endswith(FETCH), routers=routers,
+                           share_s=share_s)
         finally:
             if index is not None:
                 _drop(self.client, index.reader.ns)
         s = res.summary()
         knob = "".join(f" {k}={v}" for k, v in (override or {}).items())
+        if routers > 1:
+            knob += f" routers={routers} " + (f"shared every {share_s} s" if share_s is not None else "unshared")
         self.report.progress(f"seed {seed} {admission} {name}{knob}: hit {s['hit_ratio']:.3f}, goodput "
                              f"{s['goodput_rps']:.3f}/s, ttft mean {s['ttft_mean_s']:.2f}s p99 {s['ttft_p99_s']:.2f}s, "
                              f"rejected {res.rejected} ({time.perf_counter() - t0:.1f}s wall)")
@@ -216,6 +230,8 @@ def run(args: argparse.Namespace, report) -> dict:
     modes = ["none"] if args.no_admission else [m for m in ADMISSION_MODES if m in args.admission]
     seeds, role = choose_seeds(args)
     requests = split_requests(load_trace(args.trace, args.max_requests), args.split)
+    if args.routers and args.spread_arrivals > 0:
+        requests = spread_arrivals(requests, args.spread_arrivals)
     scale = time_scale(requests, cfg)
     report.progress(f"{len(requests)} requests from {os.path.basename(args.trace)}:{args.split}; arrivals "
                     f"x{scale:.3f} for load {cfg.load}; admission {' '.join(modes)}; seeds {seeds} ({role})")
@@ -227,7 +243,11 @@ def run(args: argparse.Namespace, report) -> dict:
     client = redis_client(url, RedisTimeouts(reply_s=30.0))  # bulk deletes of a whole replay's keys
     try:
         replay = Replayer(client, cfg, requests, scale, report)
-        if args.tune:
+        if args.routers:
+            out = {"replicas": {mode: compare_replicas(replay, mode, seeds, args.routers, args.share_s, report)
+                                for mode in modes}}
+            out["passed"] = all(r["passed"] for r in out["replicas"].values())
+        elif args.tune:
             out = sweep(args.policies, cfg.tiered, seeds, lambda n, c, seed: _swept(replay(n, modes[0], seed, c)),
                         report)
         else:
@@ -238,6 +258,7 @@ def run(args: argparse.Namespace, report) -> dict:
             server.stop()
     out.update({"trace": args.trace, "split": args.split, "requests": len(requests), "time_scale": scale,
                 "admission": modes, "seeds": list(seeds), "seed_role": role, "tuned_on": TUNED_ON,
+                "spread_arrivals_s": args.spread_arrivals if args.routers else 0.0,
                 "config": {"prefill_nodes": cfg.prefill_nodes, "decode_nodes": cfg.decode_nodes,
                            "cache_tokens": cfg.cache_tokens, "host_cache_tokens": cfg.host_cache_tokens,
                            "disk_cache_tokens": cfg.disk_cache_tokens, "host_gbs": cfg.tiers.host_bandwidth / 1e9,

@@ -7,8 +7,7 @@ requests run without the fault (docs/cluster.md, Faults; docs/benchmarks.md, cha
     injectors.py     each fault as inject() -> heal()
     faults.py        SIGSTOP / SIGCONT (never left stopped), kills, the nodes' fault hooks
     proxy.py         the loopback proxy that goes silent (partition)
-    router_process.py  the router as `python -m frontend.server`, to SIGKILL
-    cluster.py       the LocalCluster chaos runs on, proxies and figures
+    cluster.py       the LocalCluster chaos runs on, proxies, router processes (deploy/router_process.py), figures
     context.py       a run's options, what a scenario body gets and returns
     workload.py      greedy and seeded sampled requests over gRPC and HTTP, a retrying client
     history.py       the judge: figures, the history check, checks and exit code (pure)

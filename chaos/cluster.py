@@ -3,7 +3,8 @@ router in this process), with every decode node reached through its own loopback
 (chaos/proxy.py: the node binds a fixed port and advertises the proxy's), and the
 figures chaos reads off it: who is registered, the router's migration counters, the pids to
 freeze. ``router_process`` swaps the in-process router for ``python -m frontend.server`` on the same
-ports (restart-router, the nemesis) and back.
+ports (restart-router, the nemesis) and back; ``router_replicas`` for several such processes on
+one port (restart-router-replicas).
 
     router --> proxy decode-0 --> decode-0        prefill-0 --(KV: shm / tcp / gRPC)--> decode-k
            --> proxy decode-1 --> decode-1
@@ -152,7 +153,7 @@ class ChaosCluster:
         in tests/test_chaos.py: ``max_migrations=0``, a router that moves nothing)."""
         from dataclasses import replace
 
-        from chaos.router_process import RouterProcess
+        from deploy.router_process import RouterProcess
         from frontend.server import serve
 
         old = self.local.router
@@ -173,6 +174,52 @@ class ChaosCluster:
                 self.router_proc = None
             self.local.router = serve(replace(cfg, port=port, http_port=http_port))
             self.wait_serving()
+
+    @contextlib.contextmanager
+    def router_replicas(self, n: int = 2):
+        """Serve through ``n`` router processes on the in-process router's ports, all bound with
+        SO_REUSEPORT (the kernel spreads new connections over them) and sharing their load
+        through Redis, as `pdserve up --routers n` runs them; yields the processes. The
+        in-process router comes back after the block."""
+        from dataclasses import replace
+
+        from deploy.router_process import RouterProcess
+        from frontend.server import serve
+
+        old = self.local.router
+        # Records every 0.1 s: the scenario picks its victim by the requests they say it holds.
+        cfg = replace(old.config, reuse_port=True, node_refresh_s=0.1)
+        port = int(old.address.rsplit(":", 1)[1])
+        http_port = int(old.http_address.rsplit(":", 1)[1]) if old.http_address else None
+        procs = [RouterProcess(cfg, port, http_port) for _ in range(n)]
+        old.stop()
+        self.local.router = None
+        self.router_proc = procs[0]  # the address; every replica has the same
+        try:
+            for p in procs:
+                p.start()
+            self.wait_serving()
+            yield procs
+        finally:
+            for p in procs:
+                p.cleanup()
+            self.router_proc = None
+            self.local.router = serve(replace(old.config, port=port, http_port=http_port))
+            self.wait_serving()
+
+    def router_records(self) -> dict[str, dict]:
+        """The live router replicas' load records (router/replicas.py; {} while Redis does not answer)."""
+        import redis
+
+        from router.replicas import read_replicas
+
+        r = self.redis_client()
+        try:
+            return read_replicas(r, self.namespace, prune=False)
+        except redis.RedisError:
+            return {}
+        finally:
+            r.close()
 
     def restart_router_process(self) -> float:
         """Start the killed router process again on its ports; returns when it listens."""

@@ -1,10 +1,14 @@
 """host-loss: a whole Ray host dies with the node on it, mid-stream.
 
-    before   head: prefill-0, decode-0, ...      host B (a raylet that joined): decode-k
-    fault    host B's raylet, agents and workers SIGKILLed at once (deploy/ray_hosts.py)
-    after    the router moves decode-k's streams to the nodes left; Ray cannot restart decode-k
-             (its host is gone: the restart waits for a host that offers the resource); heal
-             ends that pending actor and starts decode-k on the head again
+    before   head: prefill-0, ...     host 0 (a raylet that joined): decode-0    host 1: decode-1
+    fault    the host of the decode node serving most streams: its raylet, agents and workers
+             SIGKILLed at once (deploy/ray_hosts.py)
+    after    the router moves that node's streams to the nodes left; Ray cannot restart it
+             (its host is gone: the restart waits for a host that offers the resource); then
+             every decode node is started on the head again and the other host stopped
+
+Why a host per decode node: which node the router fills is its choice, not the scenario's; with
+every decode node on a host of its own, the busiest node's host can be the one that dies.
 
 What makes it different from kill-decode: nothing on the lost host says goodbye (no actor
 exit, no raylet to report it; the GCS only learns it from missed health checks, seconds

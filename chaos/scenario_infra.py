@@ -151,3 +151,48 @@ def restart_router(run: Run) -> Outcome:
     return Outcome(logs, inj.at, {"router_down_s": round(back_at - inj.at, 3), "interrupted": len(cut),
                                   "retried_before_start": len(retried), "http_retried": len(http_retried)},
                    detect_s=round(min(errors), 3) if errors else None, own_detect=True)
+
+
+
+def replica_specs(specs: list) -> list:
+    """restart-router-replicas' requests: the first half (``Run.halves``) twice as long, so the
+    victim still holds streams when its record (refreshed every 0.1 s) has said so."""
+    from dataclasses import replace
+
+    return [replace(s, max_tokens=s.max_tokens * 2) if i % 4 in (0, 3) else s for i, s in enumerate(specs)]
+
+
+def restart_router_replicas(run: Run) -> Outcome:
+    """Two router processes on one port (SO_REUSEPORT, sharing their load through Redis, as
+    `pdserve up --routers 2`); the one with the most requests in flight by the records they
+    publish is SIGKILLed while the first half of the streams runs, the second half is sent while
+    it is down (the kernel hands every new connection to the survivor), and it starts again
+    after ``router_down_s``. A cut stream's retry reconnects and lands on the survivor: nothing
+    is lost. ``victim_inflight``: the victim's requests by its last record before the kill."""
+    cl = run.cluster
+    first, second = run.halves()
+    with cl.router_replicas(2) as procs:
+        running = run.batch(first)
+        running.wait_until(lambda: running.under_way(2), "every stream to be under way")
+        seen: dict = {}
+
+        def busy() -> bool:
+            seen.update(cl.router_records())
+            return any(r["inflight"] for r in seen.values())
+
+        running.wait_until(busy, "a replica's record to show requests in flight")
+        rec = max(seen.values(), key=lambda r: r["inflight"])
+        victim = next(p for p in procs if p.pid == rec["pid"])
+        at = victim.kill()
+        run.progress(f"killed router replica pid {rec['pid']} (SIGKILL, {rec['inflight']} in flight); the other "
+                     f"serves; back in {run.opts.router_down_s} s")
+        waiting = run.batch(second)
+        time.sleep(run.opts.router_down_s)
+        victim.start()
+        back_at = time.monotonic()
+        logs = running.join() + waiting.join()
+    cut = [log for log in logs[: len(first)] if any(a.code is not None and a.tokens for a in log.attempts)]
+    errors = [a.ended - at for log in logs for a in log.attempts if a.code is not None and a.ended is not None]
+    return Outcome(logs, at, {"router_down_s": round(back_at - at, 3), "interrupted": len(cut),
+                              "victim_inflight": rec["inflight"]},
+                   detect_s=round(min(errors), 3) if errors else None, own_detect=True)

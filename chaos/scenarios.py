@@ -10,7 +10,7 @@
 ``detect_s``: from the fault to the first migration the router made (the router's counters,
 watched every 50 ms), or where nothing migrates, to what the scenario names (slow-node: until
 placement leaves the node out; redis-hang: until the router says ``degraded``; all-decode-down:
-until its health says NOT_SERVING; restart-router: until a client saw an error; corrupt-kv: none). ``recovery_s``: the longest wait, from the fault,
+until its health says NOT_SERVING; restart-router, restart-router-replicas: until a client saw an error; corrupt-kv: none). ``recovery_s``: the longest wait, from the fault,
 for the next token of a request open at the fault (after a client's retry, the retry's first).
 """
 from __future__ import annotations
@@ -84,17 +84,20 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
                                *_served_after_restart(o))),
     Scenario("restart-router", scenario_infra.restart_router, http_every=2,
              expect=lambda o: (Expect("interrupted", ">=", 1), Expect("retried_before_start", ">=", 1))),
+    Scenario("restart-router-replicas", scenario_infra.restart_router_replicas, http_every=2,
+             shape=scenario_infra.replica_specs,
+             expect=lambda o: (Expect("interrupted", ">=", 1), Expect("victim_inflight", ">=", 1))),
     # The node's own process among the host's dead, the loss seen (a migration: none happens
-    # unless streams were on the lost host) within the frozen-node bound.
-    # Fault first: prompts no node has cached, so placement spreads them by load instead of
-    # sending them all to the node that cached them in the reference run.
+    # unless streams were on the lost host) within the frozen-node bound. Fault first: the
+    # reference then runs on the head, once every node is back there.
     Scenario("host-loss", scenario_host.host_loss, needs_decode=2, fault_first=True,
              expect=lambda o: (*_detected(o), Expect("victim_pid_killed", "==", True), *_restarted(o))),
 )}
 # `--scenario all` runs them in this order: the ones that restart nodes come after those that
 # need every node measured (slow-node first: both decode nodes have step times then).
 ORDER = ("slow-node", "corrupt-kv", "freeze-decode", "partition", "step-error", "kill-decode", "host-loss",
-         "freeze-prefill", "kill-prefill", "redis-hang", "redis-restart", "all-decode-down", "restart-router")
+         "freeze-prefill", "kill-prefill", "redis-hang", "redis-restart", "all-decode-down", "restart-router",
+         "restart-router-replicas")
 assert sorted(ORDER) == sorted(SCENARIOS)
 
 
@@ -130,7 +133,7 @@ def run_scenario(cluster, name: str, opts: Options = Options(),
     result = {"scenario": name, **figures(out.logs, reference.tokens, sc.failures_allowed),
               "detect_s": out.detect_s, "recovery_s": recovery_s(out.logs, out.fault_at), **out.extra}
     after = cluster.migrations()  # the in-process router's counters, or a router process's /metrics
-    if after and name != "restart-router":  # a restarted router counts from zero
+    if after and not name.startswith("restart-router"):  # a restarted router counts from zero
         result["migrations"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
     bad = problems(out.logs, reference.tokens, sc.failures_allowed)
     if bad:

@@ -29,6 +29,11 @@ class ClusterConfig:
     # Traces to this OTLP collector (router and nodes).
     otlp_endpoint: str | None = like(RouterConfig, "otlp_endpoint", help="export traces to this OTLP/gRPC collector "
                                      "(default: $OTEL_EXPORTER_OTLP_ENDPOINT, else off)")
+    # Router replicas on the one port (SO_REUSEPORT; the kernel spreads the connections): one in
+    # the launcher's process, the rest `python -m frontend.server` processes, all sharing their
+    # in-flight load through Redis (router/replicas.py).
+    routers: int = setting(1, flag="--routers", help="router replicas on the one gRPC and HTTP port, sharing "
+                           "their load through Redis (default 1)")
     # None: a private redis-server
     redis_url: str | None = setting(None, flag="--redis-url", help="use this Redis instead of starting one")
     dashboard_port: int = setting(8265, flag="--dashboard-port")
@@ -122,6 +127,7 @@ class ClusterConfig:
                              f"decode {self.decode_tensor_parallel}")
         if self.prefill_step_tokens is not None and self.prefill_step_tokens < 1:
             raise ValueError(f"prefill_step_tokens must be >= 1 or None, got {self.prefill_step_tokens}")
+        check_routers(self.routers, self.tls, self.api_keys)
         if self.max_step_failures < 0 or self.max_start_failures < 1:
             raise ValueError(f"need max_step_failures >= 0 and max_start_failures >= 1, got "
                              f"{self.max_step_failures} and {self.max_start_failures}")
@@ -129,6 +135,18 @@ class ClusterConfig:
     @property
     def planner_config(self) -> PlannerConfig:
         return planner_config(self)
+
+
+def check_routers(routers: int, tls: bool, api_keys) -> None:
+    """ValueError for a replica count `pdserve up` cannot run."""
+    if routers < 1:
+        raise ValueError(f"routers must be >= 1, got {routers}")
+    if routers > 1 and (tls or api_keys):
+        # The extra replicas are processes of their own: the throwaway CA's member key and the
+        # API keys would have to reach them off their command line, which is not built yet.
+        raise ValueError(f"--routers {routers} cannot be combined with {'--tls' if tls else '--api-key'}: the extra "
+                         f"router replicas run as `python -m frontend.server` processes, which `pdserve up` does not "
+                         f"hand TLS files or API keys; use --routers 1, or the Helm chart's router replicas")
 
 
 # ClusterConfig fields a RouterConfig has under the same name but that are not the router's:
@@ -143,4 +161,5 @@ def router_config(cfg: ClusterConfig, **fields):
     the members' TLS files)."""
     return RouterConfig(**{**shared_values(cfg, RouterConfig, exclude=NOT_THE_ROUTERS),
                            "port": cfg.grpc_port, "ready_min_prefill": min(1, cfg.prefill_nodes),
+                           "reuse_port": cfg.routers > 1,
                            "planner": cfg.planner_config, **fields})

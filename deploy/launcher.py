@@ -76,6 +76,7 @@ class LocalCluster:
         self.redis: RedisServer | None = None
         self.redis_url: str | None = config.redis_url
         self.router = None
+        self.router_procs: list = []  # deploy.router_process.RouterProcess: replicas 2..N
         self.actors: dict[str, object] = {}
         self.node_configs: dict[str, object] = {}  # node id -> the NodeConfig it was spawned with
         self.node_addresses: dict[str, str] = {}
@@ -147,10 +148,25 @@ class LocalCluster:
             max_model_len=min(model_cfg.max_model_len, cfg.engine.scheduler.max_model_len or 1 << 30),
             **self._member_tls(),
         ))
+        self._start_replicas()
         self._wait_registered(deadline)
         if (bounds := planner_pools(cfg)) is not None:  # nodes added and removed to follow the planner
             self.pools = LocalPools(self, template, bounds, cores)
         self._write_state()
+
+    def _start_replicas(self) -> None:
+        """Router replicas 2..N: processes bound to the first one's ports (SO_REUSEPORT)."""
+        from deploy.router_process import RouterProcess
+
+        n = self.config.routers
+        if n <= 1:
+            return
+        port = int(self.router.address.rsplit(":", 1)[1])  # --grpc-port 0: the one the first bound
+        http = self.router.http_address
+        http_port = int(http.rsplit(":", 1)[1]) if http else None
+        for i in range(1, n):
+            self.progress(f"starting router replica {i + 1} of {n} on the same ports")
+            self.router_procs.append(RouterProcess(self.router.config, port, http_port).start())
 
     def _start_ray(self, ray) -> None:
         cfg = self.config
@@ -259,9 +275,15 @@ class LocalCluster:
         if self.pools is not None:
             self.pools.stop()
             self.pools = None
+        for proc in self.router_procs:  # SIGTERM: each drains as the first one does
+            proc.terminate()
         if self.router is not None:
             self.router.drain(self.config.drain_timeout_s)
             self.router = None
+        for proc in self.router_procs:
+            proc.stop(timeout_s=self.config.drain_timeout_s + 5.0)
+            proc.cleanup()
+        self.router_procs.clear()
         if self._ray_started:
             import ray
 

@@ -11,6 +11,8 @@ Each figure has one source, so the terminal view, ``--json`` and a Prometheus da
     the index keys (Redis)     index size: block keys (SCAN, capped) and entries per node
                                (SCARD of each node's block set); Redis bytes per entry and
                                per cached token (INFO memory); freshness per node
+    router records (Redis)     the live router replicas, their requests in flight and the
+                               prefill backlog each placed (deploy/status_routers.py)
     health records (Redis)     why a node is unhealthy, restarting or down, and its restarts
                                (kv_index/health.py): such a node has left the registry
 
@@ -31,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.status_plan import render_plan
 from deploy.status_pools import render_pools
+from deploy.status_routers import render_routers
 from deploy.status_tiers import add_tier_sample, render_tiers, tier_errors, tier_row
 from kv_index.health import DOWN, SERVING, STARTING, UNHEALTHY, HealthRecord
 from kv_index.nodes import NodeInfo, index_freshness
@@ -346,6 +349,7 @@ def render(report: Mapping) -> str:
     acc = "-" if idx.get("accuracy") is None else f"{idx['accuracy']:.3f}"
     lines.append(f"index freshness: {fresh or '-'}; accuracy: {acc}"
                  + ("" if report.get("router") is not None else " (no router /metrics: --router-metrics)"))
+    lines += render_routers(report.get("routers"))  # deploy/status_routers.py
     lines += render_pools(report.get("pool_sizes"))  # deploy/status_pools.py
     lines += render_plan(report.get("plan"))  # deploy/status_plan.py
     if report["errors"]:
@@ -408,6 +412,7 @@ def gather(r, ns: str, *, router_metrics: str | None = None, prev: Mapping[str, 
     Returns the report and this round's samples (the next round's ``prev``)."""
     from deploy.status_plan import plan_section
     from deploy.status_pools import pool_section
+    from deploy.status_routers import router_section
     from kv_index.health import HealthStore
     from kv_index.plan import PlanStore
     from kv_index.pool_targets import PoolTargets
@@ -424,6 +429,7 @@ def gather(r, ns: str, *, router_metrics: str | None = None, prev: Mapping[str, 
         router = router_f.result() if router_f is not None else None
     report = build_report(nodes, scrapes, now=time.time(), prev=prev, index=index_size(r, ns, nodes),
                           router=router, cluster=cluster, health=health)
+    report["routers"] = router_section(r, ns, report["time"])
     report["pool_sizes"] = pool_section(PoolTargets(r, ns), nodes, report["time"])
     report["plan"] = plan_section(PlanStore(r, ns), report["time"])
     mark_switching(report, RoleStore(r, ns).all())

@@ -98,8 +98,9 @@ class HttpServer:
     deadline (``guarded_protocol``)."""
 
     def __init__(self, app: FastAPI, host: str, port: int, ssl: dict | None = None,
-                 header_timeout_s: float = 20.0) -> None:
+                 header_timeout_s: float = 20.0, reuse_port: bool = False) -> None:
         self.app, self.host, self.port = app, host, port
+        self.reuse_port = reuse_port  # router replicas on one port (RouterConfig.reuse_port)
         self.protocol = guarded_protocol(header_timeout_s, app.state.front)
         self.ssl = ssl or {}  # uvicorn's ssl_* keywords: HTTPS (security.tls.uvicorn_ssl)
         self.address: str | None = None
@@ -111,6 +112,8 @@ class HttpServer:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if self.reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((self.host, self.port))
         sock.set_inheritable(True)
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off", http=self.protocol,

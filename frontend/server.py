@@ -41,6 +41,7 @@ from router.orchestrator import Orchestrator, RouterError
 from router.placement import PrefixLoadPolicy, TtftPolicy
 from router.planner.config import add_planner_arguments, planner_config
 from router.planner.loop import router_planner
+from router.replicas import LoadShare, new_replica_id
 from router.tokenizer import PromptTokenizer
 from security import tls as tls_
 from security.api_keys import ApiKeyInterceptor, ApiKeys, authorization_of, keys_from
@@ -94,6 +95,7 @@ class RouterServer:
         self._thread = threading.Thread(target=self._thread_main, name="router-server", daemon=True)
         self.orchestrator: Orchestrator | None = None  # set once started: stats(), accuracy
         self.http_address: str | None = None  # host:port of the HTTP API (None: not serving HTTP)
+        self.load_share = None  # router.replicas.LoadShare once started: this replica in Redis
 
     def start(self) -> "RouterServer":
         self._thread.start()
@@ -176,16 +178,21 @@ class RouterServer:
         if planner is not None:
             planner.start()
         self.address = f"{cfg.host}:{port}"
+        # The other replicas' in-flight load into this one's ledger (router/replicas.py).
+        share = self.load_share = LoadShare(client, cfg.namespace, cfg.replica_id or new_replica_id(), orch.ledger,
+                                            cfg.node_refresh_s, address=self.address, inflight=lambda: orch.inflight)
+        await asyncio.to_thread(share.start)
         http = None
         if cfg.http_port is not None:
             app = build_app(orch, metrics.registry, node_readiness(orch, cfg.ready_min_prefill))
             http = HttpServer(app, cfg.host, cfg.http_port,
                               ssl=tls_.uvicorn_ssl(cfg.tls, require_client_auth=cfg.tls_client_auth),
-                              header_timeout_s=cfg.http_header_timeout_s)
+                              header_timeout_s=cfg.http_header_timeout_s, reuse_port=cfg.reuse_port)
             try:
                 self.http_address = await http.start()
             except BaseException:
                 await server.stop(0)
+                await asyncio.to_thread(share.stop)
                 refresher.stop()
                 lookup.close()
                 raise
@@ -201,6 +208,7 @@ class RouterServer:
             if http is not None:
                 await http.stop()
             await server.stop(self._grace)
+            await asyncio.to_thread(share.stop)
             refresher.stop()
             lookup.close()
             await orch.close()
@@ -217,7 +225,10 @@ def _grpc_server(cfg: RouterConfig, orch: Orchestrator):
     # max_inflight (429 + retry hint) well before; the rest covers Abort, health, reflection.
     # Clients may ping (keepalive) without being cut off as abusive; the router itself does
     # not ping its clients (protos/conventions.py keepalive_server_options).
-    server = grpc.aio.server(options=grpc_options(cfg.max_message_bytes) + keepalive_server_options(),
+    # SO_REUSEPORT only for replicas (gRPC's default is on: a stray second router would share
+    # the port silently).
+    reuse = [("grpc.so_reuseport", 1 if cfg.reuse_port else 0)]
+    server = grpc.aio.server(options=grpc_options(cfg.max_message_bytes) + keepalive_server_options() + reuse,
                              interceptors=interceptors,
                              maximum_concurrent_rpcs=cfg.rpc_limit)
     # Requests are parsed by us: malformed bytes get INVALID_ARGUMENT naming the field.

@@ -59,6 +59,15 @@ class RouterConfig:
                                                  help="prefill on a decode node that holds all but fewer than this "
                                                  "many of the prompt's tokens (0: off)")
     node_refresh_s: float = setting(0.5, flag="--node-refresh-s")
+    # Several replicas on one port (`pdserve up --routers N`): each binds its gRPC and HTTP
+    # ports with SO_REUSEPORT and the kernel spreads new connections over them; they share
+    # their in-flight load through Redis (router/replicas.py). Off, a second router on the
+    # port fails to bind (a mistake, not a replica).
+    reuse_port: bool = setting(False, flag="--reuse-port", help="bind with SO_REUSEPORT: router replicas on one "
+                               "port, sharing their load through Redis")
+    # This replica's name in Redis ({ns}:routers; `pdserve status`): "" = host-pid-random.
+    replica_id: str = setting("", flag="--replica-id", help="this router replica's name in Redis (default: "
+                              "host-pid-random)")
     prune_every_s: float = 10.0
     # Admission bound: requests beyond it get RESOURCE_EXHAUSTED with a retry hint.
     max_inflight: int = setting(256, flag="--max-inflight")

@@ -252,12 +252,15 @@ class IndexAccuracy:
 
 class PrefillLedger:
     """This router's own view of each prefill node's queue: predicted prefill seconds of the
-    requests it sent there and that have not returned. Another replica's requests show up only
-    through the nodes' heartbeats (the policy's fallback when a node is not in the ledger)."""
+    requests it sent there and that have not returned, plus what the other router replicas last
+    published of theirs (``set_others``, router/replicas.py). Without that, another replica's
+    requests show up only through the nodes' heartbeats, and only for a node this router never
+    used (the policy's fallback when a node is not in the ledger)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_node: dict[str, dict[str, float]] = {}
+        self._others: dict[str, float] = {}  # node id -> the other replicas' backlog seconds, summed
 
     def add(self, node_id: str, request_id: str, seconds: float) -> None:
         with self._lock:
@@ -267,6 +270,18 @@ class PrefillLedger:
         with self._lock:
             self._by_node.get(node_id, {}).pop(request_id, None)
 
-    def backlog_s(self) -> dict[str, float]:
+    def own_backlog_s(self) -> dict[str, float]:
+        """This replica's requests alone (what it publishes to the others)."""
         with self._lock:
             return {nid: sum(v.values()) for nid, v in self._by_node.items()}
+
+    def set_others(self, others: dict[str, float]) -> None:
+        """The other replicas' backlog per node, as last read; replaced whole."""
+        self._others = dict(others)  # one attribute store: readers see the old or the new
+
+    def backlog_s(self) -> dict[str, float]:
+        """What placement and admission see: this replica's backlog plus the others'."""
+        own, others = self.own_backlog_s(), self._others
+        if not others:
+            return own
+        return {nid: own.get(nid, 0.0) + others.get(nid, 0.0) for nid in own.keys() | others.keys()}

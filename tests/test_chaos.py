@@ -119,7 +119,7 @@ def test_checks_and_the_exit_code_see_every_figure():
 def test_every_scenario_is_registered_and_checked():
     assert sorted(ORDER) == sorted(SCENARIOS)
     assert {"freeze-decode", "freeze-prefill", "partition", "redis-hang", "step-error", "all-decode-down",
-            "restart-router"} <= set(SCENARIOS)
+            "restart-router", "restart-router-replicas"} <= set(SCENARIOS)
     opts = Options()
     for name in ("freeze-decode", "freeze-prefill", "partition"):
         assert Expect("detect_s", "<=", 5.0) in SCENARIOS[name].expect(opts)
@@ -185,7 +185,7 @@ def test_migrations_are_read_from_a_metrics_page():
 
 
 def test_the_router_process_gets_the_routers_flags_and_no_password_on_its_command_line():
-    from chaos.router_process import router_argv
+    from deploy.router_process import router_argv
     from frontend.server import build_parser
     from router.config import RouterConfig
 
@@ -330,6 +330,14 @@ def test_restart_router(cluster):
     result = run_scenario(cluster, "restart-router", Options(**SUITE))
     check(result, "restart-router")
     assert result["requests"] == result["completed"]  # the cut ones too, by the client's retry
+
+
+def test_restart_router_replicas(cluster):
+    """Two router replicas on one port, the busier one SIGKILLed mid-stream: the clients' retries
+    land on the other; nothing lost, outputs identical (greedy and seeded)."""
+    result = run_scenario(cluster, "restart-router-replicas", Options(**SUITE))
+    check(result, "restart-router-replicas")
+    assert result["requests"] == result["completed"] and result["outputs_identical"], result
 
 
 def test_all_decode_down(cluster):

@@ -313,3 +313,47 @@ def test_replay_with_tiers_reports_hits_per_tier(redis_url):
     assert pol["pdserve"]["hit_tokens"]["remote"] > 0 and pol["pdserve_no_fetch"]["hit_tokens"]["remote"] == 0
     assert pol["llmd_weighted"]["redis_rtt_per_request"] == 1.0  # with tiers: the precise scorer, on the index
     assert pol["pdserve"]["index_exact_fraction"] >= 0.95  # the index's tiers match the nodes'
+
+
+@pytest.mark.parametrize("share_s, sees_all", [(0.1, True), (None, False)])
+def test_router_replicas_see_each_others_ledgers_only_when_shared(share_s, sees_all):
+    """Eight 20k-token prompts 1 ms apart, then a ninth at 0.5 s, over two replicas: shared (a
+    tick has passed) the ninth's router sees all eight in flight, as one router would; unshared
+    it sees only those it placed itself (the seed's draw puts them on both)."""
+    cfg = SimConfig(prefill_nodes=2, decode_nodes=1, speed_spread=0.0, step_noise=0.0)
+    reqs = [TraceRequest(i * 0.001, 20_000, 10) for i in range(8)] + [TraceRequest(0.5, 20_000, 10)]
+    costs = CostBook()
+    pol = Recorder(costs)
+    simulate("rec", reqs, cfg, pol, costs, None, admission="none", scale=1.0, routers=2, share_s=share_s)
+    predicted = costs.prior.predict(20_000)
+    seen = sum(pol.seen[-1][1].values())
+    if sees_all:
+        assert seen == pytest.approx(8 * predicted)
+    else:
+        assert 0 < seen < 8 * predicted - predicted / 2
+    with pytest.raises(ValueError, match="routers must be >= 1"):
+        simulate("rec", reqs, cfg, pol, costs, None, routers=0)
+    with pytest.raises(ValueError, match="share_s must be > 0"):
+        simulate("rec", reqs, cfg, pol, costs, None, routers=2, share_s=0.0)
+
+
+@needs_traces
+def test_replay_with_router_replicas_reports_ratios_and_its_check(redis_url):
+    out = _run(redis_url, CONV, 120, "--routers", "2,3", "--seeds", "0,1", "--admission", "none")
+    rep = out["replicas"]["none"]
+    assert set(rep["ratios"]) == {"2_shared", "2_unshared", "3_shared", "3_unshared"}
+    assert rep["ratios"]["2_shared"]["goodput_rps"]["n"] == 2 and rep["share_s"] == 0.5
+    assert "shared_beats_unshared_at_3" in rep["check"] and isinstance(out["passed"], bool)
+    with pytest.raises(SystemExit):
+        _run(redis_url, CONV, 10, "--routers", "1")
+
+
+def test_spread_arrivals_moves_each_within_its_bucket_the_same_way_every_time():
+    from bench.router_replicas import spread_arrivals
+
+    reqs = [TraceRequest(t, 100 + i, 10) for i, t in enumerate([0.0] * 5 + [3.0] * 5)]
+    a, b = spread_arrivals(reqs, 3.0), spread_arrivals(reqs, 3.0)
+    assert a == b and [r.arrival_s for r in a] == sorted(r.arrival_s for r in a)
+    by_tokens = {r.input_tokens: r.arrival_s for r in a}
+    assert all(0.0 <= by_tokens[r.input_tokens] - r.arrival_s < 3.0 for r in reqs)
+    assert len({r.arrival_s for r in a}) == 10 and spread_arrivals(reqs, 0.0) == reqs

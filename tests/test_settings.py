@@ -129,7 +129,7 @@ def test_a_router_config_round_trips_through_its_flags():
 
 
 def test_the_router_process_argv_gives_back_the_routers_config():
-    from chaos.router_process import router_argv
+    from deploy.router_process import router_argv
 
     cfg = _router_config()
     argv, env = router_argv(cfg, port=5001, http_port=None)
@@ -140,7 +140,7 @@ def test_the_router_process_argv_gives_back_the_routers_config():
 
 
 def test_the_router_process_refuses_a_setting_no_flag_carries():
-    from chaos.router_process import router_argv
+    from deploy.router_process import router_argv
 
     with pytest.raises(ValueError, match="retry_after_ms"):
         router_argv(dataclasses.replace(_router_config(), retry_after_ms=7), port=5001, http_port=None)

@@ -30,6 +30,15 @@ What the router sees is what the live one sees:
     one in full (a router does not know when a node started it);
   * no decode backlog (the live ledger has none), only the decode nodes' heartbeats.
 
+Router replicas (``routers`` > 1, `pdserve bench router --routers N`): each request goes to one of
+N routers at random (SO_REUSEPORT spreads connections, not requests by load), and each has its
+own ledger. With ``share_s`` set they publish and read each other's ledgers every ``share_s``
+(router/replicas.py; the live period is the node view's refresh): between ticks a replica sees
+its own requests at once and the others' as of the last tick. ``share_s`` None: no sharing
+(the negative control; each sees only its own). The index, the heartbeats and the cost book
+are shared (every replica reads the same Redis and the same step reports; the transfer fits a
+replica learns from its own responses are pooled, a simplification).
+
 Admission, the same rule for every policy; a rejection is an SLO miss:
   "none"           nobody rejects.
   "queue_bound"    policy-neutral: a request whose true wait on the prefill node its policy
@@ -139,7 +148,8 @@ class _Run:
     """One policy over one trace: the nodes, the router's state and the timed events."""
 
     def __init__(self, name: str, cfg: SimConfig, policy: PlacementPolicy | None, costs: CostBook,
-                 index: IndexLink | None, admission: str, global_pool: bool, shared_fetch: bool = False) -> None:
+                 index: IndexLink | None, admission: str, global_pool: bool, shared_fetch: bool = False,
+                 routers: int = 1, share_s: float | None = None) -> None:
         self.cfg, self.policy, self.costs, self.index = cfg, policy, costs, index
         self.admission, self.global_pool, self.shared_fetch = admission, global_pool, shared_fetch
         dev, host, disk = cfg.blocks(cfg.cache_tokens), cfg.blocks(cfg.host_cache_tokens), cfg.blocks(
@@ -152,7 +162,9 @@ class _Run:
         self.by_id = {p.node_id: p for p in self.prefill}
         self.decode_by_id = {d.node_id: d for d in self.decode}
         self.side = policy if isinstance(policy, RouterSide) else None
-        self.ledger = PrefillLedger()
+        self.ledgers = [PrefillLedger() for _ in range(routers)]
+        self.share_s, self.next_share = share_s, 0.0
+        self.pick = random.Random(f"routers-{cfg.seed}")  # which replica a request reaches
         self.gate = TtftPolicy(costs, short_prompt_tokens=0, compute_weight=0.0)  # estimates a chosen pair
         self.events: list[tuple] = []  # heap of (at, seq, kind, payload)
         self.seq = 0
@@ -179,8 +191,8 @@ class _Run:
             elif kind == _REPORT:
                 self.report(*payload)
             else:
-                rid, pid, did, tokens, xfer_s = payload
-                self.ledger.done(pid, rid)
+                rid, pid, did, tokens, xfer_s, router = payload
+                self.ledgers[router].done(pid, rid)
                 if self.side is not None:
                     self.side.finished(int(rid), pid)
                 self.costs.add_transfer(pid, did, tokens * self.cfg.kv_bytes_per_token, xfer_s, num_tokens=tokens)
@@ -203,6 +215,20 @@ class _Run:
             for tier, (tokens, secs) in zip(("host", "disk"), served.holder):
                 if tokens > 0:
                     self.costs.add_onboard(holder, tier, tokens * kvb, secs)
+
+    def share(self, t: float) -> None:
+        """Each replica's view of the others' ledgers, as of the last ``share_s`` tick by ``t``."""
+        if self.share_s is None or len(self.ledgers) < 2 or t < self.next_share:
+            return
+        own = [ledger.own_backlog_s() for ledger in self.ledgers]
+        for r, ledger in enumerate(self.ledgers):
+            others: dict[str, float] = {}
+            for k, o in enumerate(own):
+                if k != r:
+                    for nid, v in o.items():
+                        others[nid] = others.get(nid, 0.0) + v
+            ledger.set_others(others)
+        self.next_share = t - (t % self.share_s) + self.share_s
 
     def place(self, i: int, rreq: ReplayRequest, infos: list[NodeInfo], backlog: dict[str, float]
               ) -> tuple[Placement, Mapping[str, Match]]:
@@ -264,8 +290,11 @@ class _Run:
         prompt, hashes = req.input_tokens, req.hash_ids
         # 1. What the router knows at t.
         self.deliver(t)
+        self.share(t)
+        router = self.pick.randrange(len(self.ledgers)) if len(self.ledgers) > 1 else 0
+        ledger = self.ledgers[router]
         infos = _views(self.prefill, self.decode, t, cfg)
-        backlog = self.ledger.backlog_s()
+        backlog = ledger.backlog_s()
         rreq = ReplayRequest(prompt, cfg.block_size, 1, req.output_tokens, cfg.slo_class, request_id=i,
                              hashes=hashes, now=t)
         # 2. Placement.
@@ -281,7 +310,7 @@ class _Run:
             self.side.routed(rreq, pl)
         if self.shared_fetch and pl.fetch_from is None:
             pl = replace(pl, fetch_from=self.longest_holder(p, hashes))
-        self.ledger.add(p.node_id, str(i), est.compute_s)
+        ledger.add(p.node_id, str(i), est.compute_s)
         # 4. What the nodes really do: load and prefill on p (FIFO), transfer, a decode slot.
         served = self.serve(p, pl, hashes, prompt)
         reused = served.reused
@@ -296,7 +325,7 @@ class _Run:
         xfer = prompt * cfg.kv_bytes_per_token / cfg.bandwidth
         step = StepReport(prompt - reused, prompt, compute) if prompt > reused else None
         self.push(finish + cfg.report_delay_s, _REPORT, (p.node_id, step, served, pl.fetch_from))
-        self.push(finish + xfer, _RESPONSE, (str(i), p.node_id, d.node_id, prompt, xfer))
+        self.push(finish + xfer, _RESPONSE, (str(i), p.node_id, d.node_id, prompt, xfer, router))
         if self.global_pool:
             self.shared.insert(hashes)
         else:
@@ -333,17 +362,24 @@ class _Run:
 
 def simulate(name: str, requests: Sequence[TraceRequest], cfg: SimConfig, policy: PlacementPolicy | None,
              costs: CostBook, index: IndexLink | None, *, admission: str = "none",
-             global_pool: bool = False, scale: float | None = None, shared_fetch: bool = False) -> PolicyResult:
+             global_pool: bool = False, scale: float | None = None, shared_fetch: bool = False,
+             routers: int = 1, share_s: float | None = None) -> PolicyResult:
     """Replay ``requests`` under ``policy``. ``global_pool``: one shared cache of all nodes'
     capacity, tier by tier, and least-backlog placement on the true queues (the upper bound on
     the hit ratio: no policy, no index). ``shared_fetch``: the chosen node fetches a longer
     prefix from the node that holds it (a peer given pdserve's fetch). ``costs`` is the
-    router's cost book: pass a fresh one (generic prior) per run."""
+    router's cost book: pass a fresh one (generic prior) per run. ``routers``, ``share_s``: that
+    many router replicas, sharing their ledgers every ``share_s`` (None: not at all; module
+    docstring)."""
+    if routers < 1:
+        raise ValueError(f"routers must be >= 1, got {routers}")
+    if share_s is not None and not share_s > 0:  # NaN fails too
+        raise ValueError(f"share_s must be > 0 seconds (None: no sharing), got {share_s}")
     if admission not in ADMISSION_MODES:
         raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {admission!r}")
     rng = random.Random(cfg.seed)  # one draw per request in trace order: the same noise for every policy
     scale = time_scale(requests, cfg) if scale is None else scale
-    run = _Run(name, cfg, policy, costs, index, admission, global_pool, shared_fetch)
+    run = _Run(name, cfg, policy, costs, index, admission, global_pool, shared_fetch, routers, share_s)
     rt0 = index.reader.round_trips if index else 0
     t_first = requests[0].arrival_s if requests else 0.0
     run.res.span_s = (requests[-1].arrival_s - t_first) * scale if requests else 0.0

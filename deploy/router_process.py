@@ -1,5 +1,6 @@
-"""The router as its own process, as the Helm chart runs it (``python -m frontend.server ...``), so
-that chaos can SIGKILL it with streams in flight and start it again on the same ports.
+"""The router as its own process, as the Helm chart runs it (``python -m frontend.server ...``): the
+extra replicas of `pdserve up --routers N` (on the first one's ports, SO_REUSEPORT), and the router
+chaos SIGKILLs with streams in flight and starts again on the same ports.
 
 ``router_argv`` maps a RouterConfig onto the flags of ``python -m frontend.server``, generated from
 the fields' declarations (``settings.flags.to_argv``; a setting no flag carries is refused, not
@@ -42,14 +43,18 @@ def router_argv(cfg, port: int, http_port: int | None) -> tuple[list[str], dict[
     from router.planner.config import lease_for
 
     if cfg.tls is not None or cfg.api_keys:
-        raise ValueError("chaos runs the router process without TLS or API keys")
+        # Their files and keys would have to reach the process by a way that keeps keys off
+        # its command line; not built yet.
+        raise ValueError("a router process is started without TLS or API keys (--tls and --api-key are "
+                         "not handed to it)")
     if cfg.planner.leader_lease_s != lease_for(cfg.planner.interval_s):
         raise ValueError(f"the router process derives the planner's leader lease from --planner-interval-s: "
                          f"{lease_for(cfg.planner.interval_s)}, not {cfg.planner.leader_lease_s}")
     url, password = split_password(cfg.redis_url)
     argv = [sys.executable, "-m", "frontend.server", "--redis-url", url, "--port", str(port),
             "--http-port", str(-1 if http_port is None else http_port),
-            *to_argv(cfg, exclude=("redis_url", "port", "http_port", "planner")),
+            # replica_id: each process names itself (two replicas never share a record).
+            *to_argv(cfg, exclude=("redis_url", "port", "http_port", "planner", "replica_id")),
             *to_argv(cfg.planner, exclude=("leader_lease_s",))]
     return argv, ({PASSWORD_ENV: password} if password else {})
 
@@ -73,7 +78,7 @@ class RouterProcess:
         self.http_address = f"{cfg.host}:{http_port}" if http_port is not None else None
         self.ready_timeout_s = ready_timeout_s
         self.proc: subprocess.Popen | None = None
-        self._log_dir = Path(tempfile.mkdtemp(prefix="pdserve-chaos-router-"))
+        self._log_dir = Path(tempfile.mkdtemp(prefix="pdserve-router-"))
         self.log_path = self._log_dir / "router.log"
 
     @property
@@ -94,7 +99,7 @@ class RouterProcess:
                 if line.decode(errors="replace").startswith(READY_PREFIX):
                     ready.set()
 
-        threading.Thread(target=read, name="chaos-router-stdout", daemon=True).start()
+        threading.Thread(target=read, name="router-process-stdout", daemon=True).start()
         deadline = time.monotonic() + self.ready_timeout_s
         while not ready.wait(0.1):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -117,6 +122,12 @@ class RouterProcess:
             self.proc.kill()
             self.proc.wait(10)
         return at
+
+    def terminate(self) -> None:
+        """SIGTERM without waiting: the process starts its drain (several drain at once)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.terminate()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM (a drain), then SIGKILL if it lingers."""
