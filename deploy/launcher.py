@@ -181,7 +181,7 @@ class LocalCluster:
                     role, i, cpu_affinity=(cores[len(self.actors) % len(cores)],) if cfg.pin_cores else None),
                     **self.node_fields.get(node_id(role, i), {}))
                 # Nodes ask for no CPU slot: on a small machine the pools, not cores, place them.
-                self.actors[node.node_id] = spawn_node(node, server_builder(role), num_cpus=0)
+                self.actors[node.node_id] = spawn_node(node, server_builder(role, template.engine.backend), num_cpus=0)
 
     def _forget_node_health(self) -> None:
         """A new cluster: failures that nodes of an earlier one recorded under this namespace

@@ -164,11 +164,11 @@ class NodeSupervisor:
 
     def __init__(self, template: NodeTemplate, counts: Mapping[Role, int | None],
                  resources: Mapping[Role, PoolResources] | None = None,
-                 build_server: Callable[[Role], Callable] = server_builder, probe_s: float = 2.0) -> None:
+                 build_server: Callable[[Role], Callable] | None = None, probe_s: float = 2.0) -> None:
         self.template = template
         self.counts = dict(counts)
         self.resources = dict(resources or {})
-        self.build_server = build_server
+        self.build_server = build_server or (lambda role: server_builder(role, template.engine.backend))
         self.probe_s = probe_s
         self._store = None  # kv_index.health.HealthStore, made on first use
         self._reported: set[str] = set()  # down nodes already logged
