@@ -406,6 +406,11 @@ def run(a: argparse.Namespace, engine: EngineConfig) -> int:
     if problem:
         log.warning("--insecure-bind: %s", problem)
     counts = {role: getattr(a, f"{role.value}_nodes") for role in Role}
+    if engine.backend == "vllm":  # decode nodes that prefill their own prompts (deploy/node_servers.py)
+        if counts[Role.PREFILL] or a.follow_targets:
+            raise SystemExit("error: --engine vllm runs decode nodes only: pass --prefill-nodes 0 and no "
+                             "--follow-targets (vLLM prefill nodes need the KV connector, issue 46 section 2)")
+        counts[Role.PREFILL] = 0
     resources = {role: PoolResources(gpu=getattr(a, f"{role.value}_gpu"),
                                      accelerator_type=getattr(a, f"{role.value}_accelerator_type")) for role in Role}
     _connect(a.ray_address, a.namespace, a.connect_timeout_s)
