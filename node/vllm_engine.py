@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine.errors import InvalidRequestError
@@ -76,6 +76,16 @@ def check_checkpoint(model_dir: str | Path) -> None:
         raise InvalidRequestError(
             f"{model_dir} has no model.embed_tokens.weight (tied embeddings stored as lm_head.weight only): vLLM "
             f"would serve it with zero embeddings; convert it again (delete the cache dir) or add the tensor")
+
+
+def resumed_params(params: SamplingParams, resumed: int) -> SamplingParams:
+    """A continuation's parameters for vLLM, which sees the ``resumed`` tokens as prompt: the
+    token budgets count them. Greedy and unpenalized continuations are then the run that never
+    failed; vLLM's seeded draws and its presence/frequency penalties do not count them (docs/
+    cluster.md, "vLLM nodes")."""
+    if params.max_tokens <= resumed:
+        raise InvalidRequestError(f"max_tokens {params.max_tokens} already spent by {resumed} resumed tokens")
+    return replace(params, max_tokens=params.max_tokens - resumed, min_tokens=max(0, params.min_tokens - resumed))
 
 
 @dataclass(slots=True)
@@ -235,6 +245,8 @@ class VllmEngine:
                                       f"{self.max_model_len} tokens")
         if any(t >= self.vocab_size for t in prompt):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if resumed_output_tokens:  # a migrated request: its first k "prompt" tokens are output (router/migration.py)
+            params = resumed_params(params, resumed_output_tokens)
         try:
             wire = to_worker_sampling(params)
         except UnsupportedByVllm as err:

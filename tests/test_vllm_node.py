@@ -3,9 +3,10 @@
 The pure parts (framing, the parameter mapping, what is refused and where) run everywhere and
 take well under a second. The live tests need vLLM's own Python: $PDSERVE_VLLM_PYTHON, the
 repo's .venv-vllm (`make vllm`) or /work/vllm-venv; without one they skip, saying so. They bring
-up `pdserve up --engine vllm --prefill-nodes 0` (real Redis, Ray, gRPC, a vLLM child) and one
-plain vLLM instance, compare greedy float32 and seeded outputs token by token, then SIGKILL the
-node's vLLM child (about 2 minutes in all on 2 cores, most of it vLLM starting three times).
+up `pdserve up --engine vllm --prefill-nodes 0 --decode-nodes 2` (real Redis, Ray, gRPC, vLLM
+children) and one plain vLLM instance, compare greedy float32 and seeded outputs token by token,
+SIGKILL an idle node's vLLM child, then a streaming one's mid-stream (about 4 minutes in all on
+2 loaded cores, most of it vLLM starting five times).
 """
 from __future__ import annotations
 
@@ -104,6 +105,16 @@ def test_what_the_bridge_cannot_carry_is_refused_by_name(params: SamplingParams,
     assert err.value.field == field
 
 
+def test_a_continuation_counts_its_resumed_tokens_against_the_budgets() -> None:
+    from engine.errors import InvalidRequestError
+    from node.vllm_engine import resumed_params
+
+    p = resumed_params(SamplingParams(max_tokens=10, min_tokens=4, temperature=0.0), 6)
+    assert (p.max_tokens, p.min_tokens) == (4, 0)
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        resumed_params(SamplingParams(max_tokens=6), 6)
+
+
 def test_vllm_pools_are_decode_only_and_refused_at_start() -> None:
     from deploy.cluster_config import ClusterConfig
     from deploy.node_servers import build_vllm_node, server_builder
@@ -156,7 +167,8 @@ def _cases(model_dir: str) -> list[dict]:
     greedy = [{"prompt": i, "params": {"max_tokens": 24, "temperature": 0.0}} for i in ids]
     seeded = {"prompt": ids[0], "params": {"max_tokens": 16, "temperature": 0.8, "top_p": 0.95, "seed": 7}}
     stop = {"prompt": ids[1], "params": {"max_tokens": 24, "temperature": 0.0, "stop_token_ids": [198]}}
-    return [*greedy, seeded, stop]
+    long = {"prompt": ids[2], "params": {"max_tokens": 64, "temperature": 0.0, "ignore_eos": True}}
+    return [*greedy, seeded, stop, long]
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +177,7 @@ def vllm_cluster():
     from tests.clusters import SMOLLM2
 
     engine = replace(SMOLLM2, backend="vllm", vllm_python=VLLM_PYTHON)
-    config = ClusterConfig(engine=engine, prefill_nodes=0, decode_nodes=1, grpc_port=0, http_port=0, dashboard_port=0)
+    config = ClusterConfig(engine=engine, prefill_nodes=0, decode_nodes=2, grpc_port=0, http_port=0, dashboard_port=0)
     with LocalCluster(config) as cluster:
         yield cluster
 
@@ -196,7 +208,7 @@ def test_outputs_equal_one_plain_vllm_instance(vllm_cluster, reference) -> None:
     for case, g, w in zip(cases, got, want):
         assert w and list(g.token_ids) == w, case["params"]
     assert "Paris" in got[0].text  # a real answer: embeddings loaded (not every token id 0)
-    assert 198 not in want[-1][:-1]  # the stop token ended the last case (where it came)
+    assert 198 not in want[4][:-1]  # the stop token ended that case (where it came)
 
 
 @needs_vllm
@@ -222,27 +234,64 @@ def _wait(cond, what: str, limit_s: float = 240.0):
 
 @needs_vllm
 def test_a_killed_vllm_child_is_a_dead_node(vllm_cluster, reference) -> None:
-    import ray
-
     from kv_index.client import redis_client
     from kv_index.health import HealthStore
 
     actor = vllm_cluster.actors["decode-0"]
-    before = ray.get(actor.stats.remote(), timeout=30)
-    assert before["healthy"] and before["engine_backend"] == "vllm"
+    before = _wait(lambda: _serving(vllm_cluster, "decode-0"), "decode-0 serving")
+    assert before["engine_backend"] == "vllm"
     os.kill(before["vllm_pid"], signal.SIGKILL)
     refresher = vllm_cluster.router.orchestrator.refresher
     # The router stops placing on it: the node leaves its view (the lease is not waited for).
     _wait(lambda: not any(n.node_id == "decode-0" for n in refresher.view.nodes), "decode-0 left the router's view")
+    # Meanwhile requests go to the other node.
+    cases, want = reference
+    other = _wait(lambda: _serving(vllm_cluster, "decode-1"), "decode-1 serving")
+    assert list(_generate(vllm_cluster.address, cases[0]).token_ids) == want[0]
+    assert _wait(lambda: _serving(vllm_cluster, "decode-1"), "decode-1 stats")["decodes"] == other["decodes"] + 1
     store = HealthStore(redis_client(vllm_cluster.redis_url), vllm_cluster.config.namespace)
     # Its health record names the cause (kept once the node serves again).
-    _wait(lambda: "vLLM child" in getattr(store.read("decode-0"), "reason", ""), "the reason in its health record")
+    dead = f"vLLM child (pid {before['vllm_pid']}) exited"
+    _wait(lambda: dead in getattr(store.read("decode-0"), "reason", ""), "the reason in its health record")
     # Ray starts the node again: a fresh child, the same answers.
     after = _wait(lambda: _stats_if_new(actor, before["pid"]), "decode-0 serving again")
     assert after["healthy"] and after["vllm_pid"] != before["vllm_pid"]
     _wait(lambda: any(n.node_id == "decode-0" for n in refresher.view.nodes), "decode-0 back in the router's view")
-    cases, want = reference
     assert list(_generate(vllm_cluster.address, cases[0]).token_ids) == want[0]
+
+
+def _serving(cluster, node_id: str):
+    """The node's stats once it serves and the router sees it, else None."""
+    import ray
+
+    try:
+        s = ray.get(cluster.actors[node_id].stats.remote(), timeout=10)
+    except Exception:  # restarting: the actor is not answering yet
+        return None
+    seen = any(n.node_id == node_id for n in cluster.router.orchestrator.refresher.view.nodes)
+    return s if s.get("healthy") and s.get("vllm_pid") and seen else None
+
+
+@needs_vllm
+def test_a_stream_whose_vllm_child_is_killed_continues_on_the_other_node(vllm_cluster, reference) -> None:
+    import pdserve
+
+    cases, want = reference
+    case, full = cases[-1], want[-1]
+    for nid in ("decode-0", "decode-1"):
+        _wait(lambda: _serving(vllm_cluster, nid), f"{nid} serving")
+    got, killed = [], None
+    with pdserve.Client(vllm_cluster.address, timeout=180) as client:
+        stream = client.generate(token_ids=case["prompt"], **case["params"])
+        for chunk in stream:
+            got.extend(chunk.token_ids)
+            if killed is None and len(got) >= 4:
+                busy = [s for s in (_serving(vllm_cluster, n) for n in ("decode-0", "decode-1")) if s and s["running"]]
+                assert len(busy) == 1, busy
+                os.kill(busy[0]["vllm_pid"], signal.SIGKILL)
+                killed = busy[0]["node_id"]
+    assert killed is not None and len(got) > 8  # killed mid-stream, well before its end
+    assert got == full  # greedy: the continuation is the run that never failed, token for token
 
 
 def _stats_if_new(actor, old_pid: int):
