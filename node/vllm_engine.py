@@ -351,4 +351,6 @@ class VllmEngine:
                 self.proc.kill()
                 self.proc.wait()
         self._sock.close()
+        if self.proc.returncode == 0:  # a clean exit: its log says nothing worth keeping
+            Path(self._stderr.name).unlink(missing_ok=True)
 
