@@ -199,6 +199,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
         with Spinner() as sp:
             sp.update(f"loading {a.model}")
             cfg = engine_config_from_args(a)
+            if cfg.backend != "pdserve":  # in-process is pdserve's engine; vLLM runs behind a node
+                raise InvalidRequestError("--engine vllm is for `pdserve up` and `pdserve nodes` (or `--url` of such "
+                                          "a cluster); in-process generate runs pdserve's own engine")
             factory = None
             if cfg.speculative.enabled:  # in-process: this engine plays the decode role
                 from engine.speculative.proposers import build_proposer as factory

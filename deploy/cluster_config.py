@@ -107,6 +107,9 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.prefill_nodes < 0 or self.decode_nodes < 1:
             raise ValueError("need at least one decode node and zero or more prefill nodes")
+        if self.engine.backend == "vllm" and (self.prefill_nodes or self.planner == "active"):
+            raise ValueError("--engine vllm runs decode nodes that prefill their own prompts: use --prefill-nodes 0 "
+                             "and no active planner (vLLM prefill nodes need the KV connector, issue 46 section 2)")
         _ = self.planner_config  # builds it: the planner's settings and bounds are refused here, before Ray starts
         for role, n, hi in (("prefill", self.prefill_nodes, self.max_prefill_nodes),
                             ("decode", self.decode_nodes, self.max_decode_nodes)):

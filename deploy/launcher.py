@@ -198,7 +198,7 @@ class LocalCluster:
                     role, i, cpu_affinity=(cores[len(self.actors) % len(cores)],) if cfg.pin_cores else None),
                     **self.node_fields.get(node_id(role, i), {}))
                 # Nodes ask for no CPU slot: on a small machine the pools, not cores, place them.
-                self.actors[node.node_id] = spawn_node(node, server_builder(role), num_cpus=0)
+                self.actors[node.node_id] = spawn_node(node, server_builder(role, template.engine.backend), num_cpus=0)
                 self.node_configs[node.node_id] = node
 
     def respawn(self, nid: str, extra_resources: Mapping[str, float] | None = None):
@@ -212,7 +212,7 @@ class LocalCluster:
         old = self.actors.pop(nid)
         ray.kill(old, no_restart=True)
         node = self.node_configs[nid]
-        self.actors[nid] = spawn_node(node, server_builder(node.role), num_cpus=0,
+        self.actors[nid] = spawn_node(node, server_builder(node.role, node.engine.backend), num_cpus=0,
                                       extra_resources=dict(extra_resources or {}))
         return self.actors[nid]
 

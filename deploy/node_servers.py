@@ -7,10 +7,16 @@ from kv_index.nodes import Role
 from node.config import NodeConfig
 
 
-def server_builder(role: Role):
+def server_builder(role: Role, backend: str = "pdserve"):
     """What a node actor of ``role`` runs: ``build_any_role``, which builds ``role``'s server at
-    start and the other role's over the same engine when the node switches live."""
+    start and the other role's over the same engine when the node switches live; with the vLLM
+    backend, ``build_vllm_node`` (decode only, no live switch)."""
     Role(role)  # a bad name fails here, in the driver
+    if backend == "vllm":
+        if Role(role) is not Role.DECODE:
+            raise ValueError("--engine vllm runs decode nodes only (they prefill their own prompts): use "
+                             "--prefill-nodes 0; vLLM prefill nodes need the KV connector (issue 46, section 2)")
+        return build_vllm_node
     return build_any_role
 
 
@@ -25,3 +31,13 @@ def build_any_role(config: NodeConfig, engine=None):
 
 
 build_any_role.roles = (Role.PREFILL, Role.DECODE)  # the roles a node actor may switch between
+
+
+def build_vllm_node(config: NodeConfig, engine=None):
+    """A decode node whose engine is vLLM in a child process (decode_node/vllm_server.py)."""
+    from decode_node.vllm_server import build_server
+
+    return build_server(config, engine)
+
+
+build_vllm_node.roles = (Role.DECODE,)  # a switch to prefill is refused, not attempted

@@ -174,11 +174,11 @@ class NodeSupervisor:
 
     def __init__(self, template: NodeTemplate, counts: Mapping[Role, int | None],
                  resources: Mapping[Role, PoolResources] | None = None,
-                 build_server: Callable[[Role], Callable] = server_builder, probe_s: float = 2.0) -> None:
+                 build_server: Callable[[Role], Callable] | None = None, probe_s: float = 2.0) -> None:
         self.template = template
         self.counts = dict(counts)
         self.resources = dict(resources or {})
-        self.build_server = build_server
+        self.build_server = build_server or (lambda role: server_builder(role, template.engine.backend))
         self.probe_s = probe_s
         self._store = None  # kv_index.health.HealthStore, made on first use
         self._reported: set[str] = set()  # down nodes already logged
@@ -419,6 +419,11 @@ def run(a: argparse.Namespace, engine: EngineConfig) -> int:
     if problem:
         log.warning("--insecure-bind: %s", problem)
     counts = {role: getattr(a, f"{role.value}_nodes") for role in Role}
+    if engine.backend == "vllm":  # decode nodes that prefill their own prompts (deploy/node_servers.py)
+        if counts[Role.PREFILL] or a.follow_targets:
+            raise SystemExit("error: --engine vllm runs decode nodes only: pass --prefill-nodes 0 and no "
+                             "--follow-targets (vLLM prefill nodes need the KV connector, issue 46 section 2)")
+        counts[Role.PREFILL] = 0
     resources = {role: PoolResources(gpu=getattr(a, f"{role.value}_gpu"),
                                      accelerator_type=getattr(a, f"{role.value}_accelerator_type"),
                                      ray_resource=getattr(a, f"{role.value}_ray_resource")) for role in Role}

@@ -151,7 +151,7 @@ class LocalPools:
             affinity = (cores[len(cluster.actors) % len(cores)],) if cfg.pin_cores else None
             node = replace(template.config(role, index, cpu_affinity=affinity), **cluster.node_fields.get(nid, {}))
             # Like the launcher's own nodes: no CPU slot asked, the pools place them.
-            cluster.actors[nid] = spawn_node(node, server_builder(role), num_cpus=0)
+            cluster.actors[nid] = spawn_node(node, server_builder(role, template.engine.backend), num_cpus=0)
             return cluster.actors[nid]
 
         orch = getattr(cluster.router, "orchestrator", None)

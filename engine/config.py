@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from settings.flags import negated, setting
 
 DTYPES = ["float32", "bfloat16", "float16"]
+BACKENDS = ("pdserve", "vllm")
 SPEC_METHODS = ["off", "ngram", "draft", "early_exit", "low_precision", "medusa", "eagle"]
 
 
@@ -142,11 +143,19 @@ class EngineConfig:
     # (cached; see engine/models/cpu_linear.py) and, for bfloat16, builds the native decode
     # attention (engine/attention/cpu_decode.py); "torch" keeps F.linear and SDPA everywhere.
     cpu_kernels: str = "auto"
+    # Which engine a node runs: pdserve's own, or vLLM in a child process under vLLM's Python
+    # (decode nodes that prefill their own prompts: node/vllm_engine.py, docs/cluster.md).
+    backend: str = setting("pdserve", flag="--engine", dest="engine_backend", choices=BACKENDS,
+                           help="the nodes' engine: pdserve's own, or vLLM (`make vllm` builds its environment)")
+    vllm_python: str | None = setting(None, flag="--vllm-python", help="vLLM's Python for --engine vllm (default "
+                                      "$PDSERVE_VLLM_PYTHON, then .venv-vllm/bin/python)")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {list(BACKENDS)}, got {self.backend!r}")
         if self.cpu_kernels not in ("auto", "torch"):
             raise ValueError(f"cpu_kernels must be 'auto' or 'torch', got {self.cpu_kernels!r}")
 

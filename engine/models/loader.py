@@ -121,6 +121,11 @@ def checkpoint_fingerprint(directory: str | Path) -> tuple[ModelConfig, str]:
     return cfg, _fingerprint(cfg, tensors)
 
 
+def tensor_names(directory: str | Path) -> set[str]:
+    """The tensor names a local model directory's weight files hold (their headers only)."""
+    return set(_read_index(Path(directory)))
+
+
 def read_model_config(directory: str | Path) -> ModelConfig:
     """The ModelConfig of a local model directory, without touching its weights."""
     return _read_config(Path(directory))
