@@ -53,7 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--baselines", default="generate_batch,generate",
-                   help="comma list of transformers baselines to run (generate_batch, generate; empty: engine only)")
+                   help="comma list of baselines to run (generate_batch, generate, vllm; empty: engine only)")
+    p.add_argument("--vllm-python", default=None,
+                   help="vLLM's interpreter for --baselines vllm (default $PDSERVE_VLLM_PYTHON, else .venv-vllm)")
+    p.add_argument("--vllm-modes", default="eager,compiled", help="vLLM modes to run: eager, compiled (its default)")
+    p.add_argument("--batch1-tokens", type=int, default=128,
+                   help="with vllm: tokens of the batch-1 decode run (a 16-token prompt) on both sides")
     p.add_argument("--skip-hf", action="store_true", help="engine only (same as --baselines '')")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: a tiny random model, 8 short requests, batch 4 (tests use it)")
@@ -93,9 +98,18 @@ def run(args: argparse.Namespace, report) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     baselines = [] if args.skip_hf else [b.strip() for b in args.baselines.split(",") if b.strip()]
-    unknown = set(baselines) - {"generate_batch", "generate"}
+    unknown = set(baselines) - {"generate_batch", "generate", "vllm"}
     if unknown:
-        raise SystemExit(f"unknown baseline(s) {sorted(unknown)}; choose from generate_batch, generate")
+        raise SystemExit(f"unknown baseline(s) {sorted(unknown)}; choose from generate_batch, generate, vllm")
+    if "vllm" in baselines:
+        from bench.vllm_baseline import parse_modes
+        from node.vllm_engine import vllm_python
+
+        args.vllm_modes_list = parse_modes(args.vllm_modes)
+        try:
+            args.vllm_python = vllm_python(args.vllm_python)
+        except FileNotFoundError as e:
+            raise SystemExit(f"--baselines vllm: {e}") from None
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-engine-") as tmp:
         model_dir = bench_model_dir(args.model, Path(tmp), progress=report.progress)
         return _run(args, report, model_dir, baselines)
@@ -106,7 +120,8 @@ def _run(args, report, model_dir: Path, baselines: list[str]) -> dict:
 
     from engine.device import torch_dtype
 
-    threads = torch.get_num_threads()
+    threads = args.threads_used = torch.get_num_threads()
+    args.step_tokens = STEP_TOKENS
     prange = tuple(int(x) for x in args.prompt_len.split(","))
     orange = tuple(int(x) for x in args.output_len.split(","))
     import transformers
@@ -124,13 +139,20 @@ def _run(args, report, model_dir: Path, baselines: list[str]) -> dict:
     result = {"requests": len(reqs), "output_tokens": useful, "batch": args.batch, "dtype": args.dtype,
               "threads": threads, "model": args.model, **eng_info}
     baseline_s = {}
-    if baselines:
+    if {"generate_batch", "generate"} & set(baselines):
         report.progress(f"loading transformers reference ({args.dtype})")
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(args.dtype)).eval()
     if "generate_batch" in baselines:
         baseline_s["generate_batch"] = _run_generate_batch(hf, reqs, warm, args, report)
     if "generate" in baselines:
         baseline_s["hf"] = _run_static(hf, reqs, warm, args, report)
+    if "vllm" in baselines:
+        from bench.vllm_baseline import run_vllm_side
+
+        vllm_s, vllm_info = run_vllm_side(args.vllm_python, model_dir, args.vllm_modes_list, reqs, warm, eng, args,
+                                          report)
+        baseline_s.update(vllm_s)
+        result.update(vllm_info)
     if baselines:
         report.progress("engine again, after the baselines (drift check)")
         runs.append(_time_engine(eng, reqs, report))
@@ -143,6 +165,8 @@ def _run(args, report, model_dir: Path, baselines: list[str]) -> dict:
     for name, ratio, label in (
         ("generate_batch", "speedup_vs_generate_batch", "transformers generate_batch (continuous, paged)"),
         ("hf", "speedup_vs_hf", "transformers generate (static batches)"),
+        ("vllm_eager", "speedup_vs_vllm_eager", "vLLM CPU (enforce_eager)"),
+        ("vllm_compiled", "speedup_vs_vllm_compiled", "vLLM CPU (compiled, its default)"),
     ):
         if name not in baseline_s:
             continue
@@ -150,6 +174,11 @@ def _run(args, report, model_dir: Path, baselines: list[str]) -> dict:
         result.update({f"{name}_tok_s": useful / t, f"{name}_s": t, ratio: t / t_eng,
                        f"{ratio}_range": [round(t / max(engine_runs), 3), round(t / min(engine_runs), 3)]})
         rows.append([label, t, useful / t])
+    vllm_runs = [baseline_s[k] for k in ("vllm_eager", "vllm_compiled") if k in baseline_s]
+    if vllm_runs:  # against vLLM at its best: the faster of its modes
+        best = min(vllm_runs)
+        result.update(speedup_vs_vllm=best / t_eng,
+                      speedup_vs_vllm_range=[round(best / max(engine_runs), 3), round(best / min(engine_runs), 3)])
     report.table(["system", "seconds", "useful tok/s"], rows)
     if args.plot:
         _plot(args.plot, rows, args)
@@ -319,7 +348,7 @@ def _check_lengths(system: str, got: list[int], reqs) -> None:
 def _plot(path: str, rows, args) -> None:
     labels = [r[0].replace(" (", "\n(") for r in rows]
     with figure(path, dpi=120, figsize=(6, 3.5)) as (_, ax):
-        ax.bar(labels, [r[2] for r in rows], color=["#2a7", "#57a", "#888"][: len(rows)])
+        ax.bar(labels, [r[2] for r in rows], color=["#2a7", "#57a", "#888", "#c63", "#a4c"][: len(rows)])
         ax.set_ylabel("useful output tokens / s")
         ax.set_title(f"{args.model}, {args.dtype}, batch {args.batch}, {args.requests} requests")
         ax.tick_params(axis="x", labelsize=7)
