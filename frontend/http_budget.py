@@ -134,9 +134,12 @@ class RetryHint:
 
         hint = span * refused / finished    (span: the last window and this one so far)
 
-    clamped to [base_ms, max_ms]; ``base_ms`` while nothing has left in the span (no rate to
-    go by: a lone refusal of a fresh router keeps the short hint). A fixed short hint under a
-    tenfold overload has every
+    clamped to [base_ms, max_ms]. While nothing has left in the span the drain is slower than
+    one request per span, so ``finished`` counts as 1 (an upper bound on the rate, the hint
+    a lower bound on the wait); only a lone refusal keeps ``base_ms`` (a fresh router at its
+    limit for a moment). Answering the base while nothing finished sent every client of a
+    tenfold overload back within 0.2 s for as long as the first admitted requests ran. A fixed
+    short hint under a tenfold overload has every
     refused client back within it, so the router spends its time refusing the same clients
     (and reading the bodies they send anyway); a hint that grows with the backlog spreads
     them over the time the admitted requests need."""
@@ -167,8 +170,9 @@ class RetryHint:
     def hint_ms(self, now: float) -> int:
         self._roll(now)
         refused, finished = self._now[0] + self._last[0], self._now[1] + self._last[1]
-        if refused == 0 or finished == 0:
+        if refused <= 1 and finished == 0:
             return self.base_ms
+        finished = max(1, finished)
         span_s = self.window_s + now % self.window_s  # the last window and this one so far
         ms = 1000 * span_s * refused / finished
         return int(min(self.max_ms, max(self.base_ms, ms)))

@@ -70,7 +70,11 @@ def test_retry_hint_grows_with_the_backlog_and_falls_as_requests_leave():
     h = RetryHint(base_ms=200, max_ms=20_000, window_s=2.0)
     assert h.hint_ms(100.0) == 200  # nothing refused: the base
     h.refused(100.0)
-    assert h.hint_ms(100.0) == 200  # refused, but nothing has left yet: no rate, the base
+    assert h.hint_ms(100.0) == 200  # one refused, nothing has left yet: a moment at the limit, the base
+    for _ in range(4):
+        h.refused(100.5)
+    # 5 refused and none left in 2.5 s: the drain is slower than 1 per 2.5 s, so at least 12.5 s.
+    assert h.hint_ms(100.5) == int(1000 * 2.5 * 5)
     h = RetryHint(base_ms=200, max_ms=20_000, window_s=2.0)
     for _ in range(10):
         h.finished(100.0)
