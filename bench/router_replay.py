@@ -61,6 +61,7 @@ from kv_index.client import RedisTimeouts, redis_client
 from kv_index.nodes import NodeInfo
 from kv_index.publisher import NodePublisher
 from kv_index.reader import IndexReader
+from kv_index.schema import tag
 from router.admission import SLO_CLASSES
 from router.cost_model import CostBook
 from router.placement import PlacementPolicy, TtftPolicy
@@ -315,7 +316,7 @@ def _index(client: redis.Redis, cfg: SimConfig) -> IndexLink:
 
 
 def _drop(client: redis.Redis, ns: str) -> None:
-    keys = list(client.scan_iter(f"{ns}:*", count=10_000))
+    keys = list(client.scan_iter(f"{tag(ns)}:*", count=10_000))
     for i in range(0, len(keys), 10_000):
         client.delete(*keys[i:i + 10_000])
 

@@ -30,7 +30,11 @@ class ClusterConfig:
     otlp_endpoint: str | None = like(RouterConfig, "otlp_endpoint", help="export traces to this OTLP/gRPC collector "
                                      "(default: $OTEL_EXPORTER_OTLP_ENDPOINT, else off)")
     # None: a private redis-server
-    redis_url: str | None = setting(None, flag="--redis-url", help="use this Redis instead of starting one")
+    redis_url: str | None = setting(None, flag="--redis-url", help="use this Redis instead of starting one "
+                                    "(redis+cluster://HOST:PORT: a Redis Cluster)")
+    # >0: start a private Redis Cluster of this many masters, a replica each (deploy/redis_cluster.py)
+    redis_cluster: int = setting(0, flag="--redis-cluster", help="start a local Redis Cluster of N masters, "
+                                 "a replica each, instead of one redis-server (0: one redis-server)")
     dashboard_port: int = setting(8265, flag="--dashboard-port")
     namespace: str = "pdserve"
     short_prompt_tokens: int = like(RouterConfig, "short_prompt_tokens", default=16)
@@ -100,6 +104,9 @@ class ClusterConfig:
     planner_record: str | None = like(PlannerConfig, "record")
 
     def __post_init__(self) -> None:
+        if self.redis_cluster < 0 or (self.redis_cluster and self.redis_url):
+            raise ValueError(f"redis_cluster must be >= 0 and is for a Redis this starts, not with redis_url "
+                             f"(got {self.redis_cluster}, {self.redis_url!r})")
         if self.prefill_nodes < 0 or self.decode_nodes < 1:
             raise ValueError("need at least one decode node and zero or more prefill nodes")
         _ = self.planner_config  # builds it: the planner's settings and bounds are refused here, before Ray starts

@@ -114,10 +114,11 @@ class RedisServer:
     """A redis-server child process bound to 127.0.0.1; use as a context manager."""
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1", password: str | None = None,
-                 appendonly: bool = False, maxmemory_mib: int = MAXMEMORY_MIB) -> None:
+                 appendonly: bool = False, maxmemory_mib: int = MAXMEMORY_MIB, extra_conf: tuple[str, ...] = ()) -> None:
         """``password``: None generates one; "" runs without (tests of a bare Redis).
         ``appendonly``: keep an append-only file in the data directory (``kill`` keeps it).
-        ``maxmemory_mib``: where Redis starts evicting index entries (0: never)."""
+        ``maxmemory_mib``: where Redis starts evicting index entries (0: never).
+        ``extra_conf``: more lines of its config file (deploy/redis_cluster.py's cluster mode)."""
         if maxmemory_mib < 0:
             raise ValueError(f"maxmemory_mib must be >= 0 (0: unbounded), got {maxmemory_mib}")
         self.host = host
@@ -125,6 +126,7 @@ class RedisServer:
         self.port = port or free_port(host)
         self.appendonly = appendonly
         self.maxmemory_mib = maxmemory_mib
+        self.extra_conf = tuple(extra_conf)
         self.proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
 
@@ -149,6 +151,8 @@ class RedisServer:
         with os.fdopen(fd, "w") as f:
             if self.password:  # token_urlsafe's alphabet, or the caller's: quoted for the parser
                 f.write(f'requirepass "{_conf_escape(self.password)}"\n')
+            for line in self.extra_conf:
+                f.write(line + "\n")
         args = [
             find_redis_server(), str(conf),
             "--bind", self.host,

@@ -37,21 +37,22 @@ import redis
 
 from kv_index.nodes import Role
 from kv_index.roles import WISH_TTL_S, desired_key, encode_wish, generation_and_time, generation_key
+from kv_index.schema import tag
 
 CHANGES_KEPT = 50  # entries of the change log: enough for `pdserve status` and a post-mortem
 META_FIELDS = ("reason", "by", "at", "gen", "until")
 
 
 def targets_key(ns: str) -> str:
-    return f"{ns}:pool_targets"
+    return f"{tag(ns)}:pool_targets"
 
 
 def changes_key(ns: str) -> str:
-    return f"{ns}:pool_changes"
+    return f"{tag(ns)}:pool_changes"
 
 
 def ids_key(ns: str) -> str:
-    return f"{ns}:pool_ids"
+    return f"{tag(ns)}:pool_ids"
 
 
 # HSET KEYS[1] ARGV[1] ARGV[2] unless it holds more already; -> the value held after.
