@@ -89,6 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=str(_TRACE), help="the replay of the local copy's staleness and placement "
                    "check ('': none)")
     p.add_argument("--replay-requests", type=int, default=1000, help="the replay's first N requests")
+    p.add_argument("--redis-cluster", default="", help="also look up on local Redis Clusters of these master "
+                   "counts, e.g. 1,3 (bench/kv_index_cluster.py; '': none)")
 
 
 def chains(args, rng: random.Random) -> list[list[int]]:
@@ -219,6 +221,10 @@ def run(args: argparse.Namespace, report) -> dict:
         if args.trace:
             report.progress(f"local copy on the replay: {args.replay_requests} requests of {Path(args.trace).name}")
             out["replay"] = replay(r, args)
+        if args.redis_cluster:
+            from bench.kv_index_cluster import run_clusters
+
+            out["cluster"] = run_clusters(r, all_chains, args, report)
         r.close()
     out["local_lookups_per_s"] = out["local"]["local_lookups_per_s"]
     out["bytes_per_cached_token"] = out["tiered"]["bytes_per_cached_token"]
@@ -226,7 +232,8 @@ def run(args: argparse.Namespace, report) -> dict:
     out["memory_ratio"] = out["tiered"]["memory_ratio"]
     out["placement_identical"] = out["local"]["identical"] == out["local"]["lookups"] and (
         "replay" not in out or out["replay"]["placement_identical"]) and all(
-        m["same_as_legacy"] for m in [out["device"], out["tiered"], *out["coarser"]])
+        m["same_as_legacy"] for m in [out["device"], out["tiered"], *out["coarser"]]) and all(
+        m["placement_identical"] for m in out.get("cluster", []))
     out["entry_ratio"] = round(out["tiered"]["bytes_per_entry"] / out["device"]["bytes_per_entry"], 3)
     rows = [[name, m["granularity_tokens"], m["entries"], m["redis_bytes"] / 2**20, m["bytes_per_entry"],
              m["bytes_per_cached_token"], m["legacy_bytes_per_cached_token"], m["lookups_per_s"],

@@ -87,11 +87,12 @@ class RedisClusterServer:
             for i in range(m):
                 clients[i].execute_command("CLUSTER", "ADDSLOTS", *range(i * SLOTS // m, (i + 1) * SLOTS // m))
                 clients[i].execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
-            for n in self.nodes[1:]:
-                clients[0].execute_command("CLUSTER", "MEET", n.host, n.port)
             ids = [c.execute_command("CLUSTER", "MYID") for c in clients]
             ids = [x.decode() if isinstance(x, bytes) else x for x in ids]
-            self._until(lambda: all(_known(c) >= len(self.nodes) for c in clients), timeout, "the nodes to meet")
+            for n in self.nodes[1:]:
+                clients[0].execute_command("CLUSTER", "MEET", n.host, n.port)
+            # Known by id, past the handshake (a node in handshake shows a random id of its own).
+            self._until(lambda: all(_knows(c, ids) for c in clients), timeout, "the nodes to meet")
             for i in range(m):
                 for j in range(self.replicas):
                     clients[m + i * self.replicas + j].execute_command("CLUSTER", "REPLICATE", ids[i])
@@ -145,11 +146,14 @@ def _info(c: redis.Redis, section: str) -> dict:
         return {}
 
 
-def _known(c: redis.Redis) -> int:
+def _knows(c: redis.Redis, ids: list[str]) -> bool:
     try:
-        return len(c.execute_command("CLUSTER", "NODES").decode().strip().splitlines())
-    except (redis.RedisError, AttributeError):
-        return 0
+        text = c.execute_command("CLUSTER", "NODES")
+    except redis.RedisError:
+        return False
+    text = text.decode() if isinstance(text, bytes) else text
+    known = {line.split()[0] for line in text.strip().splitlines() if "handshake" not in line and "noaddr" not in line}
+    return set(ids) <= known
 
 
 def _state_ok(c: redis.Redis) -> bool:
