@@ -51,6 +51,12 @@ MAXMEMORY_MIB = 1024
 # per eviction (Redis's default is 5) bring the approximation close to exact.
 MAXMEMORY_POLICY = "volatile-lfu"
 MAXMEMORY_SAMPLES = 10
+# The KV index's 4,096 bucket hashes (kv_index/schema.py) stay flat ziplists / listpacks, about 15
+# bytes per (block, node) entry, up to this many fields each; past it Redis turns a bucket into a
+# hash table at about 5x the memory. 512 (Redis's default is 128) covers 2M distinct blocks; a
+# field lookup in a flat bucket is a linear scan, a few microseconds at 512. The name is Redis
+# 6's; Redis 7 and later take it as an alias of hash-max-listpack-entries.
+HASH_MAX_ZIPLIST_ENTRIES = 512
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -165,6 +171,7 @@ class RedisServer:
             "--maxmemory", f"{self.maxmemory_mib}mb",
             "--maxmemory-policy", MAXMEMORY_POLICY,
             "--maxmemory-samples", str(MAXMEMORY_SAMPLES),
+            "--hash-max-ziplist-entries", str(HASH_MAX_ZIPLIST_ENTRIES),
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      start_new_session=True, preexec_fn=_die_with_parent)
