@@ -91,7 +91,7 @@ class NodePublisher:
     def _renew(self, fields: Mapping) -> int:
         flat = [x for kv in fields.items() for x in kv]
         return self._lease(keys=[self._key, nodes_key(self.ns)],
-                           args=[self.info.node_id, "", self.lease_ms, *flat])
+                           args=[self.info.node_id, self.lease_ms, *flat])
 
     def publish(self, stored: TierHashes = (), removed: TierHashes = (), cleared: bool = False) -> bool:
         """Apply one batch of block events (chained hashes) in one round trip, as batch

@@ -58,15 +58,15 @@ local function drop_all(s)
 end
 """ % (INDEX_TTL_S * 1000, EVENT_STREAM_MAXLEN, BUCKETS - 1)
 
-# Refreshes a node's lease (``lease_until`` = Redis's TIME + ARGV[3] ms) and registry fields.
-#   KEYS: node HASH, nodes SET;  ARGV: node_id, unused, lease_ms, field, value, ...
+# Refreshes a node's lease (``lease_until`` = Redis's TIME + ARGV[2] ms) and registry fields.
+#   KEYS: node HASH, nodes SET;  ARGV: node_id, lease_ms, field, value, ...
 #   -> 1 if the node's index state is intact (its seq is there), else 0
 LEASE = """
 local intact = redis.call('HEXISTS', KEYS[1], 'seq')
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
-if #ARGV > 3 then redis.call('HSET', KEYS[1], unpack(ARGV, 4)) end
-redis.call('HSET', KEYS[1], 'lease_until', now + tonumber(ARGV[3]))
+if #ARGV > 2 then redis.call('HSET', KEYS[1], unpack(ARGV, 3)) end
+redis.call('HSET', KEYS[1], 'lease_until', now + tonumber(ARGV[2]))
 redis.call('SADD', KEYS[2], ARGV[1])
 return intact
 """

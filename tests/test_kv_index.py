@@ -302,3 +302,25 @@ def test_onboard_totals_reach_the_routers_cost_book(r):
     fits = {(f.node_id, f.tier): f for f in costs.onboard_fits()}
     assert fits["o", "host"].onboards == 2 and fits["o", "disk"].onboards == 1  # the disk total did not move
     assert refresher.view.nodes[0].onboard_host == OnboardTotals(16 << 20, 0.02, 8)
+
+
+def test_the_256th_node_is_refused_by_name_and_a_freed_slot_inherits_nothing(r):
+    from kv_index.publisher import IndexFull
+    from kv_index.schema import MAX_SLOTS, slots_key
+
+    h = hash_prompt_blocks(list(range(64)), 16, b"fp")
+    pubs = [NodePublisher(r, node(f"n{i}"), lease_s=60) for i in range(MAX_SLOTS)]
+    for p in pubs:
+        p.register()
+    assert pubs[7].publish(stored=h)
+    late = NodePublisher(r, node("late"), lease_s=60)
+    with pytest.raises(IndexFull, match=r"late.*255"):
+        late.register()
+    assert r.hlen(slots_key("pdserve")) == MAX_SLOTS
+    slot = int(r.hget(slots_key("pdserve"), "n7"))
+    pubs[7].deregister()
+    late.register()  # n7's slot, none of n7's entries
+    assert int(r.hget(slots_key("pdserve"), "late")) == slot
+    assert blocks(IndexReader(r).match(h, ["late", "n7"])) == {"late": 0, "n7": 0}
+    assert late.publish(stored=h[:2])
+    assert blocks(IndexReader(r).match(h, ["late"])) == {"late": 2}
