@@ -92,3 +92,19 @@ def reply_timeout(client) -> float | None:
         return pool.connection_kwargs.get("socket_timeout")
     manager = getattr(client, "nodes_manager", None)
     return manager.connection_kwargs.get("socket_timeout") if manager is not None else None
+
+
+def execute_with_time(r, p, key: str, at: int) -> list:
+    """Execute pipeline ``p`` (built on ``r``, without TIME) and put Redis's TIME among its
+    results at index ``at``. One round trip on one Redis (TIME rides in the pipeline); on a
+    Redis Cluster, where a pipeline cannot carry TIME, a second call asks the master serving
+    ``key`` (the index's hash tag: the clock the scripts use)."""
+    if hasattr(r, "get_node_from_key"):
+        out = list(p.execute())
+        t = r.time(target_nodes=r.get_node_from_key(key))
+    else:
+        p.time()
+        out = list(p.execute())
+        t = out.pop()
+    out.insert(at, t)
+    return out

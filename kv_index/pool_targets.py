@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import redis
 
+from kv_index.client import execute_with_time
 from kv_index.nodes import Role
 from kv_index.roles import WISH_TTL_S, desired_key, encode_wish, generation_and_time, generation_key
 from kv_index.schema import tag
@@ -136,8 +137,7 @@ class PoolTargets:
         p = self.r.pipeline(transaction=False)
         p.hgetall(targets_key(self.ns))
         p.get(generation_key(self.ns))
-        p.time()
-        raw, gen, (sec, usec) = p.execute()
+        raw, gen, (sec, usec) = execute_with_time(self.r, p, generation_key(self.ns), 2)
         h = {k.decode(): v.decode() for k, v in raw.items()}
         if not h or h.get("gen", "") != (gen or b"").decode():
             return None

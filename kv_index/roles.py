@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from kv_index.client import execute_with_time
 from kv_index.nodes import Role
 from kv_index.schema import nodes_key, tag
 
@@ -87,8 +88,7 @@ def generation_and_time(r: redis.Redis, ns: str) -> tuple[str, float]:
     """The current generation ("" where no start path set one) and the Redis server's clock."""
     p = r.pipeline(transaction=False)
     p.get(generation_key(ns))
-    p.time()
-    gen, (sec, usec) = p.execute()
+    gen, (sec, usec) = execute_with_time(r, p, generation_key(ns), 1)
     return (gen or b"").decode(), sec + usec / 1e6
 
 
@@ -200,10 +200,9 @@ class RoleStore:
         """The standing wish of ``node_id`` (refused or not), or None."""
         p = self.r.pipeline(transaction=False)
         p.get(generation_key(self.ns))
-        p.time()
         p.hget(desired_key(self.ns), node_id)
         p.hget(refused_key(self.ns), node_id)
-        gen, (sec, usec), raw, refusal = p.execute()
+        gen, (sec, usec), raw, refusal = execute_with_time(self.r, p, generation_key(self.ns), 1)
         return decode_wish(raw, (gen or b"").decode(), sec + usec / 1e6, refusal)
 
     def desired(self, node_id: str) -> Role | None:
@@ -246,10 +245,9 @@ class RoleStore:
         """Node id -> its standing wish (refused ones included), one round trip."""
         p = self.r.pipeline(transaction=False)
         p.get(generation_key(self.ns))
-        p.time()
         p.hgetall(desired_key(self.ns))
         p.hgetall(refused_key(self.ns))
-        gen, (sec, usec), raw, refusals = p.execute()
+        gen, (sec, usec), raw, refusals = execute_with_time(self.r, p, generation_key(self.ns), 1)
         gen, now = (gen or b"").decode(), sec + usec / 1e6
         out = {}
         for nid, value in raw.items():
