@@ -62,8 +62,8 @@ class RedisClusterServer:
 
     @property
     def url(self) -> str:
-        """``redis+cluster://`` at the first node (the client finds the others)."""
-        plain = self.nodes[0].url
+        """``redis+cluster://`` at the first running node (the client finds the others)."""
+        plain = next((n for n in self.nodes if n.pid is not None), self.nodes[0]).url
         return "redis+cluster://" + plain.split("://", 1)[1].rsplit("/", 1)[0]
 
     def admin(self, node: RedisServer) -> redis.Redis:

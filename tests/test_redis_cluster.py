@@ -106,6 +106,40 @@ def test_a_frozen_master_degrades_lookups_until_it_resumes(cluster):
     r.close()
 
 
+def test_the_registry_side_stores_and_status_work_on_a_cluster(cluster):
+    """Roles, pool targets and `pdserve status` read Redis's clock in their pipelines: on a
+    cluster, where a pipeline cannot carry TIME, they ask the index's master for it."""
+    from deploy.status import gather
+    from kv_index.nodes import Role
+    from kv_index.pool_targets import PoolTargets
+    from kv_index.roles import RoleStore, start_generation
+
+    r = redis_client(cluster.url, TIMEOUTS)
+    ns = f"g-{uuid.uuid4().hex[:6]}"
+    start_generation(r, ns)
+    fill(r, ns)
+    PoolTargets(r, ns).set({Role.PREFILL: 1, Role.DECODE: 1}, "test")
+    roles = RoleStore(r, ns)
+    roles.request("a", Role.DECODE, "test")
+    assert roles.desired("a") is Role.DECODE and set(roles.wishes()) == {"a"}
+    assert PoolTargets(r, ns).get() == {Role.PREFILL: 1, Role.DECODE: 1}
+    report, _ = gather(r, ns)
+    assert report["index"]["entries"] == {"a": 40, "b": 30}
+    r.close()
+
+
+def test_up_takes_a_cluster_flag_and_refuses_it_beside_a_url():
+    import argparse
+
+    from deploy.cli import add_up_arguments, cluster_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_up_arguments(p)
+    assert cluster_config_from_args(p.parse_args(["--redis-cluster", "3"])).redis_cluster == 3
+    with pytest.raises(ValueError, match="redis_cluster"):
+        cluster_config_from_args(p.parse_args(["--redis-cluster", "3", "--redis-url", "redis+cluster://127.0.0.1:7000"]))
+
+
 def test_a_killed_master_fails_over_and_lookups_come_back_never_wrong(cluster):
     r = redis_client(cluster.url, TIMEOUTS)
     ns = f"k-{uuid.uuid4().hex[:6]}"
@@ -136,37 +170,3 @@ def test_a_killed_master_fails_over_and_lookups_come_back_never_wrong(cluster):
         r.close()
     except redis.RedisError:
         pass
-
-
-def test_up_takes_a_cluster_flag_and_refuses_it_beside_a_url():
-    import argparse
-
-    from deploy.cli import add_up_arguments, cluster_config_from_args
-
-    p = argparse.ArgumentParser()
-    add_up_arguments(p)
-    assert cluster_config_from_args(p.parse_args(["--redis-cluster", "3"])).redis_cluster == 3
-    with pytest.raises(ValueError, match="redis_cluster"):
-        cluster_config_from_args(p.parse_args(["--redis-cluster", "3", "--redis-url", "redis+cluster://127.0.0.1:7000"]))
-
-
-def test_the_registry_side_stores_and_status_work_on_a_cluster(cluster):
-    """Roles, pool targets and `pdserve status` read Redis's clock in their pipelines: on a
-    cluster, where a pipeline cannot carry TIME, they ask the index's master for it."""
-    from deploy.status import gather
-    from kv_index.nodes import Role
-    from kv_index.pool_targets import PoolTargets
-    from kv_index.roles import RoleStore, start_generation
-
-    r = redis_client(cluster.url, TIMEOUTS)
-    ns = f"g-{uuid.uuid4().hex[:6]}"
-    start_generation(r, ns)
-    fill(r, ns)
-    PoolTargets(r, ns).set({Role.PREFILL: 1, Role.DECODE: 1}, "test")
-    roles = RoleStore(r, ns)
-    roles.request("a", Role.DECODE, "test")
-    assert roles.desired("a") is Role.DECODE and set(roles.wishes()) == {"a"}
-    assert PoolTargets(r, ns).get() == {Role.PREFILL: 1, Role.DECODE: 1}
-    report, _ = gather(r, ns)
-    assert report["index"]["entries"] == {"a": 40, "b": 30}
-    r.close()
