@@ -17,13 +17,18 @@ and, for the tiered layout, the same chains indexed at coarser granularities (on
 block's hash published: what indexing g x 16-token blocks would store). Per layout:
 
     bytes_per_entry          (Redis used_memory - empty) / (block, node) entries
-    bytes_per_cached_token   the same over the tokens those entries stand for
+    bytes_per_cached_token   the same over the tokens those entries stand for (the compact
+                             bucket layout, kv_index/schema.py)
+    legacy_bytes_per_cached_token   the same blocks in the layout before it, a key per block
+                             (bench/kv_index_legacy.py), on an emptied Redis; ``memory_ratio``
+                             = compact / legacy
     lookups_per_s            one client, sequential MATCH calls (kv_index/reader.py) of
                              ``--prompt-blocks``-block prompts with all nodes as candidates,
                              half of them hits of a whole chain, half a random head and a miss
-    baseline_lookups_per_s   the same prompts through the lookup before tiers (HGETALL per
-                             block), alternated with the MATCH calls in two rounds;
-                             ``lookup_ratio`` = lookups_per_s / baseline_lookups_per_s
+    baseline_lookups_per_s   the same prompts through the legacy layout's lookup, both
+                             layouts filled side by side, alternated with the MATCH calls in
+                             two rounds; ``lookup_ratio`` = lookups_per_s / baseline_lookups_per_s;
+                             ``same_as_legacy``: every prompt got the same leading blocks
 
 ``entry_ratio`` = tiered / device bytes per entry (1.0: tiers cost no memory per entry).
 
@@ -45,7 +50,8 @@ caught up): ``staleness`` from a node's publish call to the local copy showing i
 p99, at the replay's event rate (the bench's own batches/s beside the trace's, the trace's time
 scaled to load 0.8 as in the router bench); ``placement_identical``: every lookup answered the
 same (same chains, same answers) and the replay placed on the copy's answers ended exactly as
-the replay placed on Redis's.
+the replay placed on Redis's. The top-level ``placement_identical`` also needs every layout's
+``same_as_legacy``.
 """
 from __future__ import annotations
 
@@ -55,6 +61,8 @@ import random
 import time
 from pathlib import Path
 
+from bench import kv_index_legacy as legacy
+from bench.kv_index_legacy import LegacyReader
 from deploy.redis_server import RedisServer
 from kv_index.client import RedisTimeouts, redis_client
 from kv_index.event_feed import EventFeed
@@ -67,27 +75,6 @@ from router.quantiles import upper_rank
 _TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces" / "conversation_trace.jsonl"
 
 BLOCK_SIZE = 16
-# The lookup before tiers (HGETALL of each block, every holder's field parsed), the baseline of
-# ``lookups_per_s``: the tiered MATCH asks only for the candidates still matching (HMGET).
-BASELINE_MATCH = """
-local alive, count = {}, {}
-local left = #ARGV
-for _, nid in ipairs(ARGV) do alive[nid] = true; count[nid] = 0 end
-for _, key in ipairs(KEYS) do
-  if left == 0 then break end
-  local h = redis.call('HGETALL', key)
-  local held = {}
-  for i = 1, #h, 2 do held[h[i]] = true end
-  for nid, _ in pairs(alive) do
-    if held[nid] then count[nid] = count[nid] + 1 else alive[nid] = nil; left = left - 1 end
-  end
-end
-local out = {}
-for _, nid in ipairs(ARGV) do
-  if count[nid] > 0 then out[#out + 1] = nid; out[#out + 1] = count[nid] end
-end
-return out
-"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,6 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=str(_TRACE), help="the replay of the local copy's staleness and placement "
                    "check ('': none)")
     p.add_argument("--replay-requests", type=int, default=1000, help="the replay's first N requests")
+    p.add_argument("--redis-cluster", default="", help="also look up on local Redis Clusters of these master "
+                   "counts, e.g. 1,3 (bench/kv_index_cluster.py; '': none)")
 
 
 def chains(args, rng: random.Random) -> list[list[int]]:
@@ -152,29 +141,23 @@ def fill(r, all_chains: list[list[list[int]]], tiered: bool, step: int) -> int:
     return entries
 
 
-def lookups(r, all_chains, args, rng: random.Random, step: int) -> tuple[float, float]:
-    """Lookups per second of the tiered MATCH and of the baseline script, alternated (A B A B)
-    over the same prompts so that a busy machine slows both alike."""
-    from kv_index.schema import block_key
-
-    reader = IndexReader(r)
-    baseline = r.register_script(BASELINE_MATCH)
+def lookups(r, all_chains, args, rng: random.Random, step: int) -> tuple[float, float, bool]:
+    """Lookups per second of the compact layout's MATCH and of the legacy layout's (the
+    baseline: bench/kv_index_legacy.py), alternated (A B A B) over the same prompts so that a
+    busy machine slows both alike; and whether every prompt got the same leading blocks."""
+    reader, legacy = IndexReader(r), LegacyReader(r)
     ids = [f"n{i:02d}" for i in range(len(all_chains))]
     prompts = bench_prompts(all_chains, args, rng, step)
-
-    def old_match(p):  # as IndexReader.match called it: keys built per lookup
-        return baseline(keys=[block_key(reader.ns, h) for h in p], args=ids)
-
-    reader.match(prompts[0], ids)  # loads the scripts
-    old_match(prompts[0])
+    same = all({n: m.blocks for n, m in reader.match(p, ids).items() if m.blocks} == legacy.match(p, ids)
+               for p in prompts)
     spent = [0.0, 0.0]
     for rounds in range(2):
-        for which, lookup in enumerate((lambda p: reader.match(p, ids), old_match)):
+        for which, lookup in enumerate((reader.match, legacy.match)):
             t0 = time.perf_counter()
             for p in prompts[rounds::2]:
-                lookup(p)
+                lookup(p, ids)
             spent[which] += time.perf_counter() - t0
-    return len(prompts) / spent[0], len(prompts) / spent[1]
+    return len(prompts) / spent[0], len(prompts) / spent[1], same
 
 
 def bench_prompts(all_chains, args, rng: random.Random, step: int = 1) -> list[list[int]]:
@@ -193,16 +176,30 @@ def bench_prompts(all_chains, args, rng: random.Random, step: int = 1) -> list[l
 
 
 def measure(r, all_chains, args, tiered: bool, step: int = 1) -> dict:
+    """Memory of each layout on an emptied Redis, then both filled side by side for the lookups."""
+    r.flushall()
+    base = used_memory(r)
+    fill_legacy(r, all_chains, tiered, step)
+    legacy_used = used_memory(r) - base
     r.flushall()
     base = used_memory(r)
     entries = fill(r, all_chains, tiered, step)
     used = used_memory(r) - base
-    rate, base = lookups(r, all_chains, args, random.Random(args.seed + 1), step)
+    fill_legacy(r, all_chains, tiered, step)
+    rate, base_rate, same = lookups(r, all_chains, args, random.Random(args.seed + 1), step)
     tokens = entries * step * BLOCK_SIZE  # an entry stands for step blocks of the chain
     return {"entries": entries, "redis_bytes": used, "bytes_per_entry": round(used / entries, 1),
-            "bytes_per_cached_token": round(used / tokens, 2), "lookups_per_s": round(rate),
-            "baseline_lookups_per_s": round(base), "lookup_ratio": round(rate / base, 3),
-            "granularity_tokens": step * BLOCK_SIZE}
+            "bytes_per_cached_token": round(used / tokens, 2),
+            "legacy_redis_bytes": legacy_used, "legacy_bytes_per_cached_token": round(legacy_used / tokens, 2),
+            "memory_ratio": round(used / legacy_used, 3), "lookups_per_s": round(rate),
+            "baseline_lookups_per_s": round(base_rate), "lookup_ratio": round(rate / base_rate, 3),
+            "same_as_legacy": same, "granularity_tokens": step * BLOCK_SIZE}
+
+
+def fill_legacy(r, all_chains, tiered: bool, step: int) -> None:
+    for i, node_chains in enumerate(all_chains):
+        info = NodeInfo(f"n{i:02d}", "prefill", f"127.0.0.1:{1000 + i}", "fp", BLOCK_SIZE, 1 << 20)
+        legacy.resync(r, info, snapshot(node_chains, tiered, step))
 
 
 def run(args: argparse.Namespace, report) -> dict:
@@ -224,17 +221,27 @@ def run(args: argparse.Namespace, report) -> dict:
         if args.trace:
             report.progress(f"local copy on the replay: {args.replay_requests} requests of {Path(args.trace).name}")
             out["replay"] = replay(r, args)
+        if args.redis_cluster:
+            from bench.kv_index_cluster import run_clusters
+
+            out["cluster"] = run_clusters(r, all_chains, args, report)
         r.close()
     out["local_lookups_per_s"] = out["local"]["local_lookups_per_s"]
     out["bytes_per_cached_token"] = out["tiered"]["bytes_per_cached_token"]
+    out["legacy_bytes_per_cached_token"] = out["tiered"]["legacy_bytes_per_cached_token"]
+    out["memory_ratio"] = out["tiered"]["memory_ratio"]
     out["placement_identical"] = out["local"]["identical"] == out["local"]["lookups"] and (
-        "replay" not in out or out["replay"]["placement_identical"])
+        "replay" not in out or out["replay"]["placement_identical"]) and all(
+        m["same_as_legacy"] for m in [out["device"], out["tiered"], *out["coarser"]]) and all(
+        m["placement_identical"] for m in out.get("cluster", []))
     out["entry_ratio"] = round(out["tiered"]["bytes_per_entry"] / out["device"]["bytes_per_entry"], 3)
     rows = [[name, m["granularity_tokens"], m["entries"], m["redis_bytes"] / 2**20, m["bytes_per_entry"],
-             m["bytes_per_cached_token"], m["lookups_per_s"], m["baseline_lookups_per_s"]]
+             m["bytes_per_cached_token"], m["legacy_bytes_per_cached_token"], m["lookups_per_s"],
+             m["baseline_lookups_per_s"]]
             for name, m in [("device", out["device"]), ("tiered", out["tiered"])]
             + [(f"tiered/{m['granularity_tokens']}", m) for m in out["coarser"]]]
-    report.table(["layout", "tokens/entry", "entries", "MiB", "B/entry", "B/token", "lookups/s", "baseline/s"], rows)
+    report.table(["layout", "tokens/entry", "entries", "MiB", "B/entry", "B/token", "legacy B/token", "lookups/s",
+                  "legacy/s"], rows)
     lo = out["local"]
     rows = [["local copy", lo["local_lookups_per_s"], lo["local_p50_us"], lo["local_p99_us"], lo["redis_lookups_per_s"],
              f"{lo['identical']}/{lo['lookups']}"],

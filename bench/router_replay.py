@@ -62,6 +62,7 @@ from kv_index.client import RedisTimeouts, redis_client
 from kv_index.nodes import NodeInfo
 from kv_index.publisher import NodePublisher
 from kv_index.reader import IndexReader
+from kv_index.schema import tag
 from router.admission import SLO_CLASSES
 from router.config import RouterConfig
 from router.cost_model import CostBook
@@ -336,7 +337,7 @@ def _index(client: redis.Redis, cfg: SimConfig) -> IndexLink:
 
 
 def _drop(client: redis.Redis, ns: str) -> None:
-    keys = list(client.scan_iter(f"{ns}:*", count=10_000))
+    keys = list(client.scan_iter(f"{tag(ns)}:*", count=10_000))
     for i in range(0, len(keys), 10_000):
         client.delete(*keys[i:i + 10_000])
 

@@ -120,11 +120,11 @@ class ChaosCluster:
 
     def index_blocks(self) -> int:
         """Block entries the nodes hold in the index (their published snapshots)."""
-        from kv_index.schema import node_blocks_key
+        from kv_index.schema import node_entries
 
         r = self.redis_client()
         try:
-            return sum(r.scard(node_blocks_key(self.namespace, nid)) for nid in self.local.actors)
+            return sum(node_entries(r, self.namespace, self.local.actors).values())
         finally:
             r.close()
 

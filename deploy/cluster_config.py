@@ -35,7 +35,11 @@ class ClusterConfig:
     routers: int = setting(1, flag="--routers", help="router replicas on the one gRPC and HTTP port, sharing "
                            "their load through Redis (default 1)")
     # None: a private redis-server
-    redis_url: str | None = setting(None, flag="--redis-url", help="use this Redis instead of starting one")
+    redis_url: str | None = setting(None, flag="--redis-url", help="use this Redis instead of starting one "
+                                    "(redis+cluster://HOST:PORT: a Redis Cluster)")
+    # >0: start a private Redis Cluster of this many masters, a replica each (deploy/redis_cluster.py)
+    redis_cluster: int = setting(0, flag="--redis-cluster", help="start a local Redis Cluster of N masters, "
+                                 "a replica each, instead of one redis-server (0: one redis-server)")
     dashboard_port: int = setting(8265, flag="--dashboard-port")
     namespace: str = "pdserve"
     short_prompt_tokens: int = like(RouterConfig, "short_prompt_tokens", default=16)
@@ -105,6 +109,9 @@ class ClusterConfig:
     planner_record: str | None = like(PlannerConfig, "record")
 
     def __post_init__(self) -> None:
+        if self.redis_cluster < 0 or (self.redis_cluster and self.redis_url):
+            raise ValueError(f"redis_cluster must be >= 0 and is for a Redis this starts, not with redis_url "
+                             f"(got {self.redis_cluster}, {self.redis_url!r})")
         if self.prefill_nodes < 0 or self.decode_nodes < 1:
             raise ValueError("need at least one decode node and zero or more prefill nodes")
         if self.engine.backend == "vllm" and (self.prefill_nodes or self.planner == "active"):

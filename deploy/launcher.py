@@ -73,7 +73,7 @@ class LocalCluster:
         # NodeConfig fields of particular nodes, by node id (`pdserve chaos` puts one decode
         # node behind its loopback proxy: a fixed gRPC port, the proxy's port advertised).
         self.node_fields = dict(node_fields or {})
-        self.redis: RedisServer | None = None
+        self.redis = None  # the RedisServer or RedisClusterServer it started
         self.redis_url: str | None = config.redis_url
         self.router = None
         self.router_procs: list = []  # deploy.router_process.RouterProcess: replicas 2..N
@@ -117,7 +117,13 @@ class LocalCluster:
         engine_cfg = replace(cfg.engine, model=str(model_dir), num_threads=cfg.node_threads)
         model_cfg = read_model_config(model_dir)
 
-        if self.redis_url is None:
+        if self.redis_url is None and cfg.redis_cluster:
+            from deploy.redis_cluster import RedisClusterServer
+
+            self.progress(f"starting a Redis Cluster on 127.0.0.1: {cfg.redis_cluster} masters, a replica each")
+            self.redis = RedisClusterServer(cfg.redis_cluster, host=cfg.host).start()
+            self.redis_url = self.redis.url
+        elif self.redis_url is None:
             self.progress("starting redis-server on 127.0.0.1 (password-protected)")
             self.redis = RedisServer(host=cfg.host).start()
             self.redis_url = self.redis.url

@@ -51,6 +51,12 @@ MAXMEMORY_MIB = 1024
 # per eviction (Redis's default is 5) bring the approximation close to exact.
 MAXMEMORY_POLICY = "volatile-lfu"
 MAXMEMORY_SAMPLES = 10
+# The KV index's 4,096 bucket hashes (kv_index/schema.py) stay flat ziplists / listpacks, about 15
+# bytes per (block, node) entry, up to this many fields each; past it Redis turns a bucket into a
+# hash table at about 5x the memory. 512 (Redis's default is 128) covers 2M distinct blocks; a
+# field lookup in a flat bucket is a linear scan, a few microseconds at 512. The name is Redis
+# 6's; Redis 7 and later take it as an alias of hash-max-listpack-entries.
+HASH_MAX_ZIPLIST_ENTRIES = 512
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -114,10 +120,11 @@ class RedisServer:
     """A redis-server child process bound to 127.0.0.1; use as a context manager."""
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1", password: str | None = None,
-                 appendonly: bool = False, maxmemory_mib: int = MAXMEMORY_MIB) -> None:
+                 appendonly: bool = False, maxmemory_mib: int = MAXMEMORY_MIB, extra_conf: tuple[str, ...] = ()) -> None:
         """``password``: None generates one; "" runs without (tests of a bare Redis).
         ``appendonly``: keep an append-only file in the data directory (``kill`` keeps it).
-        ``maxmemory_mib``: where Redis starts evicting index entries (0: never)."""
+        ``maxmemory_mib``: where Redis starts evicting index entries (0: never).
+        ``extra_conf``: more lines of its config file (deploy/redis_cluster.py's cluster mode)."""
         if maxmemory_mib < 0:
             raise ValueError(f"maxmemory_mib must be >= 0 (0: unbounded), got {maxmemory_mib}")
         self.host = host
@@ -125,6 +132,7 @@ class RedisServer:
         self.port = port or free_port(host)
         self.appendonly = appendonly
         self.maxmemory_mib = maxmemory_mib
+        self.extra_conf = tuple(extra_conf)
         self.proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
 
@@ -149,6 +157,8 @@ class RedisServer:
         with os.fdopen(fd, "w") as f:
             if self.password:  # token_urlsafe's alphabet, or the caller's: quoted for the parser
                 f.write(f'requirepass "{_conf_escape(self.password)}"\n')
+            for line in self.extra_conf:
+                f.write(line + "\n")
         args = [
             find_redis_server(), str(conf),
             "--bind", self.host,
@@ -161,6 +171,7 @@ class RedisServer:
             "--maxmemory", f"{self.maxmemory_mib}mb",
             "--maxmemory-policy", MAXMEMORY_POLICY,
             "--maxmemory-samples", str(MAXMEMORY_SAMPLES),
+            "--hash-max-ziplist-entries", str(HASH_MAX_ZIPLIST_ENTRIES),
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      start_new_session=True, preexec_fn=_die_with_parent)

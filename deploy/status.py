@@ -375,35 +375,31 @@ def scrape(address: str, timeout: float = SCRAPE_TIMEOUT_S) -> Sample | str:
 
 
 def index_size(r, ns: str, node_ids, max_scan_calls: int = MAX_SCAN_CALLS) -> dict:
-    """Block keys (``{ns}:blk:*``, counted with SCAN, never KEYS), each node's entries (SCARD
-    of ``{ns}:nodeblk:{id}``, O(1) each) and what they cost: Redis's memory beyond its empty
-    state per entry and per cached token (``node_ids`` a mapping to ``NodeInfo``: each node's
-    entries count its block size in tokens). The index is nearly all of that memory; the
-    registry and step streams are a few KiB per node, other namespaces on the same Redis
-    count too."""
-    from kv_index.schema import node_blocks_key
+    """Blocks indexed (the fields of the ``{ns}:b:*`` buckets, HLEN each, one pipelined round
+    trip), each node's entries (its registry ``held`` count, O(1)) and what they cost: Redis's
+    memory beyond its empty state per entry and per cached token (``node_ids`` a mapping to
+    ``NodeInfo``: each node's entries count its block size in tokens). The index is nearly all
+    of that memory; the registry and step streams are a few KiB per node, other namespaces on
+    the same Redis count too. ``max_scan_calls``: kept for callers; the bucket count is fixed."""
+    from kv_index.schema import BUCKETS, bucket_key, node_entries, nodes_key
 
     ids = sorted(node_ids)
+    entries = node_entries(r, ns, ids)
     p = r.pipeline(transaction=False)
-    for nid in ids:
-        p.scard(node_blocks_key(ns, nid))
-    p.info("memory")
-    *counts, mem = p.execute()
-    entries = dict(zip(ids, (int(n) for n in counts)))
+    for b in range(BUCKETS):
+        p.hlen(bucket_key(ns, b))
+    blocks = sum(int(n) for n in p.execute())
+    if hasattr(r, "get_node_from_key"):  # Redis Cluster: the master of the index's slot (one hash tag)
+        mem = r.info("memory", target_nodes=r.get_node_from_key(nodes_key(ns)))
+    else:
+        mem = r.info("memory")
     used = max(0, int(mem.get("used_memory", 0)) - int(mem.get("used_memory_startup", 0)))
     sizes = {nid: getattr(node_ids[nid], "block_size", 0) for nid in ids} if isinstance(node_ids, Mapping) else {}
     tokens = sum(n * sizes.get(nid, 0) for nid, n in entries.items())
     cost = {"redis_bytes": used,
             "bytes_per_entry": round(used / sum(entries.values()), 1) if sum(entries.values()) else None,
             "bytes_per_cached_token": round(used / tokens, 2) if tokens else None}
-    blocks, cursor, calls = 0, 0, 0
-    while True:
-        cursor, keys = r.scan(cursor, match=f"{ns}:blk:*", count=1000)
-        blocks += len(keys)
-        calls += 1
-        if int(cursor) == 0 or calls >= max_scan_calls:
-            break
-    return {"blocks": blocks, "blocks_complete": int(cursor) == 0, "entries": entries, **cost}
+    return {"blocks": blocks, "blocks_complete": True, "entries": entries, **cost}
 
 
 def gather(r, ns: str, *, router_metrics: str | None = None, prev: Mapping[str, Sample] | None = None,

@@ -21,11 +21,18 @@ index: at worst a node resyncs.
 
 redis-py's own defaults differ by release (none before 6, 5 s to connect and per reply since):
 nothing here depends on them.
+
+Redis Cluster: a ``redis+cluster://host:port`` URL (``rediss+cluster://`` with TLS) gives a
+``RedisCluster`` client, which finds the other masters from that one, follows slot moves and
+a failover to a replica (it refreshes its slot map when a master stops answering). The index's
+keys share one hash tag (kv_index/schema.py), so every script runs on one master. The same
+bounds apply to each connection it opens.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -46,13 +53,58 @@ class RedisTimeouts:
                 raise ValueError(f"Redis {name} must be a finite number of seconds > 0, got {v}")
 
 
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def is_cluster_url(url: str) -> bool:
+    return urlsplit(url).scheme in CLUSTER_SCHEMES
+
+
 def redis_client(url: str, timeouts: RedisTimeouts = RedisTimeouts()) -> redis.Redis:
     """A client for ``url`` (``redis://`` or ``rediss://``, password included: see
-    ``redis_url.resolve_redis_url``) whose every wait is bounded by ``timeouts``. Thread-safe:
-    its pool gives each thread a connection of its own."""
+    ``redis_url.resolve_redis_url``; ``redis+cluster://`` for a ``RedisCluster``) whose every
+    wait is bounded by ``timeouts``. Thread-safe: its pool gives each thread a connection of
+    its own."""
+    if is_cluster_url(url):
+        from redis.cluster import RedisCluster
+
+        parts = urlsplit(url)
+        return RedisCluster.from_url(
+            urlunsplit(parts._replace(scheme=CLUSTER_SCHEMES[parts.scheme])),
+            socket_connect_timeout=timeouts.connect_s,
+            socket_timeout=timeouts.reply_s,
+            # One retry, at once, after the slot map's refresh: a failed-over master's replica
+            # answers; a hung master costs one more timeout, never a backoff's sleep.
+            retry=Retry(NoBackoff(), 1),
+        )
     return redis.Redis.from_url(
         url,
         socket_connect_timeout=timeouts.connect_s,
         socket_timeout=timeouts.reply_s,
         retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
     )
+
+
+def reply_timeout(client) -> float | None:
+    """The reply bound (seconds) ``client`` was built with (None: unbounded), plain or cluster."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        return pool.connection_kwargs.get("socket_timeout")
+    manager = getattr(client, "nodes_manager", None)
+    return manager.connection_kwargs.get("socket_timeout") if manager is not None else None
+
+
+def execute_with_time(r, p, key: str, at: int) -> list:
+    """Execute pipeline ``p`` (built on ``r``, without TIME) and put Redis's TIME among its
+    results at index ``at``. One round trip on one Redis (TIME rides in the pipeline); on a
+    Redis Cluster, where a pipeline cannot carry TIME, a second call asks the master serving
+    ``key`` (the index's hash tag: the clock the scripts use)."""
+    if hasattr(r, "get_node_from_key"):
+        out = list(p.execute())
+        t = r.time(target_nodes=r.get_node_from_key(key))
+    else:
+        p.time()
+        out = list(p.execute())
+        t = out.pop()
+    out.insert(at, t)
+    return out

@@ -14,13 +14,13 @@ What it does when the stream cannot be followed, and why the copy ends equal any
                                       empty: resync everything (``full_sync``)
     a quiet stream whose count moved  the same, found without waiting for the next event
     a node's seq jumping, or a batch  resync that node: its entries and seq read in one script
-    of a node it never saw            (``SNAPSHOT_NODE``), later events up to the snapshot's
+    of a node it never saw            (``scripts.SNAPSHOT_NODE``), later events up to the snapshot's
                                       number skipped, the rest applied after it
     Redis unreachable                 keep the copy (stale) and retry; resync everything once
                                       it answers (it may have restarted)
 
-A full resync reads the stream's position first and every node after it, each node's snapshot
-taken at a number no smaller: an event is in the copy exactly once whatever was appended in
+A full resync reads the stream's position first and every node after it (one scan of the
+buckets, ``scripts.SNAPSHOT_ALL``), the snapshot taken at a number no smaller: an event is in the copy exactly once whatever was appended in
 between. Events of one node only touch that node's entries, so nodes resync independently.
 """
 from __future__ import annotations
@@ -32,23 +32,23 @@ from collections.abc import Callable
 
 import redis
 
+from kv_index.client import reply_timeout
 from kv_index.local_index import LocalIndex, parse_groups
-from kv_index.schema import DEFAULT_NS, events_count_key, events_key, node_blocks_key, node_key, nodes_key
+from kv_index.schema import (
+    DEFAULT_NS,
+    events_count_key,
+    events_key,
+    hash_of,
+    node_holdings,
+    nodes_key,
+    slots_key,
+    tag,
+    unpack_pairs,
+)
+from kv_index.scripts import SNAPSHOT_ALL
 
 log = logging.getLogger(__name__)
 READ_COUNT = 1024  # events per read
-
-# One node's entries and seq, and the event number they are as of, in one atomic call.
-#   KEYS: node HASH, node's block SET, events count;  ARGV: ns, node_id
-#   -> {seq or -1, events count, hex, mask, hex, mask, ...}
-SNAPSHOT_NODE = """
-local out = {redis.call('HGET', KEYS[1], 'seq') or '-1', redis.call('GET', KEYS[3]) or '0'}
-for _, hx in ipairs(redis.call('SMEMBERS', KEYS[2])) do
-  local m = redis.call('HGET', ARGV[1] .. ':blk:' .. hx, ARGV[2])
-  if m then out[#out + 1] = hx; out[#out + 1] = m end
-end
-return out
-"""
 
 # Where a reader starting now continues: the last event's id and number ("0-0" when the stream
 # is empty: every event appended later follows).  KEYS: stream, events count
@@ -72,13 +72,13 @@ class EventFeed:
                  on_event: Callable[[str, str, int], None] | None = None) -> None:
         self.r, self.ns = client, ns
         self.index = index if index is not None else LocalIndex()
-        reply_s = client.connection_pool.connection_kwargs.get("socket_timeout")
+        reply_s = reply_timeout(client)
         # A blocked read must return before the client's reply timeout would call it a failure.
         self._block_ms = max(1, int(1000 * (min(block_s, reply_s / 2) if reply_s else block_s)))
         self._retry_s = retry_s
         self._on_event = on_event
         self._stream, self._count = events_key(ns), events_count_key(ns)
-        self._snapshot = client.register_script(SNAPSHOT_NODE)
+        self._snapshot_all = client.register_script(SNAPSHOT_ALL)
         self._position = client.register_script(POSITION)
         self._last_id = "0-0"
         self.applied = 0  # number of the last event in the copy
@@ -158,12 +158,35 @@ class EventFeed:
         return entries
 
     def full_sync(self) -> None:
-        """Every node's entries from the durable copy (the stream position read first)."""
+        """Every node's entries from the durable copy (the stream position read first), in
+        one scan of the buckets for all nodes."""
         last_id, count = self._position(keys=[self._stream, self._count])
-        ids = {x.decode() for x in self.r.smembers(nodes_key(self.ns))} | set(self.index.nodes())
+        at, nodes, *buckets = self._snapshot_all(keys=[slots_key(self.ns), self._count, nodes_key(self.ns)],
+                                                 args=[tag(self.ns)])
+        at = int(at)
+        by_slot: dict[int, str] = {}
+        held: dict[str, dict[int, int]] = {}
+        seqs: dict[str, int] = {}
+        for i in range(0, len(nodes), 3):
+            nid = nodes[i].decode()
+            by_slot[int(nodes[i + 1])] = nid
+            held[nid], seqs[nid] = {}, int(nodes[i + 2])
+        for row in buckets:
+            b = int(row[0])
+            for j in range(1, len(row), 2):
+                h = hash_of(b, row[j])
+                for slot, mask in unpack_pairs(row[j + 1]):
+                    nid = by_slot.get(slot)
+                    if nid is not None:
+                        held[nid][h] = mask
         self._synced.clear()
-        for nid in sorted(ids):
-            self.resync_node(nid)
+        for nid in sorted(set(held) | set(self.index.nodes())):
+            if seqs.get(nid, -1) < 0 and not held.get(nid):
+                self.index.drop_node(nid)
+            else:
+                self.index.replace_node(nid, held[nid], seqs[nid])
+            self._synced[nid] = at
+            self.node_resyncs += 1
         with self._cond:
             self._last_id, self.applied = last_id.decode(), int(count)
             self._need_full = False
@@ -176,15 +199,11 @@ class EventFeed:
 
     def resync_node(self, node_id: str) -> None:
         """One node's entries and seq from the durable copy."""
-        ns = self.ns
-        out = self._snapshot(keys=[node_key(ns, node_id), node_blocks_key(ns, node_id), self._count],
-                             args=[ns, node_id])
-        seq, at, pairs = int(out[0]), int(out[1]), out[2:]
-        if seq < 0 and not pairs:  # neither registered nor holding anything
+        seq, at, held = node_holdings(self.r, self.ns, node_id)
+        if seq < 0 and not held:  # neither registered nor holding anything
             self.index.drop_node(node_id)
         else:
-            self.index.replace_node(node_id, {int(pairs[i], 16): int(pairs[i + 1]) for i in range(0, len(pairs), 2)},
-                                    seq)
+            self.index.replace_node(node_id, held, seq)
         self._synced[node_id] = at
         self.node_resyncs += 1
 
@@ -211,7 +230,7 @@ class EventFeed:
         have = self.index.node_seq(nid)
         if kind == "a":
             if have is not None and seq == have + 1:
-                self.index.apply(nid, seq, f[b"c"] == b"1", parse_groups(f[b"e"].decode()))
+                self.index.apply(nid, seq, f[b"c"] == b"1", parse_groups(f[b"e"]))
             elif have is None or seq > have + 1:  # a node it missed the start of, or a lost batch
                 self.resync_node(nid)
             # seq <= have: in the copy already (the node's snapshot was taken after it)

@@ -22,17 +22,19 @@ from dataclasses import dataclass
 
 import redis
 
+from kv_index.schema import tag
+
 STARTING, SERVING, UNHEALTHY, DOWN = "starting", "serving", "unhealthy", "down"
 # A record nobody rewrote for this long goes (a node removed for good leaves no trace forever).
 RECORD_TTL_S = 7 * 24 * 3600
 
 
 def health_set_key(ns: str) -> str:
-    return f"{ns}:health"
+    return f"{tag(ns)}:health"
 
 
 def health_key(ns: str, node_id: str) -> str:
-    return f"{ns}:health:{node_id}"
+    return f"{tag(ns)}:health:{node_id}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import struct
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -48,19 +49,28 @@ HINTS = 1024  # prompts kept for the writer to learn runs from (the oldest dropp
 Group = tuple[str, int, list[int]]
 
 
-def parse_groups(text: str) -> list[Group]:
-    """The groups of a stream entry's ``e`` field: the ``APPLY_EVENTS`` arguments after the
-    header, space-separated ("+ 0 2 hex hex - 1 1 hex"). ValueError if malformed."""
-    parts = text.split()
+def parse_groups(data: bytes) -> list[Group]:
+    """The groups of a stream entry's ``e`` field, as ``scripts.APPLY_EVENTS`` writes it: per
+    group its op ("+" or "-"), its tier (one digit), a 4-byte big-endian count and that many
+    8-byte big-endian hashes (``encode_groups``). ValueError if malformed."""
     out: list[Group] = []
-    i = 0
-    while i < len(parts):
-        op, tier, n = parts[i], int(parts[i + 1]), int(parts[i + 2])
-        if op not in ("+", "-") or not 0 <= tier < 8 or n < 0 or i + 3 + n > len(parts):
-            raise ValueError(f"malformed event group at {i}: {parts[i:i + 3]}")
-        out.append((op, tier, [int(h, 16) for h in parts[i + 3:i + 3 + n]]))
-        i += 3 + n
+    i, end = 0, len(data)
+    while i < end:
+        if i + 6 > end:
+            raise ValueError(f"malformed event group at byte {i}: truncated header")
+        op, tier, n = chr(data[i]), data[i + 1] - 48, int.from_bytes(data[i + 2:i + 6], "big")
+        j = i + 6 + 8 * n
+        if op not in ("+", "-") or not 0 <= tier < 8 or j > end:
+            raise ValueError(f"malformed event group at byte {i}: {data[i:i + 6]!r}")
+        out.append((op, tier, list(struct.unpack(f">{n}Q", data[i + 6:j]))))
+        i = j
     return out
+
+
+def encode_groups(groups: Iterable[Group]) -> bytes:
+    """``parse_groups``'s input for ``groups`` (what the script appends; tests build events)."""
+    return b"".join(op.encode() + str(tier).encode() + len(hs).to_bytes(4, "big") + struct.pack(f">{len(hs)}Q", *hs)
+                    for op, tier, hs in groups)
 
 
 class Holders:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import redis
 
+from kv_index.schema import tag
+
 _LEAD = """
 local v = redis.call('GET', KEYS[1])
 if not v then
@@ -42,11 +44,11 @@ return 0
 
 
 def leader_key(ns: str) -> str:
-    return f"{ns}:planner:leader"
+    return f"{tag(ns)}:planner:leader"
 
 
 def plan_key(ns: str) -> str:
-    return f"{ns}:plan"
+    return f"{tag(ns)}:plan"
 
 
 @dataclass(frozen=True, slots=True)

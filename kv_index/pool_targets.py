@@ -35,23 +35,25 @@ from dataclasses import dataclass
 
 import redis
 
+from kv_index.client import execute_with_time
 from kv_index.nodes import Role
 from kv_index.roles import WISH_TTL_S, desired_key, encode_wish, generation_and_time, generation_key
+from kv_index.schema import tag
 
 CHANGES_KEPT = 50  # entries of the change log: enough for `pdserve status` and a post-mortem
 META_FIELDS = ("reason", "by", "at", "gen", "until")
 
 
 def targets_key(ns: str) -> str:
-    return f"{ns}:pool_targets"
+    return f"{tag(ns)}:pool_targets"
 
 
 def changes_key(ns: str) -> str:
-    return f"{ns}:pool_changes"
+    return f"{tag(ns)}:pool_changes"
 
 
 def ids_key(ns: str) -> str:
-    return f"{ns}:pool_ids"
+    return f"{tag(ns)}:pool_ids"
 
 
 # HSET KEYS[1] ARGV[1] ARGV[2] unless it holds more already; -> the value held after.
@@ -135,8 +137,7 @@ class PoolTargets:
         p = self.r.pipeline(transaction=False)
         p.hgetall(targets_key(self.ns))
         p.get(generation_key(self.ns))
-        p.time()
-        raw, gen, (sec, usec) = p.execute()
+        raw, gen, (sec, usec) = execute_with_time(self.r, p, generation_key(self.ns), 2)
         h = {k.decode(): v.decode() for k, v in raw.items()}
         if not h or h.get("gen", "") != (gen or b"").decode():
             return None

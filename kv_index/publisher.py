@@ -8,8 +8,9 @@ gap, and the node then replaces all its entries with its snapshot (``resync``). 
 that changes entries also appends its event to the index's event stream, which routers' local
 copies follow (kv_index/event_feed.py).
 
-A node's lease is its HASH's TTL, refreshed by every heartbeat: when a node dies the HASH
-expires within ``lease_s`` and readers stop seeing it, so it stops receiving work.
+A node's lease is its HASH's ``lease_until`` field, on Redis's clock, set by every heartbeat: when
+a node dies readers stop seeing it within ``lease_s``, so it stops receiving work, and the next
+``IndexReader.prune_dead`` removes it. No key TTL: see kv_index/schema.py.
 """
 from __future__ import annotations
 
@@ -21,23 +22,29 @@ import redis
 from kv_index.matmul_curve import format_curve
 from kv_index.nodes import NodeInfo, StepReport
 from kv_index.schema import (
-    APPLY_EVENTS,
     DEFAULT_NS,
     LOAD_FIELDS,
-    RESYNC,
+    MAX_SLOTS,
     STEP_STREAM_MAXLEN,
     TIER_DEVICE,
     drop_node_blocks,
     event_keys,
-    node_blocks_key,
     node_key,
     nodes_key,
+    pack_hashes,
+    slots_key,
     steps_key,
+    tag,
     tier_bit,
 )
+from kv_index.scripts import APPLY_EVENTS, LEASE, RESYNC
 
 # Block hashes of one tier (the publisher's), or tier -> hashes.
 TierHashes = Iterable[int] | Mapping[int, Iterable[int]]
+
+
+class IndexFull(RuntimeError):
+    """Every one of the namespace's ``MAX_SLOTS`` index slots is held by another node."""
 
 
 class NodePublisher:
@@ -55,8 +62,10 @@ class NodePublisher:
         self.tier = tier
         self.seq = 0  # last event batch the index acknowledged
         self._key = node_key(ns, info.node_id)
+        self._keys = [self._key, slots_key(ns), *event_keys(ns)]
         self._apply = client.register_script(APPLY_EVENTS)
         self._resync = client.register_script(RESYNC)
+        self._lease = client.register_script(LEASE)
 
     def _identity(self) -> dict:
         i = self.info
@@ -76,14 +85,13 @@ class NodePublisher:
         resyncs from its snapshot."""
         fields = {k: load[k] for k in LOAD_FIELDS if k in load}
         fields["updated_at"] = time.time()
-        p = self.r.pipeline(transaction=True)
-        p.hexists(self._key, "seq")
-        # Re-create identity fields too: a heartbeat after an expiry re-registers the node.
-        p.hset(self._key, mapping={**fields, **self._identity()})
-        p.pexpire(self._key, self.lease_ms)
-        p.sadd(nodes_key(self.ns), self.info.node_id)
-        intact = p.execute()[0]
-        return bool(intact)
+        # Re-create identity fields too: a heartbeat after a prune re-registers the node.
+        return bool(self._renew({**fields, **self._identity()}))
+
+    def _renew(self, fields: Mapping) -> int:
+        flat = [x for kv in fields.items() for x in kv]
+        return self._lease(keys=[self._key, nodes_key(self.ns)],
+                           args=[self.info.node_id, self.lease_ms, *flat])
 
     def publish(self, stored: TierHashes = (), removed: TierHashes = (), cleared: bool = False) -> bool:
         """Apply one batch of block events (chained hashes) in one round trip, as batch
@@ -94,11 +102,11 @@ class NodePublisher:
         if not (stored or removed or cleared):
             return True
         nid = self.info.node_id
-        args: list = [self.ns, nid, self.seq + 1, time.time(), "1" if cleared else "0"]
+        args: list = [tag(self.ns), nid, self.seq + 1, time.time(), "1" if cleared else "0"]
         for op, groups in (("-", removed), ("+", stored)):
             for tier, hashes in groups.items():
-                args += [op, tier, len(hashes), *[f"{h:016x}" for h in hashes]]
-        ok, _ = self._apply(keys=[self._key, node_blocks_key(self.ns, nid), *event_keys(self.ns)], args=args)
+                args += [op, tier, pack_hashes(hashes)]
+        ok, _ = self._apply(keys=self._keys, args=args)
         if ok:
             self.seq += 1
         return bool(ok)
@@ -106,26 +114,29 @@ class NodePublisher:
     def resync(self, held: Iterable[int] | Mapping[int, int]) -> None:
         """Replace every entry of this node with ``held`` (its snapshot: hashes of this
         publisher's ``tier``, or hash -> tier mask, ``schema.tier_bit``), re-registering it if
-        its lease had lapsed; one round trip plus the registry refresh."""
+        it had been pruned; one round trip plus the registry refresh. ``IndexFull`` when the
+        namespace's ``MAX_SLOTS`` slots are all taken by other nodes."""
         nid = self.info.node_id
-        p = self.r.pipeline(transaction=True)
-        p.hset(self._key, mapping={**self._identity(), "updated_at": time.time()})
-        p.pexpire(self._key, self.lease_ms)
-        p.sadd(nodes_key(self.ns), nid)
-        p.execute()
+        self._renew({**self._identity(), "updated_at": time.time()})
         seq = self.seq + 1
-        masks: dict[int, list[str]] = {}
+        masks: dict[int, list[int]] = {}
         if isinstance(held, Mapping):
             for h, mask in held.items():
                 if mask:
-                    masks.setdefault(mask, []).append(f"{h:016x}")
+                    masks.setdefault(mask, []).append(h)
         else:
-            masks[tier_bit(self.tier)] = [f"{h:016x}" for h in held]
-        args: list = [self.ns, nid, seq, time.time()]
-        for mask, hexes in masks.items():
-            if hexes:
-                args += [mask, len(hexes), *hexes]
-        self._resync(keys=[self._key, node_blocks_key(self.ns, nid), *event_keys(self.ns)], args=args)
+            masks[tier_bit(self.tier)] = list(held)
+        args: list = [tag(self.ns), nid, seq, time.time()]
+        for mask, hashes in masks.items():
+            if hashes:
+                args += [mask, pack_hashes(hashes)]
+        try:
+            self._resync(keys=self._keys, args=args)
+        except redis.ResponseError as e:
+            if "index full" in str(e):
+                raise IndexFull(f"node {nid} refused by the index: all {MAX_SLOTS} slots of namespace "
+                                f"{self.ns!r} are held by other nodes ({e})") from e
+            raise
         self.seq = seq
 
     def _by_tier(self, hashes: TierHashes) -> dict[int, list[int]]:
@@ -147,11 +158,5 @@ class NodePublisher:
         p.execute()
 
     def deregister(self) -> None:
-        p = self.r.pipeline(transaction=True)
-        self._drop_blocks(p)
-        p.delete(self._key, steps_key(self.ns, self.info.node_id))
-        p.srem(nodes_key(self.ns), self.info.node_id)
-        p.execute()
-
-    def _drop_blocks(self, p) -> None:
-        drop_node_blocks(self.r, p, self.ns, self.info.node_id)
+        """Leave the index: entries, slot, registry entry and step reports, in one script call."""
+        drop_node_blocks(self.r, self.ns, self.info.node_id)

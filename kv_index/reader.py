@@ -1,11 +1,12 @@
 """Router side of the index: the live nodes and, per node, how many leading prompt blocks it
 holds. Any number of routers read the same keys.
 
-A lookup is one script call (``schema.MATCH``): it walks the prompt's block keys in Redis and
+A lookup is one script call (``scripts.MATCH``): it walks the prompt's blocks in Redis and
 returns, per live node, its leading matched blocks and how many of them sit only in its host
 memory or on its disk (``PrefixMatch``), so a 4k-token prompt costs one round trip whatever
-its block count. Entries of dead nodes are ignored (lookups only count live ones) and
-removed by ``prune_dead`` (whose script appends the removal to the index's event stream).
+its block count. Entries of dead nodes (lease lapsed on Redis's clock) are ignored (lookups
+only count live ones) and removed by ``prune_dead`` (whose script appends the removal to the
+index's event stream).
 
 A router by default answers ``match`` from its own copy of the index instead
 (kv_index/local_index.py, fed by kv_index/event_feed.py): the same answer without the round
@@ -22,14 +23,15 @@ import redis
 from kv_index.nodes import NodeInfo, PrefixMatch, StepReport
 from kv_index.schema import (
     DEFAULT_NS,
-    MATCH,
     STEP_STREAM_MAXLEN,
-    block_key,
     drop_node_blocks,
-    node_key,
     nodes_key,
+    pack_hashes,
+    slots_key,
     steps_key,
+    tag,
 )
+from kv_index.scripts import LIVE_NODES, MATCH
 
 log = logging.getLogger(__name__)
 NO_MATCH = PrefixMatch(0)
@@ -45,17 +47,23 @@ class IndexReader:
         self.ns = ns
         self.round_trips = 0
         self._match = client.register_script(MATCH)
+        self._live = client.register_script(LIVE_NODES)
+        self._tag, self._slots = tag(ns), slots_key(ns)
+
+    def registry(self) -> tuple[int, dict[str, dict[bytes, bytes]]]:
+        """Redis's clock (ms) and every registered node's HASH, in one round trip."""
+        flat = self._live(keys=[nodes_key(self.ns)], args=[self._tag])
+        self.round_trips += 1
+        hashes = {flat[i].decode(): dict(zip(flat[i + 1][::2], flat[i + 1][1::2])) for i in range(1, len(flat), 2)}
+        return int(flat[0]), hashes
 
     def live_nodes(self) -> dict[str, NodeInfo]:
-        ids = sorted(x.decode() for x in self.r.smembers(nodes_key(self.ns)))
-        p = self.r.pipeline(transaction=False)
-        for nid in ids:
-            p.hgetall(node_key(self.ns, nid))
-        self.round_trips += 2
+        now_ms, hashes = self.registry()
         out = {}
-        for nid, h in zip(ids, p.execute()):
-            if not h:
-                continue  # lease expired: prune_dead removes the id
+        for nid in sorted(hashes):
+            h = hashes[nid]
+            if not h or int(h.get(b"lease_until", 0)) <= now_ms:
+                continue  # lease lapsed: prune_dead removes the node
             try:
                 out[nid] = NodeInfo.from_hash(nid, h)
             except (KeyError, ValueError) as e:  # a newer node kind, or a half-written entry
@@ -69,7 +77,8 @@ class IndexReader:
         out = {n: NO_MATCH for n in node_ids}
         if not block_hashes or not node_ids:
             return out
-        flat = self._match(keys=[block_key(self.ns, h) for h in block_hashes], args=list(node_ids))
+        flat = self._match(keys=[self._slots],
+                           args=[self._tag, len(node_ids), *node_ids, pack_hashes(block_hashes)])
         self.round_trips += 1
         for i in range(0, len(flat), 4):
             out[flat[i].decode()] = PrefixMatch(int(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3]))
@@ -93,16 +102,11 @@ class IndexReader:
         return out
 
     def prune_dead(self) -> list[str]:
-        """Forget nodes whose lease expired and remove their index entries."""
-        ids = [x.decode() for x in self.r.smembers(nodes_key(self.ns))]
-        p = self.r.pipeline(transaction=False)
-        for nid in ids:
-            p.exists(node_key(self.ns, nid))
-        dead = [nid for nid, alive in zip(ids, p.execute()) if not alive]
-        for nid in dead:
-            p = self.r.pipeline(transaction=True)
-            drop_node_blocks(self.r, p, self.ns, nid)
-            p.delete(steps_key(self.ns, nid))
-            p.srem(nodes_key(self.ns), nid)
-            p.execute()
-        return dead
+        """Forget nodes whose lease lapsed and remove their index entries (each checked again
+        in its removal's script: a node that renewed meanwhile stays)."""
+        now_ms, hashes = self.registry()
+        dead = []
+        for nid, h in hashes.items():
+            if int(h.get(b"lease_until", 0)) <= now_ms and drop_node_blocks(self.r, self.ns, nid, only_if_dead=True) >= 0:
+                dead.append(nid)
+        return sorted(dead)

@@ -5,8 +5,9 @@ lines, values files and process listings.
     redis://:s3cr%2Ft%40@redis.pdserve.svc:6379/0
 
 The password is percent-encoded: redis-py's ``from_url`` decodes it, so any character survives
-(a Kubernetes ``$(VAR)`` substitution into the URL would not encode it). ``rediss://`` (TLS) and
-a user name in the URL (Redis 6 ACLs) are kept as they are.
+(a Kubernetes ``$(VAR)`` substitution into the URL would not encode it). ``rediss://`` (TLS),
+``redis+cluster://`` (Redis Cluster, kv_index/client.py) and a user name in the URL (Redis 6
+ACLs) are kept as they are.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ def with_password(url: str, password: str) -> str:
     """``url`` with ``password`` as its password; a URL that already has one is an error (two
     sources of one secret would hide which is used)."""
     parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
-        raise ValueError(f"not a network Redis URL (redis://HOST or rediss://HOST): {url!r}")
+    if parts.scheme not in ("redis", "rediss", "redis+cluster", "rediss+cluster") or not parts.hostname:
+        raise ValueError(f"not a network Redis URL (redis://HOST, rediss://HOST, redis+cluster://HOST): {url!r}")
     if parts.password is not None:
         raise ValueError("the Redis URL already has a password; give it in one place only")
     user = quote(parts.username, safe="") if parts.username else ""

@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 
 import redis
 
+from kv_index.client import execute_with_time
 from kv_index.nodes import Role
-from kv_index.schema import nodes_key
+from kv_index.schema import nodes_key, tag
 
 # How long a wish stands unless its writer says otherwise: past the longest switch (a drain's
 # bound and a few retries), short enough that a wish nobody renews stops steering restarts.
@@ -49,24 +50,24 @@ DEFAULT_FLOORS = {Role.PREFILL: 0, Role.DECODE: 1}
 
 
 def generation_key(ns: str) -> str:
-    return f"{ns}:generation"
+    return f"{tag(ns)}:generation"
 
 
 def desired_key(ns: str) -> str:
-    return f"{ns}:role:desired"
+    return f"{tag(ns)}:role:desired"
 
 
 def refused_key(ns: str) -> str:
-    return f"{ns}:role:refused"
+    return f"{tag(ns)}:role:refused"
 
 
 def reason_key(ns: str) -> str:
     """Where an older build kept a wish's reason (now inside the wish): dropped with the wishes."""
-    return f"{ns}:role:reason"
+    return f"{tag(ns)}:role:reason"
 
 
 def switching_prefix(ns: str) -> str:
-    return f"{ns}:role:switching:"
+    return f"{tag(ns)}:role:switching:"
 
 
 def start_generation(r: redis.Redis, ns: str) -> str:
@@ -87,8 +88,7 @@ def generation_and_time(r: redis.Redis, ns: str) -> tuple[str, float]:
     """The current generation ("" where no start path set one) and the Redis server's clock."""
     p = r.pipeline(transaction=False)
     p.get(generation_key(ns))
-    p.time()
-    gen, (sec, usec) = p.execute()
+    gen, (sec, usec) = execute_with_time(r, p, generation_key(ns), 1)
     return (gen or b"").decode(), sec + usec / 1e6
 
 
@@ -158,7 +158,7 @@ def decode_wish(raw: bytes | None, gen: str, now: float, refusal: bytes | None =
 # and {1, others} returned; else {0, others}. "Serving": registered (its lease holds), not
 # draining, and no claim of this generation of its own (it is leaving the role too). One
 # script: two nodes that read the registry at once never both leave the last pair.
-#   KEYS: {ns}:nodes    ARGV: node_id, role, floor, generation, hold_ms, ns
+#   KEYS: {ns}:nodes    ARGV: node_id, role, floor, generation, hold_ms, the hash tag {ns}
 CLAIM = """
 local others = 0
 for _, nid in ipairs(redis.call('SMEMBERS', KEYS[1])) do
@@ -200,10 +200,9 @@ class RoleStore:
         """The standing wish of ``node_id`` (refused or not), or None."""
         p = self.r.pipeline(transaction=False)
         p.get(generation_key(self.ns))
-        p.time()
         p.hget(desired_key(self.ns), node_id)
         p.hget(refused_key(self.ns), node_id)
-        gen, (sec, usec), raw, refusal = p.execute()
+        gen, (sec, usec), raw, refusal = execute_with_time(self.r, p, generation_key(self.ns), 1)
         return decode_wish(raw, (gen or b"").decode(), sec + usec / 1e6, refusal)
 
     def desired(self, node_id: str) -> Role | None:
@@ -227,7 +226,7 @@ class RoleStore:
         gen, _ = generation_and_time(self.r, self.ns)
         ok, others = self._claim(keys=[nodes_key(self.ns)],
                                  args=[node_id, Role(from_role).value, int(floor), gen,
-                                       max(1, int(hold_s * 1000)), self.ns])
+                                       max(1, int(hold_s * 1000)), tag(self.ns)])
         return bool(ok), int(others)
 
     def release(self, node_id: str) -> None:
@@ -246,10 +245,9 @@ class RoleStore:
         """Node id -> its standing wish (refused ones included), one round trip."""
         p = self.r.pipeline(transaction=False)
         p.get(generation_key(self.ns))
-        p.time()
         p.hgetall(desired_key(self.ns))
         p.hgetall(refused_key(self.ns))
-        gen, (sec, usec), raw, refusals = p.execute()
+        gen, (sec, usec), raw, refusals = execute_with_time(self.r, p, generation_key(self.ns), 1)
         gen, now = (gen or b"").decode(), sec + usec / 1e6
         out = {}
         for nid, value in raw.items():

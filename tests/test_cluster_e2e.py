@@ -104,7 +104,7 @@ def test_every_token_has_its_logprob_on_the_disaggregated_path(local_cluster, sm
 
 def test_index_entries_appear_after_prefill(local_cluster):
     r = redis.Redis.from_url(local_cluster.redis_url)
-    assert r.keys(f"{local_cluster.config.namespace}:blk:*")
+    assert r.keys(f"{{{local_cluster.config.namespace}}}:b:*")
     nodes = IndexReader(r, local_cluster.config.namespace).live_nodes()
     assert {n.role for n in nodes.values()} == {Role.PREFILL, Role.DECODE}
     assert len(nodes) == 3

@@ -9,7 +9,7 @@ import redis
 from kv_index.nodes import NodeInfo, PrefixMatch
 from kv_index.publisher import NodePublisher
 from kv_index.reader import IndexReader
-from kv_index.schema import event_keys
+from kv_index.schema import event_keys, node_holdings, node_key
 from tokens.block_hash import hash_prompt_blocks
 
 
@@ -62,7 +62,7 @@ def test_the_matmul_curve_travels_with_the_registration(r):
     p.register()
     p.heartbeat({"running": 1})
     assert IndexReader(r).live_nodes()["c"].matmul_ms == curve
-    r.hset("pdserve:node:c", "matmul_ms", "1:40,x:3")  # unreadable: unknown, the node still listed
+    r.hset(node_key("pdserve", "c"), "matmul_ms", "1:40,x:3")  # unreadable: unknown, the node still listed
     assert IndexReader(r).live_nodes()["c"].matmul_ms == ()
 
 
@@ -77,7 +77,7 @@ def test_lease_expiry_hides_a_dead_node_and_prune_removes_its_entries(r):
     assert "dead" not in reader.live_nodes()
     assert reader.prune_dead() == ["dead"]
     assert blocks(reader.match(h, ["dead"])) == {"dead": 0}
-    assert not r.keys("pdserve:blk:*")
+    assert not r.keys("{pdserve}:b:*")
 
 
 def test_reregistration_drops_what_a_restarted_node_published(r):
@@ -92,7 +92,7 @@ def test_reregistration_drops_what_a_restarted_node_published(r):
     assert blocks(IndexReader(r).match(h, ["n"])) == {"n": 0}
     p.deregister()
     # Nothing of the node is left; the index's event stream (routers' local copies) stays.
-    assert set(r.keys("pdserve:*")) <= {k.encode() for k in event_keys("pdserve")}
+    assert set(r.keys("{pdserve}:*")) <= {k.encode() for k in event_keys("pdserve")}
 
 
 # ----------------------------------------------------------------------------- at scale
@@ -100,7 +100,7 @@ import threading  # noqa: E402
 
 from kv_index.events import BlockRemoved, BlockStored  # noqa: E402
 from kv_index.nodes import StepReport, index_freshness
-from kv_index.schema import TIER_HOST, node_blocks_key
+from kv_index.schema import TIER_HOST
 from node.publisher import IndexPublisherThread  # noqa: E402
 
 
@@ -149,11 +149,7 @@ def test_concurrent_publishers_leave_each_node_exactly_its_blocks(r):
     for nid in ids:
         held = set(chains[nid]) - {h for i in range(10, 60, 5) for h in chains[nid][i - 10:i - 8]}
         held |= set(shared[:20])
-        got = {int(x, 16) for x in r.smembers(node_blocks_key("pdserve", nid))}
-        assert got == held
-        # block -> holders agrees with node -> blocks
-        for h in held:
-            assert r.hget(f"pdserve:blk:{h:016x}", nid) is not None
+        assert set(node_holdings(r, "pdserve", nid)[2]) == held
     assert blocks(reader.match(shared, ids)) == {nid: 20 for nid in ids}
 
 
@@ -237,14 +233,13 @@ def test_a_block_in_several_tiers_is_added_and_removed_per_tier(r):
     # Removing a tier a block is not in changes nothing; removing its last tier removes the entry.
     assert p.publish(removed={TIER_DEVICE: h[4:5], TIER_HOST: h[3:4], TIER_DISK: h[3:4]})
     assert reader.match(h, ["t"]) == {"t": PrefixMatch(3, host=3)}
-    assert r.hget(f"pdserve:blk:{h[3]:016x}", "t") is None
-    held = {int(x, 16) for x in r.smembers(node_blocks_key("pdserve", "t"))}
-    assert held == set(h) - {h[3]}
+    held = node_holdings(r, "pdserve", "t")[2]
+    assert h[3] not in held and set(held) == set(h) - {h[3]}
     # A batch stores and removes in one round trip: removals first, then stores.
     assert p.publish(stored={TIER_DEVICE: h[3:4]}, removed={TIER_HOST: h[3:4]})
     assert reader.match(h, ["t"]) == {"t": PrefixMatch(6, host=3, disk=2)}
     assert p.publish(cleared=True)
-    assert reader.match(h, ["t"]) == {"t": PrefixMatch(0)} and not r.smembers(node_blocks_key("pdserve", "t"))
+    assert reader.match(h, ["t"]) == {"t": PrefixMatch(0)} and not node_holdings(r, "pdserve", "t")[2]
 
 
 def test_resync_restores_every_tier_of_the_snapshot(r):
@@ -258,8 +253,8 @@ def test_resync_restores_every_tier_of_the_snapshot(r):
     p.resync({h[0]: dev | host, h[1]: host, h[2]: disk | host, h[3]: disk, h[4]: 0})
     reader = IndexReader(r)
     assert reader.match(h, ["s"]) == {"s": PrefixMatch(4, host=2, disk=1)}
-    assert {int(x, 16) for x in r.smembers(node_blocks_key("pdserve", "s"))} == set(h[:4])
-    assert int(r.hget(f"pdserve:blk:{h[2]:016x}", "s")) == disk | host
+    held = node_holdings(r, "pdserve", "s")[2]
+    assert set(held) == set(h[:4]) and held[h[2]] == disk | host
 
 
 def test_publisher_thread_folds_tier_moves_and_resyncs_them(r):
@@ -307,3 +302,25 @@ def test_onboard_totals_reach_the_routers_cost_book(r):
     fits = {(f.node_id, f.tier): f for f in costs.onboard_fits()}
     assert fits["o", "host"].onboards == 2 and fits["o", "disk"].onboards == 1  # the disk total did not move
     assert refresher.view.nodes[0].onboard_host == OnboardTotals(16 << 20, 0.02, 8)
+
+
+def test_the_256th_node_is_refused_by_name_and_a_freed_slot_inherits_nothing(r):
+    from kv_index.publisher import IndexFull
+    from kv_index.schema import MAX_SLOTS, slots_key
+
+    h = hash_prompt_blocks(list(range(64)), 16, b"fp")
+    pubs = [NodePublisher(r, node(f"n{i}"), lease_s=60) for i in range(MAX_SLOTS)]
+    for p in pubs:
+        p.register()
+    assert pubs[7].publish(stored=h)
+    late = NodePublisher(r, node("late"), lease_s=60)
+    with pytest.raises(IndexFull, match=r"late.*255"):
+        late.register()
+    assert r.hlen(slots_key("pdserve")) == MAX_SLOTS
+    slot = int(r.hget(slots_key("pdserve"), "n7"))
+    pubs[7].deregister()
+    late.register()  # n7's slot, none of n7's entries
+    assert int(r.hget(slots_key("pdserve"), "late")) == slot
+    assert blocks(IndexReader(r).match(h, ["late", "n7"])) == {"late": 0, "n7": 0}
+    assert late.publish(stored=h[:2])
+    assert blocks(IndexReader(r).match(h, ["late"])) == {"late": 2}

@@ -280,7 +280,7 @@ def test_a_restarted_node_republishes_its_disk_blocks_to_the_index(model_dir, tm
 
     import redis as redis_lib
 
-    from kv_index.schema import block_key, tier_bit
+    from kv_index.schema import node_holdings, tier_bit
     from tests.clusters import start_node
 
     earlier = make(model_dir, num_blocks=16, host_blocks=4, disk=tmp_path)
@@ -297,7 +297,8 @@ def test_a_restarted_node_republishes_its_disk_blocks_to_the_index(model_dir, tm
     try:
         deadline = time.monotonic() + 15
         while True:
-            masks = [r.hget(block_key(ns, h), "prefill-0") for h in hashes]
+            held = node_holdings(r, ns, "prefill-0")[2]
+            masks = [held.get(h) for h in hashes]
             if all(m is not None and int(m) & tier_bit(TIER_DISK) for m in masks):
                 break
             assert time.monotonic() < deadline, f"disk blocks not in the index: {masks}"

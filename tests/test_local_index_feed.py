@@ -15,7 +15,7 @@ from kv_index.event_feed import EventFeed
 from kv_index.nodes import NodeInfo
 from kv_index.publisher import NodePublisher
 from kv_index.reader import IndexReader
-from kv_index.schema import TIER_DEVICE, TIER_DISK, TIER_HOST, events_key, node_blocks_key
+from kv_index.schema import TIER_DEVICE, TIER_DISK, TIER_HOST, events_count_key, events_key, node_holdings
 from router.index_guard import GuardedLookup
 from tokens.block_hash import hash_prompt_blocks
 
@@ -39,8 +39,7 @@ def chain(seed: int, blocks: int, head: list[int] | None = None) -> list[int]:
 
 def durable(r, ns: str, nid: str) -> dict[int, int]:
     """What Redis holds for a node: hash -> tier mask."""
-    return {int(hx, 16): int(r.hget(f"{ns}:blk:{hx.decode()}", nid))
-            for hx in r.smembers(node_blocks_key(ns, nid))}
+    return node_holdings(r, ns, nid)[2]
 
 
 def assert_equal(feed: EventFeed, reader: IndexReader, r, ns: str, prompts, ids) -> None:
@@ -102,7 +101,7 @@ def test_a_trimmed_stream_makes_the_copy_resync_and_end_equal(r):
     feed.full_sync()
     a.publish(stored=chains[0])
     feed.step()
-    assert feed.applied == int(r.get(f"{ns}:kvevents:n"))
+    assert feed.applied == int(r.get(events_count_key(ns)))
     # Behind the stream by three batches, which are trimmed away, then one more arrives.
     a.publish(removed=chains[0][4:])
     b.publish(stored=chains[1])

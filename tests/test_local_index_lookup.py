@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kv_index.local_index import LocalIndex, parse_groups
+from kv_index.local_index import LocalIndex, encode_groups, parse_groups
 from kv_index.nodes import PrefixMatch
 from kv_index.schema import TIER_DEVICE, TIER_DISK, TIER_HOST
 from router.config import RouterConfig
@@ -96,10 +96,11 @@ def test_the_lookup_equals_the_walk_through_random_batches_runs_and_hints():
 
 
 def test_a_malformed_event_payload_is_refused():
-    assert parse_groups("+ 0 2 00000000000000ff 0000000000000001 - 1 1 10") == [
-        ("+", 0, [255, 1]), ("-", 1, [16])]
-    assert parse_groups("") == []
-    for bad in ("+ 0 3 ff ff", "* 0 1 ff", "+ 9 1 ff", "+ 0 1 zz"):
+    groups = [("+", 0, [255, 1, 2**64 - 1]), ("-", 1, [16])]
+    data = encode_groups(groups)
+    assert parse_groups(data) == groups
+    assert parse_groups(b"") == []
+    for bad in (data[:-1], b"*" + data[1:], data[:1] + b"9" + data[2:], data[:4]):
         with pytest.raises(ValueError):
             parse_groups(bad)
 

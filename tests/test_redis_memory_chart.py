@@ -12,7 +12,13 @@ import time
 import pytest
 import redis
 
-from deploy.redis_server import MAXMEMORY_POLICY, MAXMEMORY_SAMPLES, find_redis_server, free_port
+from deploy.redis_server import (
+    HASH_MAX_ZIPLIST_ENTRIES,
+    MAXMEMORY_POLICY,
+    MAXMEMORY_SAMPLES,
+    find_redis_server,
+    free_port,
+)
 from tests.test_helm_chart import helm_python, one, render
 
 
@@ -32,6 +38,7 @@ def test_the_charts_redis_evicts_only_the_index_under_its_limit(tmp_path):
     script = c["args"][0]
     assert f"--maxmemory-policy {MAXMEMORY_POLICY}" in script and f"--maxmemory-samples {MAXMEMORY_SAMPLES}" in script
     assert "--maxmemory 640mb" in script
+    assert f"--hash-max-ziplist-entries {HASH_MAX_ZIPLIST_ENTRIES}" in script  # the index's buckets stay flat
     assert 640 <= 0.7 * _quantity_mib(c["resources"]["limits"]["memory"])  # headroom past maxmemory
     assert "--maxmemory 300mb" in _redis_container({"redis": {"builtin": {"maxMemoryMiB": 300}}})["args"][0]
     with pytest.raises(helm_python.HelmValuesError):
@@ -56,6 +63,7 @@ def test_the_charts_redis_evicts_only_the_index_under_its_limit(tmp_path):
         got = r.config_get("maxmemory*")
         assert got["maxmemory"] == str(640 << 20) and got["maxmemory-policy"] == MAXMEMORY_POLICY
         assert got["maxmemory-samples"] == str(MAXMEMORY_SAMPLES)
+        assert r.config_get("hash-max-ziplist-entries")["hash-max-ziplist-entries"] == str(HASH_MAX_ZIPLIST_ENTRIES)
         r.close()
     finally:
         proc.terminate()

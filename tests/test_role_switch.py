@@ -22,7 +22,7 @@ import redis
 
 from engine.config import EngineConfig, SpeculativeConfig
 from kv_index.nodes import Role
-from kv_index.roles import RoleStore
+from kv_index.roles import RoleStore, desired_key
 from node.config import NodeConfig
 from node.role_switch import switch_refusal
 from tests.helpers import engine_config, prompt, wait_for
@@ -46,7 +46,7 @@ def test_role_store_round_trip(redis_url):
     assert RoleStore(r, "other-ns").all() == {}  # namespaced
     with pytest.raises(ValueError):
         store.request("decode-1", "both")  # refused, never stored
-    r.hset(f"{ns}:role:desired", "decode-2", "both")  # a newer writer's role: ignored, not a crash
+    r.hset(desired_key(ns), "decode-2", "both")  # a newer writer's role: ignored, not a crash
     assert store.desired("decode-2") is None and "decode-2" not in store.all()
     store.clear("prefill-0")
     assert store.desired("prefill-0") is None and store.reason("prefill-0") == ""

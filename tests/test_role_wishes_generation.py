@@ -32,7 +32,7 @@ from kv_index.nodes import NodeInfo, Role
 from kv_index.pool_targets import PoolTargets
 from kv_index.publisher import NodePublisher
 from kv_index.reader import IndexReader
-from kv_index.roles import RoleStore, decode_wish, desired_key, encode_wish, generation_and_time
+from kv_index.roles import RoleStore, decode_wish, desired_key, encode_wish, generation_and_time, switching_prefix
 from node.config import NodeConfig
 from node.role_switch import RoleSwitcher, held_unmovable, retry_delay
 from telemetry.role_switch_metrics import RoleSwitchMetrics
@@ -135,7 +135,7 @@ def test_a_wish_from_an_earlier_cluster_never_turns_the_only_decode_node(redis_u
     register(r, ns, "decode-1", D)
     assert wait_for(lambda: (decode0.poll(roles), decode0.server.role)[1] is P, 10, every=0.05)
     assert build.built == [P]
-    assert wait_for(lambda: r.exists(f"{ns}:role:switching:decode-0") == 0, 5)  # the claim released
+    assert wait_for(lambda: r.exists(switching_prefix(ns) + "decode-0") == 0, 5)  # the claim released
 
 
 def test_the_floor_is_one_script_two_nodes_leaving_the_last_pair_never_both_go(ns_redis):
