@@ -31,6 +31,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from kv_index.schema import tag
 from router.node_view import PrefillLedger
 from telemetry.log_limit import RateLimitedLog
 
@@ -40,11 +41,11 @@ NODE_PREFIX = "n:"
 
 
 def replicas_key(ns: str) -> str:
-    return f"{ns}:routers"
+    return f"{tag(ns)}:routers"
 
 
 def load_key(ns: str, replica_id: str) -> str:
-    return f"{ns}:routers:load:{replica_id}"
+    return f"{tag(ns)}:routers:load:{replica_id}"
 
 
 def new_replica_id() -> str:
