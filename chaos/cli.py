@@ -17,7 +17,7 @@ import time
 
 from chaos.context import Options
 from chaos.history import exit_code
-from chaos.scenarios import ORDER, run_scenario
+from chaos.scenarios import ORDER, SCENARIOS, fits, run_scenario
 from chaos.workload import RetryBudget
 
 
@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per request (EOS ignored)")
     p.add_argument("--prefill-nodes", type=int, default=1)
     p.add_argument("--decode-nodes", type=int, default=2)
+    p.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+                   help="the index on a Redis Cluster of N masters (a replica each) instead of one redis-server "
+                        "(the redis-shard-hang and redis-failover scenarios need it)")
     p.add_argument("--node-threads", type=int, default=1, help="torch threads per node")
     p.add_argument("--step-delay-s", type=float, default=0.0,
                    help="slow every engine step by this much in both runs, so that a fault lands mid-way "
@@ -74,6 +77,7 @@ def run(args: argparse.Namespace, engine) -> int:
 
     config = ClusterConfig(engine=engine, prefill_nodes=args.prefill_nodes, decode_nodes=args.decode_nodes,
                            grpc_port=0, http_port=0, dashboard_port=0, node_threads=args.node_threads,
+                           redis_cluster=args.redis_cluster,
                            namespace=f"chaos-{int(time.time())}")
     results: list[dict] = []
     try:
@@ -85,7 +89,8 @@ def run(args: argparse.Namespace, engine) -> int:
                                            concurrency=args.concurrency, progress=progress))
                 emit(results[-1])
                 return exit_code(results)
-            for i, name in enumerate(ORDER if args.scenario == "all" else (args.scenario,)):
+            names = [n for n in ORDER if fits(SCENARIOS[n], cluster)] if args.scenario == "all" else [args.scenario]
+            for i, name in enumerate(names):
                 if i and cluster.settle() is None:
                     progress("the cluster did not settle within 60 s after the last scenario; going on")
                 results.append(_one(cluster, name, opts, progress))

@@ -50,10 +50,36 @@ def _move_to_hosts(run: Run, hosts: dict) -> float | None:
     return took
 
 
+class _GcsWatch:
+    """Seconds from the kill until Ray's GCS lists the lost host dead (its health checks take
+    seconds), watched from a thread; None if not by ``stop()``."""
+
+    def __init__(self, host, since: float) -> None:
+        import threading
+
+        self.seen: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(host, since), name="chaos-gcs-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self, host, since: float) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                if not host.alive_in_gcs():
+                    self.seen = round(time.monotonic() - since, 3)
+                    return
+            except Exception:  # noqa: BLE001 - the GCS busy for a moment: look again
+                continue
+
+    def stop(self) -> float | None:
+        self._stop.set()
+        self._thread.join(5)
+        return self.seen
+
+
 def host_loss(run: Run) -> Outcome:
     """Every decode node on a host of its own; once the streams are under way, the host of the
     node serving the most of them dies."""
-    from chaos.cluster import wait_for
     from chaos.injectors import busiest
     from deploy.ray_hosts import JoinedRaylet, head_address
 
@@ -78,6 +104,7 @@ def host_loss(run: Run) -> Outcome:
         victim = busiest(cluster, "decode")
         lost = hosts[victim]
         at = lost.kill()
+        gcs = _GcsWatch(lost, at)  # Ray's own view of the loss, without holding the run up
         run.progress(f"host of {victim} lost: {len(lost.killed)} processes SIGKILLed (pid {pids[victim]} among them)")
         logs = batch.join()
     except BaseException:
@@ -91,7 +118,7 @@ def host_loss(run: Run) -> Outcome:
     for h in hosts.values():
         h.cleanup()
     back_s = max((_new_life(cluster, n, pids[n], t0, run.opts.restart_timeout_s) or float("inf")) for n in decoders)
-    gcs_dead_s = wait_for(lambda: not lost.alive_in_gcs(), at, 30.0, every_s=0.5)
+    gcs_dead_s = gcs.stop()
     return Outcome(logs, at, {"lost_host_node": victim, "moved_s": moved_s, "killed_processes": len(lost.killed),
                               "victim_pid_killed": pids[victim] in lost.killed, "gcs_marked_dead_s": gcs_dead_s,
                               "restart_s": None if back_s == float("inf") else back_s})

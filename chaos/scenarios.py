@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from chaos import faults, scenario_host, scenario_infra, scenario_nodes
+from chaos import faults, scenario_host, scenario_infra, scenario_nodes, scenario_rcluster
 from chaos.cluster import FirstIncrease
 from chaos.context import Options, Outcome, Run
 from chaos.history import Expect, Figure, checks, figures, problems, recovery_s
@@ -36,6 +36,7 @@ class Scenario:
     expect: Callable[[Options], tuple[Expect, ...]] = lambda o: ()
     needs_decode: int = 1  # decode nodes the scenario needs
     shape: Callable[[list], list] = lambda specs: specs  # the scenario's own changes to its requests
+    redis: str = "any"  # "single": needs one redis-server of its own; "cluster": a Redis Cluster (--redis-cluster)
 
 
 def _restarted(o: Options) -> tuple[Expect, ...]:
@@ -64,9 +65,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("freeze-prefill", scenario_nodes.freeze_prefill, fault_first=True,
              expect=lambda o: (*_detected(o), Expect("rejoined_s", "not_none"))),
     Scenario("partition", scenario_infra.partition, expect=_detected, needs_decode=2),
-    Scenario("redis-hang", scenario_infra.redis_hang,
+    Scenario("redis-hang", scenario_infra.redis_hang, redis="single",
              expect=lambda o: (Expect("detect_s", "not_none"), Expect("recovered_s", "not_none"))),
-    Scenario("redis-restart", scenario_infra.redis_restart,
+    Scenario("redis-restart", scenario_infra.redis_restart, redis="single",
              expect=lambda o: (Expect("reregistered_s", "not_none"), Expect("index_rebuilt_s", "not_none"))),
     Scenario("step-error", scenario_nodes.step_error, needs_decode=2,
              expect=lambda o: (Expect("detect_s", "not_none"), Expect("rejoined_s", "not_none"))),
@@ -92,13 +93,31 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     # reference then runs on the head, once every node is back there.
     Scenario("host-loss", scenario_host.host_loss, needs_decode=2, fault_first=True,
              expect=lambda o: (*_detected(o), Expect("victim_pid_killed", "==", True), *_restarted(o))),
+    Scenario("redis-shard-hang", scenario_rcluster.redis_shard_hang, redis="cluster",
+             expect=lambda o: (Expect("detect_s", "not_none"), Expect("recovered_s", "not_none"))),
+    Scenario("redis-failover", scenario_rcluster.redis_failover, redis="cluster",
+             expect=lambda o: (Expect("promoted_s", "not_none"), Expect("recovered_s", "not_none"),
+                               Expect("reregistered_s", "not_none"))),
 )}
 # `--scenario all` runs them in this order: the ones that restart nodes come after those that
 # need every node measured (slow-node first: both decode nodes have step times then).
 ORDER = ("slow-node", "corrupt-kv", "freeze-decode", "partition", "step-error", "kill-decode", "host-loss",
-         "freeze-prefill", "kill-prefill", "redis-hang", "redis-restart", "all-decode-down", "restart-router",
-         "restart-router-replicas")
+         "freeze-prefill", "kill-prefill", "redis-hang", "redis-restart", "redis-shard-hang", "redis-failover",
+         "all-decode-down", "restart-router", "restart-router-replicas")
 assert sorted(ORDER) == sorted(SCENARIOS)
+
+
+def on_redis_cluster(cluster) -> bool:
+    return cluster.redis is not None and hasattr(cluster.redis, "master_for")
+
+
+def fits(sc: Scenario, cluster) -> bool:
+    """Whether ``cluster``'s Redis is the kind the scenario faults (``--scenario all`` runs those)."""
+    if sc.redis == "cluster":
+        return on_redis_cluster(cluster)
+    if sc.redis == "single":
+        return cluster.redis is not None and not on_redis_cluster(cluster)
+    return True
 
 
 def run_scenario(cluster, name: str, opts: Options = Options(),
@@ -109,6 +128,8 @@ def run_scenario(cluster, name: str, opts: Options = Options(),
         raise ValueError(f"unknown scenario {name!r}; choose one of {', '.join(ORDER)}")
     if len(cluster.role_actors("decode")) < sc.needs_decode:
         raise ValueError(f"{name} needs at least {sc.needs_decode} decode nodes")
+    if not fits(sc, cluster):
+        raise ValueError(f"{name} needs {'a Redis Cluster (--redis-cluster N)' if sc.redis == 'cluster' else 'one redis-server of its own (no --redis-cluster, no --redis-url)'}")
     salt = f"{name}-{uuid.uuid4().hex[:8]}"
     run = Run(cluster, opts, sc.shape(make_specs(opts.requests, opts.max_tokens, salt, sc.http_every)), progress)
     if opts.step_delay_s:
