@@ -119,6 +119,8 @@ def host_loss(run: Run) -> Outcome:
         h.cleanup()
     back_s = max((_new_life(cluster, n, pids[n], t0, run.opts.restart_timeout_s) or float("inf")) for n in decoders)
     gcs_dead_s = gcs.stop()
+    # The next scenario starts where every scenario starts: every node registered and placed on.
+    cluster.settle()
     return Outcome(logs, at, {"lost_host_node": victim, "moved_s": moved_s, "killed_processes": len(lost.killed),
                               "victim_pid_killed": pids[victim] in lost.killed, "gcs_marked_dead_s": gcs_dead_s,
                               "restart_s": None if back_s == float("inf") else back_s})

@@ -71,6 +71,20 @@ def keepalive_channel_options() -> list[tuple[str, int]]:
     return keepalive_ping_options() + [("grpc.keepalive_permit_without_calls", 1)]
 
 
+# gRPC's reconnect back-off grows to 120 s by default (initial 1 s, x1.6): a node that was
+# down for ten seconds and came back at the same address (a Ray restart, a replaced host) had the
+# router's channel still backing off, failing calls there at once ("failed to connect to all
+# addresses") for seconds after the node served again. Inside a cluster a dead address asked
+# once a second is cheap.
+RECONNECT_INITIAL_MS, RECONNECT_MAX_MS = 250, 1000
+
+
+def reconnect_channel_options() -> list[tuple[str, int]]:
+    """A channel to a cluster member: reconnect attempts at most ``RECONNECT_MAX_MS`` apart."""
+    return [("grpc.initial_reconnect_backoff_ms", RECONNECT_INITIAL_MS),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS)]
+
+
 def keepalive_server_options(*, ping_clients: bool = False,
                              min_ping_interval_s: float = KEEPALIVE_TIME_S / 2) -> list[tuple[str, int]]:
     """A server's side: accept the channels' pings. gRPC servers answer a client that pings

@@ -31,7 +31,7 @@ from typing import TypeVar
 
 import grpc
 
-from protos.conventions import grpc_options, keepalive_channel_options
+from protos.conventions import grpc_options, keepalive_channel_options, reconnect_channel_options
 from protos.pdserve.v1 import kv_pb2, kv_pb2_grpc
 from protos.pdserve.v1 import serving_pb2 as pb
 from router.config import RouterConfig
@@ -173,7 +173,8 @@ class NodeClient:
             # Mutual TLS when the config has TLS; keepalive so a frozen node fails its calls
             # within seconds (protos/conventions.py).
             entry = self._channels[address] = _Channel(aio_channel(
-                address, self.config.tls, grpc_options(self.config.max_message_bytes) + keepalive_channel_options()))
+                address, self.config.tls, grpc_options(self.config.max_message_bytes) + keepalive_channel_options()
+                + reconnect_channel_options()))
         entry.calls += 1
         entry.used = now
         return entry.channel

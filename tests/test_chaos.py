@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
 import signal
 import socket
@@ -317,9 +318,12 @@ def test_corrupt_kv_on_every_transport(cluster):
     assert min(result["damaged_shm"], result["damaged_tcp"], result["damaged_grpc"]) >= 1, result
 
 
+@pytest.mark.skipif(not os.environ.get("PDSERVE_HOST_LOSS_E2E"), reason=(
+    "opt-in (PDSERVE_HOST_LOSS_E2E=1, about 30 s): CI's 20 minutes; tests/test_host_loss.py kills a real "
+    "setsid process tree in CI, and `pdserve chaos --scenario host-loss` runs it on SmolLM2"))
 def test_host_loss(cluster):
-    """A second raylet joins the cluster's Ray as another host; a decode node moves onto it and the
-    whole host (raylet, agents, the node's worker) is SIGKILLed mid-stream."""
+    """A raylet per decode node joins the cluster's Ray as another host; the busiest node's host
+    (raylet, agents, the node's worker) is SIGKILLed mid-stream."""
     result = run_scenario(cluster, "host-loss", Options(**SUITE))
     check(result, "host-loss")
     assert result["requests"] == result["completed"] and result["killed_processes"] >= 2, result
