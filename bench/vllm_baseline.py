@@ -87,6 +87,7 @@ def run_vllm_side(python: str, model_dir: Path, modes: list[str], reqs, warm, en
     greedy comparison, batch-1 tokens/s of both sides, vLLM's load times)."""
     import time
 
+    from bench.engine_throughput import _check_lengths as check_lengths
     from tokens.sampling_params import SamplingParams
 
     checks = check_prompt_ids(model_dir)
@@ -104,10 +105,7 @@ def run_vllm_side(python: str, model_dir: Path, modes: list[str], reqs, warm, en
     seconds, extra = {}, {"vllm_load_s": {}, "greedy_check": {}}
     for mode in modes:
         out = run_peer(python, model_dir, {**spec, "mode": mode}, args.threads_used, args.kv_cache_bytes, report)
-        bad = [(i, n, o) for i, (n, (_, o)) in enumerate(zip(out["lengths"], reqs)) if n != o]
-        if bad:
-            raise RuntimeError(f"vLLM {mode} produced the wrong number of tokens for {len(bad)} request(s), e.g. "
-                               f"request {bad[0][0]}: {bad[0][1]} instead of {bad[0][2]}")
+        check_lengths(f"vLLM {mode}", out["lengths"], reqs)
         seconds[f"vllm_{mode}"] = out["seconds"]
         extra["vllm_load_s"][mode] = round(out["load_s"], 1)
         extra["greedy_check"][mode] = compare_greedy(ours, out["check_ids"])

@@ -195,17 +195,13 @@ class LocalCluster:
         self.dashboard_url = f"http://{ctx.dashboard_url}" if ctx.dashboard_url else None
 
     def _spawn_nodes(self, template: NodeTemplate, cores: list[int]) -> None:
-        from node.actor import spawn_node
-
         cfg = self.config
         for role, count in ((Role.PREFILL, cfg.prefill_nodes), (Role.DECODE, cfg.decode_nodes)):
             for i in range(count):
                 node = replace(template.config(
                     role, i, cpu_affinity=(cores[len(self.actors) % len(cores)],) if cfg.pin_cores else None),
                     **self.node_fields.get(node_id(role, i), {}))
-                # Nodes ask for no CPU slot: on a small machine the pools, not cores, place them.
-                self.actors[node.node_id] = spawn_node(node, server_builder(role, template.engine.backend), num_cpus=0)
-                self.node_configs[node.node_id] = node
+                self._spawn(node)
 
     def respawn(self, nid: str, extra_resources: Mapping[str, float] | None = None):
         """End node ``nid``'s actor for good and start it again with the same config, asking
@@ -213,14 +209,17 @@ class LocalCluster:
         Returns the new handle; the caller waits for it to register."""
         import ray
 
+        ray.kill(self.actors.pop(nid), no_restart=True)
+        return self._spawn(self.node_configs[nid], extra_resources)
+
+    def _spawn(self, node, extra_resources: Mapping[str, float] | None = None):
         from node.actor import spawn_node
 
-        old = self.actors.pop(nid)
-        ray.kill(old, no_restart=True)
-        node = self.node_configs[nid]
-        self.actors[nid] = spawn_node(node, server_builder(node.role, node.engine.backend), num_cpus=0,
-                                      extra_resources=dict(extra_resources or {}))
-        return self.actors[nid]
+        # Nodes ask for no CPU slot: on a small machine the pools, not cores, place them.
+        self.actors[node.node_id] = spawn_node(node, server_builder(node.role, node.engine.backend), num_cpus=0,
+                                               extra_resources=dict(extra_resources or {}))
+        self.node_configs[node.node_id] = node
+        return self.actors[node.node_id]
 
     def _forget_node_health(self) -> None:
         """A new cluster: failures that nodes of an earlier one recorded under this namespace
